@@ -1,0 +1,158 @@
+"""Finding the sharded attributes of a module tree, fast when nothing changed since the last call.
+
+A *site* is one sharded attribute: a ``DTensor`` or ``ShardedTensor`` held in a module's ``__dict__``
+(not in ``_parameters``, ``_buffers`` or ``_modules``). The hooks need the sites of the whole tree at
+every ``state_dict()`` and ``load_state_dict()`` call, because attributes may be set at any time (in
+``configure_model``, say).
+
+A plain walk (``named_modules()`` and every value of every ``__dict__``) costs as much as
+``state_dict()`` itself on a model of many small modules. :class:`SiteIndex` instead remembers the
+last walk and proves it still holds with a few C-level passes over the same modules:
+
+- the same modules, each ``__dict__`` of the same length (catches attributes added or deleted) and
+  the same children in ``_modules`` (catches submodules added, replaced or removed);
+- the same *type* for every non-standard ``__dict__`` entry (catches ``self.table = None`` later
+  becoming ``self.table = distribute_tensor(...)``, and the reverse).
+
+Only when one of these differs is the tree walked again. The walk stops at a submodule that carries
+its own registration (:data:`MARKER`): that submodule's hooks report its sites.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+from torch import nn
+
+from lightning_sharded.tensors import adapter_for
+
+#: Set in the ``__dict__`` of every module whose hooks this library registered.
+MARKER = "_lightning_sharded_hooks"
+
+# Every nn.Module has these entries in its __dict__; none of them can hold a sharded attribute.
+_STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
+
+_modules_of = operator.itemgetter("_modules")
+_call: Callable[..., Any] = getattr(operator, "call", lambda fn, arg: fn(arg))  # operator.call: 3.11+
+# A getter for a module without extra entries: returns a constant-typed tuple, keeps the pass uniform.
+_NO_EXTRAS = operator.itemgetter("training", "training")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One sharded attribute: ``module.<name>``, found at dotted ``path`` ("" or "a.b.") under the root."""
+
+    path: str
+    module: nn.Module
+    name: str
+
+    @property
+    def key(self) -> str:
+        """The state-dict key relative to the root, as a parameter at this place would have."""
+        return self.path + self.name
+
+    @property
+    def value(self) -> Any:
+        return self.module.__dict__[self.name]
+
+
+@dataclass
+class _Snapshot:
+    modules: list[nn.Module]
+    lengths: list[int]
+    children: list[Any]
+    getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]]
+    types: list[type]
+    sites: tuple[Site, ...]
+
+
+class SiteIndex:
+    """Finds the :class:`Site` s of a tree rooted at one module; cached between calls.
+
+    The cache holds references to modules; the hooks that own an index never copy or pickle it.
+    """
+
+    def __init__(self) -> None:
+        self._snapshot: _Snapshot | None = None
+
+    def find(self, root: nn.Module) -> tuple[Site, ...]:
+        """The sites of ``root``'s tree, in a deterministic depth-first order (the same on every rank)."""
+        snap = self._snapshot
+        if snap is not None and snap.modules[0] is root and self._still_valid(snap):
+            return snap.sites
+        snap = self._walk(root)
+        self._snapshot = snap
+        return snap.sites
+
+    @staticmethod
+    def _still_valid(snap: _Snapshot) -> bool:
+        dicts = list(map(vars, snap.modules))
+        if list(map(len, dicts)) != snap.lengths:
+            return False
+        # `==` on lists of modules compares identities first, so this costs no Python-level __eq__.
+        if list(chain.from_iterable(map(dict.values, map(_modules_of, dicts)))) != snap.children:
+            return False
+        try:
+            types = list(map(type, chain.from_iterable(map(_call, snap.getters, dicts))))
+        except KeyError:  # an extra entry was deleted (and another added: the length is the same)
+            return False
+        return types == snap.types
+
+    @staticmethod
+    def _walk(root: nn.Module) -> _Snapshot:
+        modules: list[nn.Module] = []
+        getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]] = []
+        sites: list[Site] = []
+        for path, module in _walk_unregistered(root):
+            modules.append(module)
+            extras = [k for k in vars(module) if k not in _STANDARD_KEYS]
+            getters.append(operator.itemgetter(*extras, extras[0]) if extras else _NO_EXTRAS)
+            for name in extras:
+                if adapter_for(module.__dict__[name]) is not None:
+                    sites.append(Site(path, module, name))
+        dicts = list(map(vars, modules))
+        return _Snapshot(
+            modules=modules,
+            lengths=list(map(len, dicts)),
+            children=list(chain.from_iterable(map(dict.values, map(_modules_of, dicts)))),
+            getters=getters,
+            types=list(map(type, chain.from_iterable(map(_call, getters, dicts)))),
+            sites=tuple(sites),
+        )
+
+
+def _walk_unregistered(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(path, module)`` depth-first from ``root``, not entering submodules with their own registration.
+
+    Like ``state_dict()`` (and unlike ``named_modules()``), a module reachable by two paths is visited
+    under both, since ``state_dict()`` stores its state under both keys.
+    """
+    stack: list[tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        yield path, module
+        children = [
+            (f"{path}{name}.", child)
+            for name, child in module._modules.items()
+            if child is not None and MARKER not in vars(child)
+        ]
+        stack.extend(reversed(children))
+
+
+def resolve(root: nn.Module, relative_key: str) -> tuple[nn.Module, str] | None:
+    """The module and attribute name that ``relative_key`` ("a.b.name") denotes under ``root``.
+
+    ``None`` if the path leaves the tree or passes through a submodule with its own registration.
+    """
+    *path, name = relative_key.split(".")
+    module = root
+    for part in path:
+        child = module._modules.get(part)
+        if child is None or MARKER in vars(child):
+            return None
+        module = child
+    return module, name

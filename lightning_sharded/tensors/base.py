@@ -1,0 +1,70 @@
+"""The protocol every sharded-tensor adapter implements.
+
+An adapter knows one kind of sharded value (``DTensor``, the legacy ``ShardedTensor``) and answers the
+few questions the hooks and the checkpoint code ask about it. Adding a kind is adding a module with an
+adapter and listing it in :mod:`lightning_sharded.tensors`; nothing else switches on the kind.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ShardedAdapter(Protocol):
+    """What the library needs to know about one kind of sharded tensor."""
+
+    #: A short human-readable name, used in messages ("DTensor", "ShardedTensor").
+    name: str
+
+    def types(self) -> tuple[type, ...]:
+        """The classes of this kind that currently exist (empty if the kind is not importable/loaded)."""
+        ...
+
+    def is_sharded(self, value: Any) -> bool:
+        """Whether ``value`` is of this kind."""
+        ...
+
+    def global_shape(self, value: Any) -> torch.Size:
+        """The shape of the whole (unsharded) tensor."""
+        ...
+
+    def dtype(self, value: Any) -> torch.dtype:
+        """The element type."""
+        ...
+
+    def detach(self, value: Any) -> Any:
+        """``value`` without autograd history, as ``state_dict(keep_vars=False)`` returns tensors."""
+        ...
+
+    def same_layout(self, target: Any, source: Any) -> bool:
+        """Whether ``source`` is sharded exactly like ``target`` so local shards can be copied directly."""
+        ...
+
+    def copy_into(self, target: Any, source: Any) -> None:
+        """Copy ``source`` into ``target`` in place, resharding as needed.
+
+        ``source`` is a value of any sharded kind or a full ``torch.Tensor`` holding the global value
+        (identical on every rank). The global shape and dtype must already have been checked.
+        Collective when ``source`` is sharded with another layout: every rank of ``target``'s group
+        must call it, in the same order.
+        """
+        ...
+
+    def to_full(self, value: Any) -> torch.Tensor:
+        """Gather the whole tensor on every rank (collective for distributed values)."""
+        ...
+
+
+def full_if_sharded(source: Any) -> torch.Tensor:
+    """``source`` as a global tensor: gathered if it is sharded (of any kind), as it is otherwise."""
+    from lightning_sharded.tensors import adapter_for
+
+    adapter = adapter_for(source)
+    if adapter is not None:
+        return adapter.to_full(source)
+    if not isinstance(source, torch.Tensor):
+        raise TypeError(f"Expected a tensor to load into a sharded attribute, got {type(source).__name__}")
+    return source

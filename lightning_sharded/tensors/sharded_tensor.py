@@ -1,0 +1,92 @@
+"""Adapter for the legacy ``torch.distributed._shard.sharded_tensor.ShardedTensor``.
+
+The module is imported lazily: importing it emits a deprecation ``FutureWarning`` and a future torch may
+remove it. A ``ShardedTensor`` cannot exist before its module was imported, so until then this adapter
+reports no types and matches nothing, without importing anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_sharded.tensors.base import full_if_sharded
+
+_MODULE = "torch.distributed._shard.sharded_tensor.api"
+
+
+def _sharded_tensor_type() -> type | None:
+    module = sys.modules.get(_MODULE)
+    return getattr(module, "ShardedTensor", None) if module is not None else None
+
+
+class ShardedTensorAdapter:
+    """Answers the :class:`~lightning_sharded.tensors.base.ShardedAdapter` questions for ``ShardedTensor``."""
+
+    name = "ShardedTensor"
+
+    def types(self) -> tuple[type, ...]:
+        cls = _sharded_tensor_type()
+        return (cls,) if cls is not None else ()
+
+    def is_sharded(self, value: Any) -> bool:
+        cls = _sharded_tensor_type()
+        return cls is not None and isinstance(value, cls)
+
+    def global_shape(self, value: Any) -> torch.Size:
+        return value.size()  # type: ignore[no-any-return]
+
+    def dtype(self, value: Any) -> torch.dtype:
+        return value.metadata().tensor_properties.dtype  # type: ignore[no-any-return]
+
+    def detach(self, value: Any) -> Any:
+        # ShardedTensor has no autograd support, so there is no history to drop; torch's own
+        # state-dict hook stores it as it is.
+        return value
+
+    def same_layout(self, target: Any, source: Any) -> bool:
+        if not self.is_sharded(source):
+            return False
+        return _layout(target) == _layout(source)
+
+    def copy_into(self, target: Any, source: Any) -> None:
+        with torch.no_grad():
+            if self.same_layout(target, source):
+                for dst, src in zip(target.local_shards(), source.local_shards(), strict=True):
+                    dst.tensor.copy_(src.tensor)
+                return
+            source = full_if_sharded(source)
+            for shard in target.local_shards():
+                index = _index(shard.metadata)
+                shard.tensor.copy_(source[index].to(device=shard.tensor.device))
+
+    def to_full(self, value: Any) -> torch.Tensor:
+        meta = value.metadata()
+        device = value.local_shards()[0].tensor.device if value.local_shards() else torch.device("cpu")
+        full = torch.zeros(value.size(), dtype=meta.tensor_properties.dtype, device=device)
+        for shard in value.local_shards():
+            full[_index(shard.metadata)] = shard.tensor
+        group = value._process_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1 and full.numel() > 0:
+            # Chunk shards never overlap: every byte is written by exactly one rank and is zero
+            # elsewhere, so a byte-wise sum is exact for every dtype (gloo has no bf16 sum).
+            flat = full.reshape(-1).view(torch.uint8)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return full
+
+
+def _index(shard_metadata: Any) -> tuple[slice, ...]:
+    return tuple(
+        slice(offset, offset + size)
+        for offset, size in zip(shard_metadata.shard_offsets, shard_metadata.shard_sizes, strict=True)
+    )
+
+
+def _layout(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+    return [
+        (tuple(m.shard_offsets), tuple(m.shard_sizes), str(m.placement))
+        for m in value.metadata().shards_metadata
+    ]

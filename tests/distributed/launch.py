@@ -1,0 +1,97 @@
+"""Start the ranks of a multi-process scenario as real processes, as torchrun would.
+
+Each rank is ``python SCRIPT ARGS...`` with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``
+(loopback) and ``MASTER_PORT`` (a free port, new for every launch) set, so ``init_process_group("gloo")``
+works and Lightning uses this environment instead of relaunching ``sys.argv``. Scenario scripts report
+results through files in a folder the test gives them; a rank that fails, hangs past the timeout or
+exits non-zero fails the test with every rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("PL_TRAINER_GPUS", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run_ranks(
+    script: str | Path,
+    world_size: int,
+    *args: str,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> list[str]:
+    """Run ``script`` once per rank and wait for all of them; returns each rank's combined output.
+
+    Raises:
+        AssertionError: a rank exited non-zero or the ranks did not finish within ``timeout`` seconds
+            (all ranks are then killed); the message holds every rank's output.
+    """
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=rank_env(rank, world_size, port, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    timed_out = False
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        outputs.append(out)
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if timed_out or failed:
+        report = "\n".join(
+            f"----- rank {rank} (exit {procs[rank].returncode}) -----\n{out[-6000:]}"
+            for rank, out in enumerate(outputs)
+        )
+        reason = f"timed out after {timeout:.0f}s" if timed_out else f"ranks {failed} failed"
+        raise AssertionError(f"{Path(script).name} x{world_size} {reason}:\n{report}")
+    return outputs
