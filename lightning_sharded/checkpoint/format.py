@@ -159,6 +159,7 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
             f"Could not read the DCP index {str(path / DCP_METADATA_FILENAME)!r}: {ex!r}. The file is"
             " truncated or corrupt; resume from an earlier checkpoint."
         ) from ex
+    _check_shard_files(path, metadata)
     entries: dict[str, tuple[int, ...] | None] = {}
     for key, item in metadata.state_dict_metadata.items():
         entries[key] = tuple(item.size) if isinstance(item, TensorStorageMetadata) else None
@@ -192,6 +193,28 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
         optimizer_count=len(indices),
         entries=entries,
     )
+
+
+def _check_shard_files(path: Path, metadata: Any) -> None:
+    """Every shard file the DCP index names exists and is long enough for the pieces it holds."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
+    problems = []
+    for relative in sorted(needed):
+        file = path / relative
+        if not file.is_file():
+            problems.append(f"{relative!r} is missing")
+        elif (size := file.stat().st_size) < needed[relative]:
+            problems.append(f"{relative!r} has {size} bytes, its index needs at least {needed[relative]}")
+    if problems:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(path)!r} is incomplete: " + "; ".join(problems) + ". The files were"
+            " truncated or removed after the save; resume from an earlier checkpoint."
+        )
 
 
 def summarize_keys(keys: list[str], limit: int = 10) -> str:

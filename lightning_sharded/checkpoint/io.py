@@ -282,7 +282,8 @@ def _restore_sharded(
     path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
 ) -> Restored:
     layout = read_sharded_layout(path)
-    _check_optimizer_count(path, len(optimizers), layout.optimizer_count)
+    if optimizers:
+        _check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
     report = KeyReport(list(target), list(layout.model_entries))
     _check_keys(path, report, strict)
@@ -535,7 +536,11 @@ def _run_dcp(call: Any, what: str) -> None:
         call()
     except CheckpointException as ex:
         failures = getattr(ex, "failures", {}) or {}
-        detail = "; ".join(f"rank {rank}: {failure!r}" for rank, failure in sorted(failures.items()))
+        detail = "; ".join(
+            # DCP wraps each failure as (exception, stack summary)
+            f"rank {rank}: {failure[0] if isinstance(failure, tuple) else failure!r}"
+            for rank, failure in sorted(failures.items())
+        )
         raise CheckpointError(
             f"{what} failed on rank(s) {sorted(failures)}: {detail or ex!r}. Check that the directory is"
             " complete and readable (every *.distcp file its .metadata names) and that there is disk space."

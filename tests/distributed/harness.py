@@ -1,7 +1,14 @@
-"""Runs the scenario script once per distinct configuration and compares gathered full values."""
+"""Batched launches of ``scenario_resume.py`` and exact comparisons of the values they gather.
+
+Starting a rank costs seconds (importing Lightning), a job in a running rank well under one. So a
+:class:`Batch` collects jobs (fits, resumes, evaluations, error cases) per world size and runs each
+world size's jobs in one launch, in order; every job writes its own result file, a failing job
+writes its traceback and the next one runs.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,55 +19,57 @@ from tests.distributed.launch import run_ranks
 SCENARIO = Path(__file__).with_name("scenario_resume.py")
 
 
-class Runs:
-    """Launches of ``scenario_resume.py``, cached by their arguments for the whole test session.
-
-    ``fit(name, world, *flags)`` trains and saves ``<root>/<name>`` once; ``resume`` and the other
-    phases always run. Results come back as the dicts the scenario wrote.
-    """
+class Batch:
+    """Jobs to run, grouped by world size; :meth:`run` launches each group once."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._fits: dict[str, dict[str, Any]] = {}
+        self.jobs: dict[int, list[list[str]]] = {}
+        self.outs: dict[str, Path] = {}
 
-    def ckpt(self, name: str) -> Path:
-        return self.root / name
+    def add(self, name: str, world: int, phase: str, *flags: str) -> None:
+        out = self.root / f"{name.replace('/', '_')}.result.pt"
+        self.outs[name] = out
+        self.jobs.setdefault(world, []).append([phase, "--out", str(out), *flags])
 
-    def fit(self, name: str, world: int, *flags: str, timeout: float = 120) -> dict[str, Any]:
-        if name not in self._fits:
-            out = self.root / f"{name}.saved.pt"
-            run_ranks(
-                SCENARIO,
-                world,
-                "fit",
-                "--ckpt",
-                str(self.ckpt(name)),
-                "--out",
-                str(out),
-                *flags,
-                timeout=timeout,
-            )
-            self._fits[name] = torch.load(out, weights_only=False)
-        return self._fits[name]
-
-    def run(self, phase: str, world: int, name: str, *flags: str, timeout: float = 120) -> Any:
-        out = self.root / f"{name}.{phase}.{world}.{abs(hash(flags))}.pt"
-        args = ["--out", str(out), *flags]
-        if phase != "errors":
-            args = ["--ckpt", str(self.ckpt(name)), *args]
-        run_ranks(SCENARIO, world, phase, *args, timeout=timeout)
-        return torch.load(out, weights_only=False)
+    def run(self, timeout: float = 300) -> None:
+        for world, jobs in sorted(self.jobs.items(), reverse=True):
+            jobs_file = self.root / f"jobs-{world}-{len(self.outs)}.pt"
+            torch.save(jobs, jobs_file)
+            run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout)
+        self.jobs = {}
 
 
-def assert_same(saved: dict[str, Any], restored: dict[str, Any], keys: list[str] | None = None) -> None:
-    """Every tensor of ``saved`` (or the given keys) equals the restored one exactly; the step too."""
-    keys = sorted(k for k in saved if k != "global_step") if keys is None else keys
+class Results:
+    """The result of every job by name; a job that failed or never ran fails the test that reads it."""
+
+    def __init__(self, outs: dict[str, Path]) -> None:
+        self.outs = outs
+
+    def __getitem__(self, name: str) -> Any:
+        out = self.outs[name]
+        assert out.is_file(), f"job {name!r} wrote no result (it did not run, or rank 0 died)"
+        result = torch.load(out, weights_only=False)
+        if isinstance(result, dict) and "failed" in result:
+            raise AssertionError(f"job {name!r} failed:\n{result['failed']}")
+        return result
+
+
+def assert_same(
+    saved: dict[str, Any], restored: dict[str, Any], keys: Sequence[str] | None = None, step: bool = True
+) -> None:
+    """Every model and optimizer value of ``saved`` (or the given keys) equals the restored one exactly.
+
+    With ``step``, the restored global step too (the loops are restored only when fitting).
+    """
+    keys = model_keys(saved) + optimizer_keys(saved) if keys is None else list(keys)
     assert keys, "nothing to compare"
     missing = [k for k in keys if k not in restored]
     assert not missing, f"not restored: {missing}"
     differ = [k for k in keys if not torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(restored[k]))]
     assert not differ, f"restored values differ from the saved ones for {differ}"
-    assert restored["global_step"] == saved["global_step"]
+    if step:
+        assert restored["global_step"] == saved["global_step"]
 
 
 def model_keys(values: dict[str, Any]) -> list[str]:

@@ -31,10 +31,17 @@ class ShardedModel(L.LightningModule):
         shard_layers: apply ``fully_shard`` to the layers in ``configure_model`` when a device mesh is
             available (ModelParallel scenarios without a policy).
         table: add the DTensor table (needs a process group).
+        hidden: width of the hidden layer (another width makes a checkpoint not fit).
+        extra: add a buffer ``extra`` that no checkpoint has.
     """
 
     def __init__(
-        self, sharded_tensor: bool = False, shard_layers: bool = True, table: bool = True, hidden: int = 16
+        self,
+        sharded_tensor: bool = False,
+        shard_layers: bool = True,
+        table: bool = True,
+        hidden: int = 16,
+        extra: bool = False,
     ) -> None:
         super().__init__()
         self.sharded_tensor = sharded_tensor
@@ -43,6 +50,8 @@ class ShardedModel(L.LightningModule):
         torch.manual_seed(0)
         self.layer1 = nn.Linear(DIM, hidden)
         self.layer2 = nn.Linear(hidden, 4)
+        if extra:
+            self.register_buffer("extra", torch.full((2,), 7.0))
         self.table: Any = None
         self.cache: Any = None
 

@@ -40,6 +40,10 @@ from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy 
 from lightning_sharded.hooks import register_sharded_state_hooks  # noqa: E402
 from tests.distributed.models import ShardedModel, TwoOptimizerModel  # noqa: E402
 
+# Read once: Lightning's environment deletes WORLD_SIZE from os.environ when a Trainer tears down.
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+
 
 class StockCpuFSDP(FSDPStrategy):
     """Stock FSDPStrategy, saving and loading unchanged; only the model wrapping gets a CPU device id."""
@@ -77,6 +81,7 @@ def make_model(args: argparse.Namespace) -> ShardedModel:
         "table": not args.no_table,
         "shard_layers": args.strategy in ("mp", "stock-mp") and not args.policy,
         "hidden": args.hidden,
+        "extra": args.extra,
     }
     model = TwoOptimizerModel(**kwargs) if args.model == "two-optimizers" else ShardedModel(**kwargs)
     if args.strategy.startswith("stock"):
@@ -105,6 +110,9 @@ def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
                 for entry, value in state.items():
                     values[f"opt{index}.{names[pid]}.{entry}"] = torch.as_tensor(value).clone()
         return values
+    from torch.distributed.tensor import DTensor
+
+    values["info.layers_are_dtensors"] = isinstance(model.layer1.weight, DTensor)
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     for key, value in get_model_state_dict(root, options=options).items():
         if key.startswith("layer"):
@@ -128,15 +136,20 @@ def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
 
 
 class Capture(L.Callback):
-    def __init__(self, out: Path) -> None:
+    """Gathers the values right after the restore (before any step); writes them to ``out`` if given."""
+
+    def __init__(self, out: Path | None) -> None:
         self.out = out
+        self.values: dict[str, Any] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
-        write(self.out, full_values(trainer, pl_module))
+        self.values = full_values(trainer, pl_module)
+        if self.out is not None:
+            write(self.out, self.values)
 
 
 def write(out: Path, values: dict[str, Any]) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
+    if RANK == 0:
         torch.save(values, out)
 
 
@@ -144,8 +157,9 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, common: dict[str, A
     """One expected-error (or non-strict) case of the ``errors`` phase; returns what happened."""
     case_args = argparse.Namespace(**{**vars(args), **case.get("args", {})})
     model = make_model(case_args)
-    common = {**common, "strategy": make_strategy(case_args, int(os.environ.get("WORLD_SIZE", "1")))}
-    trainer = L.Trainer(max_steps=args.steps + 1, limit_val_batches=0, **common)
+    common = {**common, "strategy": make_strategy(case_args, WORLD)}
+    capture = Capture(None)
+    trainer = L.Trainer(max_steps=args.steps + 1, limit_val_batches=0, callbacks=[capture], **common)
     try:
         trainer.fit(model, ckpt_path=case["ckpt"])
     except BaseException as ex:  # record exactly what escaped, BaseException included
@@ -155,10 +169,10 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, common: dict[str, A
             "message": str(ex),
             "traceback": traceback.format_exc(),
         }
-    return {"type": None, "values": full_values(trainer, model)}
+    return {"type": None, "values": capture.values}
 
 
-def main() -> None:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["fit", "resume", "evaluate", "errors"])
     parser.add_argument("--strategy", required=True)
@@ -171,12 +185,18 @@ def main() -> None:
     parser.add_argument("--policy", action="store_true")
     parser.add_argument("--non-strict", action="store_true")
     parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--extra", action="store_true", help="a buffer no checkpoint has")
     parser.add_argument("--model", default="plain")
     parser.add_argument("--top-k", type=Path, help="fit with ModelCheckpoint(save_top_k=2) into this folder")
     parser.add_argument("--cases", type=Path, help="errors phase: a torch.save'd list of case dicts")
     parser.add_argument("--accelerator", default="cpu")
-    args = parser.parse_args()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return parser
+
+
+def run_job(argv: list[str]) -> None:
+    """One fit, resume, evaluate or errors job, as its own Trainer(s) in this process group."""
+    args = make_parser().parse_args(argv)
+    world = WORLD
 
     common: dict[str, Any] = {
         "accelerator": args.accelerator,
@@ -223,8 +243,26 @@ def main() -> None:
         write(args.out, {case["name"]: run_case(case, args, common) for case in cases})
 
 
+def main(argv: list[str]) -> None:
+    """``batch JOBS_FILE`` runs every job of a torch.save'd list of argv lists; else one job.
+
+    In a batch, a job that raises writes ``{"failed": traceback}`` to its ``--out`` and the next job runs.
+    """
+    if argv[:1] != ["batch"]:
+        run_job(argv)
+        return
+    for job in torch.load(argv[1], weights_only=False):
+        try:
+            run_job(job)
+        except BaseException:
+            out = Path(job[job.index("--out") + 1])
+            write(out, {"failed": traceback.format_exc()})
+            if dist.is_initialized():
+                dist.barrier()
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.harness import Runs
+from tests.strategies.plan import Session
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Launches of the multi-process scenario, each fit run once for the whole session."""
-    return Runs(Path(tmp_path_factory.mktemp("strategies")))
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Session:
+    """Every multi-process fit, resume and error case of the strategy tests, run once per session."""
+    return Session(Path(tmp_path_factory.mktemp("strategies")))
