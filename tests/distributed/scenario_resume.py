@@ -116,15 +116,14 @@ def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     for key, value in get_model_state_dict(root, options=options).items():
         if key.startswith("layer"):
-            values[f"model.{key}"] = value
+            values[f"model.{key}"] = value.clone()  # in one process it can be the live tensor
     if model.table is not None:
-        values["model.table"] = (
-            model.table.full_tensor() if hasattr(model.table, "full_tensor") else model.table
-        )
+        table = model.table.full_tensor() if hasattr(model.table, "full_tensor") else model.table
+        values["model.table"] = table.clone()
     if model.cache is not None:
         from lightning_sharded.tensors import to_full
 
-        values["model.cache"] = to_full(model.cache)
+        values["model.cache"] = to_full(model.cache).clone()
     for index, opt in enumerate(trainer.optimizers):
         state = get_optimizer_state_dict(root, opt, options=options)
         for name, entries in state.get("state", {}).items():
