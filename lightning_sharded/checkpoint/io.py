@@ -22,13 +22,12 @@ does not fit fails without touching the model, and no load ever writes to the ch
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -118,46 +117,65 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 def write_sharded_checkpoint(
     path: Path, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
 ) -> None:
-    """Write a sharded checkpoint directory at ``path``: DCP shards and index, then ``meta.pt``.
+    """Write a sharded checkpoint directory at ``path`` atomically: DCP shards and index, ``meta.pt``.
 
     Collective: every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``). A file at ``path`` is replaced by the directory. ``metadata`` (the rest of the
-    Lightning checkpoint) is written by rank 0, last.
+    and ``"optimizer_0"``); ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
+    Everything goes into a staging directory next to ``path``, which
+    :func:`~lightning_sharded.checkpoint.atomic.commit_directory` checksums, fsyncs, describes in a
+    manifest and publishes by rename: a crash at any moment leaves the previous checkpoint at ``path``
+    or the new one, complete.
 
     Raises:
-        CheckpointError: DCP failed on some rank; the message names the ranks and their errors.
+        IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint (it would be
+            replaced as a whole).
+        CheckpointError: the save failed on some rank; the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    if rank == 0 and path.is_file():
-        path.unlink()
-    _barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    _run_dcp(lambda: save(state, checkpoint_id=path), f"Saving the sharded checkpoint to {str(path)!r}")
-    if rank == 0:
-        torch.save(metadata, path / META_FILENAME)
-    _barrier()
+    from lightning_sharded.checkpoint.atomic import commit_directory
+
+    _refuse_foreign_directory(path)
+
+    def write(staging: Path) -> None:
+        _run_dcp(
+            lambda: save(state, checkpoint_id=staging), f"Saving the sharded checkpoint to {str(path)!r}"
+        )
+        if rank == 0:
+            torch.save(metadata, staging / META_FILENAME)
+
+    commit_directory(path, write, metadata=_manifest_metadata(metadata))
 
 
 def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
-    """Write a full checkpoint file at ``path`` with ``torch.save`` (rank 0 only; others return).
+    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
 
-    A sharded checkpoint directory at ``path`` is replaced by the file; any other directory is an error.
+    The file is written next to ``path`` and published by rename
+    (:func:`~lightning_sharded.checkpoint.atomic.commit_file`); a sharded checkpoint directory at
+    ``path`` is replaced by it.
 
     Raises:
-        IsADirectoryError: ``path`` is a directory that is not a sharded checkpoint.
+        IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
     """
     if rank != 0:
         return
-    if path.is_dir():
-        if detect_format_or_none(path) is not CheckpointFormat.SHARDED:
-            raise IsADirectoryError(
-                f"The checkpoint path {str(path)!r} exists and is a directory that is not a checkpoint;"
-                " refusing to replace it with a full checkpoint file. Choose another path."
-            )
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
+    from lightning_sharded.checkpoint.atomic import commit_file
+
+    _refuse_foreign_directory(path)
+    commit_file(path, lambda staged: torch.save(checkpoint, staged))
+
+
+def _refuse_foreign_directory(path: Path) -> None:
+    if path.is_dir() and any(path.iterdir()) and detect_format_or_none(path) is not CheckpointFormat.SHARDED:
+        raise IsADirectoryError(
+            f"The checkpoint path {str(path)!r} is a directory that is not a checkpoint; refusing to replace"
+            " it and everything in it. Choose another path."
+        )
+
+
+def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records about the Lightning checkpoint (JSON values only)."""
+    return {key: checkpoint[key] for key in ("epoch", "global_step") if isinstance(checkpoint.get(key), int)}
 
 
 def save_checkpoint(
@@ -190,13 +208,13 @@ def save_checkpoint(
 
 
 def remove_checkpoint(path: Path, *, rank: int) -> None:
-    """Remove a checkpoint file or directory (rank 0 only). A missing path is not an error."""
+    """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
     if rank != 0:
         return
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    from lightning_sharded.checkpoint import atomic
+
+    with contextlib.suppress(FileNotFoundError):
+        atomic.remove_checkpoint(path)
 
 
 def detect_format_or_none(path: Path) -> CheckpointFormat | None:
@@ -271,7 +289,10 @@ def restore_checkpoint(
         CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
     """
-    path = Path(path)
+    from lightning_sharded.checkpoint.atomic import resolve
+
+    # A crash between the two renames of a fallback publish leaves the checkpoint under an "old" name.
+    path = resolve(path)
     fmt = detect_format(path)
     if fmt is CheckpointFormat.SHARDED:
         return _restore_sharded(path, model, optimizers, strict=strict, weights_only=weights_only)
@@ -560,8 +581,3 @@ def _load_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
             f"The Lightning metadata {str(path)!r} is a {type(metadata).__name__}, not a dict."
         )
     return metadata
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

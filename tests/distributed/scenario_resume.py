@@ -147,6 +147,17 @@ class Capture(L.Callback):
             write(self.out, self.values)
 
 
+class SaveAfterFirstStep(L.Callback):
+    """Saves to the checkpoint path once early, so the final save replaces an existing checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.path)
+
+
 def write(out: Path, values: dict[str, Any]) -> None:
     if RANK == 0:
         torch.save(values, out)
@@ -189,6 +200,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=Path, help="fit with ModelCheckpoint(save_top_k=2) into this folder")
     parser.add_argument("--cases", type=Path, help="errors phase: a torch.save'd list of case dicts")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--overwrite", action="store_true", help="also save to --ckpt after the first step")
     return parser
 
 
@@ -218,6 +230,8 @@ def run_job(argv: list[str]) -> None:
                     dirpath=args.top_k, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"
                 )
             )
+        if args.overwrite:
+            callbacks.append(SaveAfterFirstStep(args.ckpt))
         trainer = L.Trainer(max_steps=args.steps, limit_val_batches=0, callbacks=callbacks, **common)
         trainer.fit(model)
         trainer.save_checkpoint(args.ckpt)

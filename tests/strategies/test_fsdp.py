@@ -32,9 +32,23 @@ def test_resume_sharded_at_any_world_size(runs: Session, saved_on: int, resumed_
     saved = runs[f"fsdp{saved_on}"]
     assert (runs.root / f"fsdp{saved_on}" / ".metadata").is_file()
     assert (runs.root / f"fsdp{saved_on}" / "meta.pt").is_file()
+    assert (runs.root / f"fsdp{saved_on}" / "lightning_sharded.json").is_file()  # the manifest
     restored = runs[resume_name(f"fsdp{saved_on}", "fsdp", resumed_on)]
     assert {"model.cache", "model.table"} <= set(model_keys(restored))
     assert_same(saved, restored)
+
+
+def test_saving_over_a_checkpoint_replaces_it_and_leaves_nothing_behind(runs: Session) -> None:
+    # "fsdp2", "mp2" and "fsdp2-full" were saved after step 1 and again after step 3, at the same path.
+    from lightning_sharded.checkpoint.atomic import leftovers
+    from lightning_sharded.checkpoint.manifest import read_manifest
+
+    for name in ("fsdp2", "mp2", "fsdp2-full"):
+        assert runs[name]["global_step"] == 3
+        assert leftovers(runs.root / name) == []
+    manifest = read_manifest(runs.root / "fsdp2")
+    assert manifest is not None and manifest.global_step == 3 and manifest.world_size == 2
+    assert torch.load(runs.root / "fsdp2-full", weights_only=False)["global_step"] == 3
 
 
 def test_model_checkpoint_save_top_k_keeps_two_directories(runs: Session) -> None:
