@@ -6,9 +6,15 @@ the strategies and checkpoint tools are loaded on first use.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 from lightning_sharded.mixin import ShardedStateMixin
+
+if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.tools import consolidate_checkpoint, inspect_checkpoint, load_checkpoint
+    from lightning_sharded.checkpoint.verify import verify_checkpoint
 
 __version__ = "0.1.0"
 
@@ -16,6 +22,26 @@ __all__ = [
     "CheckpointError",
     "ShardedStateMixin",
     "__version__",
+    "consolidate_checkpoint",
     "has_sharded_state_hooks",
+    "inspect_checkpoint",
+    "load_checkpoint",
     "register_sharded_state_hooks",
+    "verify_checkpoint",
 ]
+
+# The checkpoint tools are imported on first use, so importing the package stays cheap.
+_LAZY = {
+    "consolidate_checkpoint": "lightning_sharded.checkpoint.tools",
+    "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
+    "load_checkpoint": "lightning_sharded.checkpoint.tools",
+    "verify_checkpoint": "lightning_sharded.checkpoint.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lightning_sharded' has no attribute {name!r}")
