@@ -86,8 +86,8 @@ class ShardedStateMixin:
                 raise
             raise CheckpointError(
                 f"The checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {err}\nBuild the model"
-                " with the hyperparameters it was trained with, or pass strict=False to load the matching"
-                " keys."
+                " with the hyperparameters it was trained with (they set the shapes); for missing or"
+                " unexpected keys only, strict=False loads the keys that match."
             ) from err
 
 
