@@ -9,8 +9,10 @@ A plain walk (``named_modules()`` and every value of every ``__dict__``) costs a
 ``state_dict()`` itself on a model of many small modules. :class:`SiteIndex` instead remembers the
 last walk and proves it still holds with a few C-level passes over the same modules:
 
-- the same modules, each ``__dict__`` of the same length (catches attributes added or deleted) and
-  the same children in ``_modules`` (catches submodules added, replaced or removed);
+- the same modules, each ``__dict__`` of the same length (catches attributes added or deleted), each
+  ``_modules`` of the same length (submodules added or removed) and the same children where there
+  were children (submodules replaced); a module's ``_modules`` dict itself is assumed to stay the
+  same object, as ``nn.Module`` keeps it;
 - the same *type* for every non-standard ``__dict__`` entry (catches ``self.table = None`` later
   becoming ``self.table = distribute_tensor(...)``, and the reverse).
 
@@ -63,7 +65,10 @@ class Site:
 @dataclass
 class _Snapshot:
     modules: list[nn.Module]
-    lengths: list[int]
+    lengths: list[int]  # of each module's __dict__
+    child_dicts: list[dict[str, Any]]  # each module's _modules
+    child_counts: list[int]
+    parents: list[dict[str, Any]]  # the non-empty _modules among them
     children: list[Any]
     getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]]
     types: list[type]
@@ -93,8 +98,11 @@ class SiteIndex:
         dicts = list(map(vars, snap.modules))
         if list(map(len, dicts)) != snap.lengths:
             return False
-        # `==` on lists of modules compares identities first, so this costs no Python-level __eq__.
-        if list(chain.from_iterable(map(dict.values, map(_modules_of, dicts)))) != snap.children:
+        # A child added or removed anywhere changes a count; a child replaced can only be in a
+        # module that had children. `==` on lists of modules compares identities first.
+        if list(map(len, snap.child_dicts)) != snap.child_counts:
+            return False
+        if list(chain.from_iterable(map(dict.values, snap.parents))) != snap.children:
             return False
         try:
             types = list(map(type, chain.from_iterable(map(_call, snap.getters, dicts))))
@@ -115,10 +123,15 @@ class SiteIndex:
                 if adapter_for(module.__dict__[name]) is not None:
                     sites.append(Site(path, module, name))
         dicts = list(map(vars, modules))
+        child_dicts = list(map(_modules_of, dicts))
+        parents = [d for d in child_dicts if d]
         return _Snapshot(
             modules=modules,
             lengths=list(map(len, dicts)),
-            children=list(chain.from_iterable(map(dict.values, map(_modules_of, dicts)))),
+            child_dicts=child_dicts,
+            child_counts=list(map(len, child_dicts)),
+            parents=parents,
+            children=list(chain.from_iterable(map(dict.values, parents))),
             getters=getters,
             types=list(map(type, chain.from_iterable(map(_call, getters, dicts)))),
             sites=tuple(sites),

@@ -11,6 +11,18 @@ from typing import IO, Any
 import torch
 
 from lightning_sharded.hooks import register_sharded_state_hooks
+from lightning_sharded.tensors import gather_full_values
+
+
+def writes_sharded_checkpoints(strategy: Any) -> bool:
+    """Whether ``strategy`` saves a sharded (distributed) checkpoint directory rather than one file.
+
+    Lightning's ``FSDPStrategy`` says so with ``state_dict_type="sharded"``, ``ModelParallelStrategy``
+    with ``save_distributed_checkpoint=True``; this library's strategies inherit both attributes.
+    """
+    return getattr(strategy, "_state_dict_type", None) == "sharded" or bool(
+        getattr(strategy, "_save_distributed_checkpoint", False)
+    )
 
 
 class ShardedStateMixin:
@@ -20,6 +32,11 @@ class ShardedStateMixin:
     ``__init__`` or later, in ``configure_model``) is saved by ``state_dict()`` under the key a
     parameter at that place would have, and restored by ``load_state_dict()``, strict loading
     included, resharded into the attribute's layout.
+
+    When the checkpoint is one file (single device, DDP, FSDP with ``state_dict_type="full"``),
+    :meth:`on_save_checkpoint` gathers each sharded attribute into a full CPU tensor first: a pickled
+    ``DTensor`` would hold only one rank's shard and cannot be read back by ``torch.load`` with
+    Lightning's ``map_location``. If you override ``on_save_checkpoint``, call ``super()``.
 
     Example::
 
@@ -36,6 +53,16 @@ class ShardedStateMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         register_sharded_state_hooks(self)  # type: ignore[arg-type]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Gather sharded attributes into full tensors when the checkpoint is written as one file."""
+        parent = getattr(super(), "on_save_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        trainer = getattr(self, "_trainer", None)
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        if "state_dict" in checkpoint and not writes_sharded_checkpoints(strategy):
+            gather_full_values(checkpoint["state_dict"])
 
     @classmethod
     def load_from_checkpoint(

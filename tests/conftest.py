@@ -1,17 +1,43 @@
-"""Shared fixtures: one run of the fault driver gives the crash cases and a clean 2-rank checkpoint."""
+"""Shared fixtures: a one-rank gloo process group for in-process tests of distributed values, and one
+run of the fault driver that gives the crash cases and a clean 2-rank sharded checkpoint."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.launch import free_port
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
+
+
+@pytest.fixture(scope="session")
+def process_group() -> Iterator[None]:
+    """A world of one gloo rank on loopback (a free port), for DTensor/ShardedTensor in-process."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """GPU tests skip, with a reason, where there is no CUDA device; their CPU twins always run."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (its CPU twin runs)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -39,4 +39,25 @@ def to_full(value: Any) -> Any:
     return adapter.to_full(value) if adapter is not None else value
 
 
-__all__ = ["ADAPTERS", "ShardedAdapter", "adapter_for", "is_sharded", "sharded_types", "to_full"]
+def gather_full_values(state: dict[str, Any]) -> dict[str, Any]:
+    """Replace every sharded value of ``state`` by its whole tensor on CPU, in place; returns ``state``.
+
+    Collective: every rank must call it with the same sharded keys; keys are visited in sorted order
+    so the gathers line up on every rank.
+    """
+    for key in sorted(state):
+        adapter = adapter_for(state[key])
+        if adapter is not None:
+            state[key] = adapter.to_full(state[key]).cpu()
+    return state
+
+
+__all__ = [
+    "ADAPTERS",
+    "ShardedAdapter",
+    "adapter_for",
+    "gather_full_values",
+    "is_sharded",
+    "sharded_types",
+    "to_full",
+]

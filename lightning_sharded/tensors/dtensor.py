@@ -28,7 +28,8 @@ class DTensorAdapter:
         return value.dtype  # type: ignore[no-any-return]
 
     def detach(self, value: Any) -> Any:
-        return value.detach()
+        # Without grad there is no history to drop, and DTensor.detach() costs a dispatch (~15 us).
+        return value.detach() if value.requires_grad else value
 
     def same_layout(self, target: Any, source: Any) -> bool:
         return (

@@ -1,0 +1,38 @@
+"""The examples run as users run them (Lightning starts the extra processes itself)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launch import REPO, rank_env
+
+
+@pytest.mark.slow
+def test_mixin_under_ddp_two_processes(tmp_path: Path) -> None:
+    env = {
+        k: v
+        for k, v in rank_env(0, 1, 0).items()
+        if k
+        not in {
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "NODE_RANK",
+            "GROUP_RANK",
+            "MASTER_PORT",
+        }
+    }
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples/mixin_ddp.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "OK: table (10, 4) sharded over 2 ranks restored exactly" in out.stdout
