@@ -8,25 +8,12 @@ that Lightning detects.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
-from tests.distributed.launch import REPO, free_port
-
-_RANK_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "MASTER_PORT",
-)
+from tests.distributed.launch import free_port, launcher_env, wait_all
 
 
 def run_torchrun(
@@ -34,13 +21,7 @@ def run_torchrun(
 ) -> list[str]:
     """Start ``nnodes`` torchrun agents for ``script`` and wait for all; returns each agent's output."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARS}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-    )
+    env = launcher_env()
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes),
@@ -63,23 +44,4 @@ def run_torchrun(
         )
         for _ in range(nnodes)
     ]
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    timed_out = False
-    for agent in agents:
-        try:
-            out, _ = agent.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for a in agents:
-                if a.poll() is None:
-                    os.killpg(a.pid, signal.SIGKILL)
-            out, _ = agent.communicate()
-        outputs.append(out)
-    if timed_out or any(a.returncode for a in agents):
-        report = "\n".join(
-            f"----- agent {i} (exit {a.returncode}) -----\n{out[-6000:]}"
-            for i, (a, out) in enumerate(zip(agents, outputs, strict=True))
-        )
-        raise AssertionError(f"torchrun {Path(script).name} {nnodes}x{nproc_per_node} failed:\n{report}")
-    return outputs
+    return wait_all(agents, timeout, f"torchrun {Path(script).name} {nnodes}x{nproc_per_node}", "agent")
