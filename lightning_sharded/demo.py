@@ -152,8 +152,12 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch(args: argparse.Namespace, job: str, world: int, output: Path) -> bool:
-    """Start ``world`` rank processes of ``job`` and wait; on failure print their output, return False."""
+def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry: bool = True) -> bool:
+    """Start ``world`` rank processes of ``job`` and wait; on failure print their output, return False.
+
+    A free port can be taken by another program between choosing and binding it; then the job runs
+    once more on another port.
+    """
     port = _free_port()
     command = [
         sys.executable,
@@ -200,6 +204,8 @@ def _launch(args: argparse.Namespace, job: str, world: int, output: Path) -> boo
     failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
     if not (timed_out or failed):
         return True
+    if retry and not timed_out and any("address already in use" in out.lower() for out in outputs):
+        return _launch(args, job, world, output, retry=False)
     reason = f"timed out after {args.timeout:.0f} s" if timed_out else f"rank(s) {failed} failed"
     print(f"FAILED: the {job} phase in {world} process(es) {reason}.", file=sys.stderr)
     for rank, out in enumerate(outputs):
