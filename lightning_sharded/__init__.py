@@ -15,23 +15,15 @@ from lightning_sharded.mixin import ShardedStateMixin
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint, inspect_checkpoint, load_checkpoint
     from lightning_sharded.checkpoint.verify import verify_checkpoint
+    from lightning_sharded.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckpointError",
-    "ShardedStateMixin",
-    "__version__",
-    "consolidate_checkpoint",
-    "has_sharded_state_hooks",
-    "inspect_checkpoint",
-    "load_checkpoint",
-    "register_sharded_state_hooks",
-    "verify_checkpoint",
-]
-
-# The checkpoint tools are imported on first use, so importing the package stays cheap.
+# Importing the strategies imports Lightning (seconds), so they load on first access; the checkpoint
+# tools too, to keep importing the package cheap.
 _LAZY = {
+    "ShardedFSDPStrategy": "lightning_sharded.strategies.fsdp",
+    "ShardedModelParallelStrategy": "lightning_sharded.strategies.model_parallel",
     "consolidate_checkpoint": "lightning_sharded.checkpoint.tools",
     "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
     "load_checkpoint": "lightning_sharded.checkpoint.tools",
@@ -43,5 +35,22 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lightning_sharded' has no attribute {name!r}")
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "CheckpointError",
+    "ShardedFSDPStrategy",
+    "ShardedModelParallelStrategy",
+    "ShardedStateMixin",
+    "__version__",
+    "consolidate_checkpoint",
+    "has_sharded_state_hooks",
+    "inspect_checkpoint",
+    "load_checkpoint",
+    "register_sharded_state_hooks",
+    "verify_checkpoint",
+]

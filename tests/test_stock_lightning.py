@@ -16,7 +16,7 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint, load_chec
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from tests._compare import assert_same
 from tests.distributed.launch import run_ranks
-from tests.distributed.models import TinyModel, TinyShardedModel
+from tests.distributed.tiny_models import TinyModel, TinyShardedModel
 
 SCRIPT = Path(__file__).parent / "distributed" / "stock_lightning.py"
 

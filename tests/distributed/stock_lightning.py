@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FullyShardedDataParallel
 
-from tests.distributed.models import TinyModel
+from tests.distributed.tiny_models import TinyModel
 
 
 class _CpuFSDP(FullyShardedDataParallel):
