@@ -189,3 +189,23 @@ def test_manifest_name_is_reserved(tmp_path: Path) -> None:
     manifest = read_manifest(target)
     assert manifest is not None
     assert [e.path for e in manifest.files] == ["meta.pt"]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "project"
+    target.mkdir()
+    (target / "notes.txt").write_text("precious")
+    with pytest.raises(
+        IsADirectoryError, match=r"is a directory that is not a checkpoint \(it holds notes.txt\)"
+    ):
+        commit_file(target, write_text("full"))
+    with pytest.raises(
+        CheckpointError, match=r"is a directory that is not a checkpoint.*Choose another path"
+    ):
+        commit_directory(target, write_dir({"meta.pt": b"m"}))
+    assert (target / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    commit_directory(empty, write_dir({"meta.pt": b"m"}))
+    assert (empty / "meta.pt").read_bytes() == b"m"

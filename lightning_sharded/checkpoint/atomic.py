@@ -23,6 +23,10 @@ given (a fresh staging directory, or a temporary file name). How it works, on a 
    ``.<name>.trash-<token>`` first, then deleted);
 5. rank 0 broadcasts the outcome; every rank returns or raises the same error.
 
+A save replaces a previous checkpoint (directory or file) or an empty directory, never a non-empty
+directory that is not a checkpoint: that raises ``IsADirectoryError`` (wrapped in ``CheckpointError``
+by :func:`commit_directory`) and changes nothing.
+
 Guarantees (one save per target path at a time): a crash of any rank at any moment, SIGKILL and
 power loss included, leaves at the path either the previous checkpoint, untouched, or the new one,
 complete with its manifest; never a mix and never nothing where there was a checkpoint. An exception
@@ -273,11 +277,29 @@ class Publisher:
         raise NotImplementedError
 
 
+def _refuse_foreign_directory(target: Path) -> None:
+    """A save replaces a previous checkpoint, never a directory of something else (it would delete it)."""
+    if not target.is_dir() or target.is_symlink():
+        return
+    names = os.listdir(target)
+    if not names or any(
+        n in (MANIFEST_NAME, ".metadata", "meta.pt") or (n.startswith("__") and n.endswith(".distcp"))
+        for n in names
+    ):
+        return
+    listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    raise IsADirectoryError(
+        f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint (it holds {listed});"
+        " saving would replace and delete it. Choose another path, or remove the directory first."
+    )
+
+
 class LocalPublisher(Publisher):
     """Publishing on a local or POSIX network filesystem, by rename."""
 
     def prepare(self, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _refuse_foreign_directory(target)
         olds = leftovers(target, OLD)
         if not os.path.lexists(target) and olds:
             newest = olds.pop()
