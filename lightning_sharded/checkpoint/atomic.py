@@ -421,7 +421,8 @@ def commit_directory(
         publisher: How to publish; :class:`LocalPublisher` (rename) by default.
 
     Raises:
-        CheckpointError: another rank failed while writing, or rank 0 failed to publish.
+        CheckpointError: another rank failed while writing, rank 0 failed to publish, or a collective of
+            the commit failed (a rank died).
         BaseException: the exception ``write`` raised on this rank (``OSError`` for a full disk, DCP's
             ``CheckpointException``...), re-raised after every rank has learned of it. In both cases
             the staging directory is removed and the previous checkpoint is unchanged.
@@ -439,7 +440,12 @@ def commit_directory(
             prepared = (str(publisher.stage(target, directory=True)), None)
         except Exception as err:
             prepared = (None, _describe(err))
-    staged_name, error = _broadcast(prepared, src, group, world_size)
+    try:
+        staged_name, error = _broadcast(prepared, src, group, world_size)
+    except Exception as err:
+        if rank == 0 and prepared[0] is not None:
+            publisher.discard(Path(prepared[0]))
+        raise _lost_rank(target, "before writing", err) from err
     if staged_name is None:
         raise CheckpointError(
             f"Could not prepare the checkpoint directory {str(target)!r} on rank 0: {error}. Check that the"
@@ -461,7 +467,14 @@ def commit_directory(
                 entries.append(FileEntry(rel, size, checksum, rank))
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
-    reports = _all_gather((entries, None if own_error is None else _describe(own_error)), group, world_size)
+    try:
+        reports = _all_gather(
+            (entries, None if own_error is None else _describe(own_error)), group, world_size
+        )
+    except Exception as err:
+        if rank == 0:
+            publisher.discard(staging)
+        raise _lost_rank(target, "after writing, before publishing", err) from err
     failures = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
     if failures:
         if rank == 0:
@@ -518,12 +531,24 @@ def commit_directory(
     else:
         _fault(FaultPoint.BEFORE_MANIFEST, rank)
         _fault(FaultPoint.BEFORE_PUBLISH, rank)
-    outcome = _broadcast(outcome, src, group, world_size)
+    try:
+        outcome = _broadcast(outcome, src, group, world_size)
+    except Exception as err:
+        raise _lost_rank(target, "while rank 0 published", err) from err
     if outcome is not None:
         raise CheckpointError(
             f"Publishing the checkpoint {str(target)!r} failed on rank 0: {outcome}. The previous"
             " checkpoint at that path, if any, is unchanged; check the filesystem and save again."
         )
+
+
+def _lost_rank(target: Path, stage: str, err: Exception) -> CheckpointError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return CheckpointError(
+        f"Saving the checkpoint {str(target)!r} failed {stage}: a collective failed, most likely because"
+        f" another rank died ({type(err).__name__}: {first}). The path holds the previous checkpoint or"
+        " this one, whole, never a mix; check the other ranks' logs, then resume from it."
+    )
 
 
 def _write_manifest(directory: Path, manifest: Manifest) -> None:

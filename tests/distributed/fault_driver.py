@@ -17,7 +17,9 @@ For each case, in ``OUT/<case>/``:
 - ``recovered/ckpt``: a copy of ``crashed/`` (leftovers included), then a clean save of version 3,
   which must succeed and clean the leftovers up.
 
-``OUT/results.json`` maps each case to the exit codes of its ranks (negative: killed by that signal).
+A rank whose ``commit_directory`` raised writes ``<type>: <message>`` to ``error.rank<R>.txt`` next
+to the checkpoint. ``OUT/results.json`` maps each case to the exit codes of its ranks (negative:
+killed by that signal).
 
 How a rank is crashed: ``LIGHTNING_SHARDED_FAULT=<point>[@rank]`` (``atomic.py``'s fault points), or
 a kill inside the ``write`` callable (points ``atomic.py`` cannot see):
@@ -163,16 +165,21 @@ def save_rank(rank: int, port: int, ckpt: Path, version: int, kill: str) -> int:
             if _kill_at(kill, "enospc_meta", rank):
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")
 
+    def report(err: BaseException) -> None:
+        message = f"{type(err).__name__}: {err}"
+        print(f"rank {rank} {message}", flush=True)
+        (ckpt.parent / f"error.rank{rank}.txt").write_text(message)
+
     try:
         commit_directory(ckpt, write, metadata={"epoch": version, "global_step": 10 * version})
     except OSError as err:
-        print(f"rank {rank} OSError: {err}", flush=True)
+        report(err)
         return 3
     except Exception as err:
-        print(f"rank {rank} {type(err).__name__}: {err}", flush=True)
+        report(err)
         return 4
     except BaseException as err:  # DCP's CheckpointException
-        print(f"rank {rank} {type(err).__name__}: {err}", flush=True)
+        report(err)
         return 5
     dist.destroy_process_group()
     return 0
