@@ -16,6 +16,7 @@ import torch
 
 from lightning_sharded.checkpoint.atomic import leftovers, resolve
 from lightning_sharded.checkpoint.manifest import read_manifest
+from lightning_sharded.checkpoint.verify import verify_checkpoint
 from tests._compare import assert_same
 from tests.distributed.fault_driver import CASES, expected
 
@@ -93,6 +94,7 @@ def test_next_save_succeeds_and_cleans_up(crashes: tuple[Path, dict[str, Any]], 
     assert results[case]["recover"] == [0, 0]
     ckpt = out / case / "recovered" / "ckpt"
     assert_version(ckpt, 3)
+    verify_checkpoint(ckpt)  # the CRC-32s computed while writing match the bytes on disk
     assert leftovers(ckpt) == []
     assert sorted(p.name for p in ckpt.parent.iterdir() if not p.name.startswith("error.")) == ["ckpt"]
 

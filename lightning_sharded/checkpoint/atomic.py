@@ -390,13 +390,22 @@ def _own_files(staging: Path, rank: int) -> list[str]:
     return [rel for rel in _walk(staging) if "/" not in rel and rel.startswith(prefix)]
 
 
+def _checksum(file: Path, known: tuple[int, str] | None) -> tuple[int, str]:
+    """Size and CRC-32 of a file just written: ``known`` (computed while writing) if the size on disk
+    agrees, else read back. Either way the file is fsynced."""
+    if known is not None and file.stat().st_size == int(known[0]):
+        _fsync_file(file)
+        return int(known[0]), str(known[1])
+    return file_checksum(file, fsync=True)
+
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
 def commit_directory(
     path: str | os.PathLike[str],
-    write: Callable[[Path], None],
+    write: Callable[[Path], Mapping[str, tuple[int, str]] | None],
     *,
     metadata: Mapping[str, Any] | None = None,
     group: ProcessGroup | None = None,
@@ -414,7 +423,10 @@ def commit_directory(
             part of the checkpoint there, for example ``dcp.save(state, checkpoint_id=staging)`` and,
             on rank 0, ``torch.save(meta, staging / "meta.pt")``. Shard files other than rank 0's
             must be named ``__<rank>_*`` (as DCP does) to be checksummed by their own rank; any other
-            file is checksummed by rank 0.
+            file is checksummed by rank 0. It may return ``{relative path: (size, crc32 hex)}`` for
+            files it checksummed while writing
+            (:class:`~lightning_sharded.checkpoint.dcp_writer.ChecksummingWriter`): those are not read
+            back, only their sizes checked and the files fsynced.
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``;
             JSON-serializable values.
         group: The process group of the ranks that write.
@@ -455,15 +467,16 @@ def commit_directory(
 
     # 2. every rank writes, then checksums and fsyncs its own files.
     entries: list[FileEntry] = []
+    known: dict[str, tuple[int, str]] = {}
     own_error: BaseException | None = None
     t_write = time.perf_counter()
     try:
-        write(staging)
+        known = dict(write(staging) or {})
         _fault(FaultPoint.AFTER_WRITE, rank)
         t_write = time.perf_counter() - t_write
         if rank != 0:
             for rel in _own_files(staging, rank):
-                size, checksum = file_checksum(staging / rel, fsync=True)
+                size, checksum = _checksum(staging / rel, known.get(rel))
                 entries.append(FileEntry(rel, size, checksum, rank))
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
@@ -495,7 +508,7 @@ def commit_directory(
             claimed = {e.path: e for rank_entries, _ in reports for e in rank_entries}
             for rel in _walk(staging):
                 if rel not in claimed and rel != MANIFEST_NAME:
-                    size, checksum = file_checksum(staging / rel, fsync=True)
+                    size, checksum = _checksum(staging / rel, known.get(rel))
                     claimed[rel] = FileEntry(rel, size, checksum, 0)
             for dirpath, _, _ in os.walk(staging):
                 _fsync_dir(Path(dirpath))
