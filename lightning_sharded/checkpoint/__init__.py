@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
+from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
 from lightning_sharded.checkpoint.tools import (
@@ -18,6 +19,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
     "CheckpointInfo",
+    "ChecksummingWriter",
     "Manifest",
     "VerifyReport",
     "check_files",
