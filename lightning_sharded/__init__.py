@@ -1,11 +1,13 @@
 """lightning_sharded: sharded state that survives PyTorch Lightning checkpoints.
 
-Importing the package is cheap and silent: the legacy ShardedTensor support is imported lazily and
-the strategies and checkpoint tools are loaded on first use.
+Importing the package is cheap and silent: the legacy ShardedTensor support is imported lazily, and
+the strategies and checkpoint tools (which import Lightning and torch.distributed.checkpoint,
+seconds) load on first access.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -19,8 +21,7 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Importing the strategies imports Lightning (seconds), so they load on first access; the checkpoint
-# tools too, to keep importing the package cheap.
+# Public names loaded on first access, and the module each comes from.
 _LAZY = {
     "ShardedFSDPStrategy": "lightning_sharded.strategies.fsdp",
     "ShardedModelParallelStrategy": "lightning_sharded.strategies.model_parallel",
@@ -33,8 +34,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
