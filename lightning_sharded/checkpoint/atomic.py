@@ -324,20 +324,27 @@ class LocalPublisher(Publisher):
             _fsync_dir(parent)
             return
         if _exchange(staged, target):
-            _fsync_dir(parent)
-            _fault(FaultPoint.AFTER_PUBLISH, rank)
             previous = staged  # after the swap, the staging name holds the previous version
         else:
             previous = _sibling(target, OLD)
             os.rename(target, previous)
             _fault(FaultPoint.BETWEEN_RENAMES, rank)
             os.rename(staged, target)
+        # Published: from here on a failure leaves leftovers for the next save, not a failed save.
+        try:
             _fsync_dir(parent)
             _fault(FaultPoint.AFTER_PUBLISH, rank)
-        trash = _sibling(target, TRASH)
-        os.rename(previous, trash)
-        _delete(trash, rank=rank)
-        _fsync_dir(parent)
+            trash = _sibling(target, TRASH)
+            os.rename(previous, trash)
+            _delete(trash, rank=rank)
+            _fsync_dir(parent)
+        except OSError as err:
+            log.warning(
+                "Checkpoint %s is published, but removing the previous version failed (%s); the next save"
+                " of this path removes it",
+                target,
+                err,
+            )
 
     def discard(self, staged: Path) -> None:
         _delete(staged)
