@@ -110,6 +110,12 @@ class ChecksummingWriter(FileSystemWriter):
         self._record: dict[str, tuple[int, str]] = {}
         self.fs = _ChecksummingFileSystem(Path(path), self._record)
 
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        if checkpoint_id:
+            assert isinstance(self.fs, _ChecksummingFileSystem)
+            self.fs.root = Path(checkpoint_id)
+
     @property
     def checksums(self) -> dict[str, tuple[int, str]]:
         """``{path relative to the directory: (size, crc32 hex)}`` of every file this rank wrote."""
