@@ -161,7 +161,7 @@ def _dcp_problems(root: Path) -> tuple[list[Problem], int]:
             )
     if not (root / LIGHTNING_METADATA).is_file():
         problems.append(Problem(LIGHTNING_METADATA, "is missing"))
-    return problems, len(needed) + 1
+    return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
 
 
 def _full_file_problems(file: Path) -> list[Problem]:
