@@ -1,0 +1,191 @@
+"""Atomic commits in one process: full files, directories without a process group, removal, recovery."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_sharded.checkpoint.atomic import (
+    FAULT_ENV,
+    NO_EXCHANGE_ENV,
+    commit_directory,
+    commit_file,
+    leftovers,
+    remove_checkpoint,
+    resolve,
+)
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, read_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_text(text: str):  # type: ignore[no-untyped-def]
+    def write(path: Path) -> None:
+        path.write_text(text)
+
+    return write
+
+
+def write_dir(files: dict[str, bytes]):  # type: ignore[no-untyped-def]
+    def write(staging: Path) -> None:
+        for name, data in files.items():
+            (staging / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging / name).write_bytes(data)
+
+    return write
+
+
+@pytest.fixture(params=["exchange", "two-renames"])
+def publish_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(NO_EXCHANGE_ENV, "1" if request.param == "two-renames" else "0")
+    return str(request.param)
+
+
+def test_commit_file_creates_and_replaces(tmp_path: Path, publish_mode: str) -> None:
+    target = tmp_path / "sub" / "last.ckpt"
+    commit_file(target, write_text("one"))
+    assert target.read_text() == "one"
+    commit_file(target, write_text("two"))
+    assert target.read_text() == "two"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]
+
+
+def test_commit_file_error_keeps_the_old_file(tmp_path: Path) -> None:
+    target = tmp_path / "last.ckpt"
+    target.write_text("old")
+
+    def fail(path: Path) -> None:
+        path.write_text("partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        commit_file(target, fail)
+    assert target.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_commit_file_that_writes_nothing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="did not create the file"):
+        commit_file(tmp_path / "x.ckpt", lambda path: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_commit_file_replaces_a_sharded_directory(tmp_path: Path, publish_mode: str) -> None:
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({"__0_0.distcp": b"abc", "meta.pt": b"m"}))
+    assert target.is_dir()
+    commit_file(target, write_text("full"))
+    assert target.is_file() and target.read_text() == "full"
+    assert leftovers(target) == []
+
+
+def test_commit_directory_without_process_group(tmp_path: Path, publish_mode: str) -> None:
+    target = tmp_path / "ckpt"
+    target.write_text("a previous full checkpoint")
+    files = {"__0_0.distcp": b"x" * 1000, ".metadata": b"md", "meta.pt": b"meta", "extra/notes.txt": b"hi"}
+    commit_directory(target, write_dir(files), metadata={"epoch": 4, "global_step": 40})
+    manifest = read_manifest(target)
+    assert manifest is not None
+    assert [e.path for e in manifest.files] == sorted(files)
+    assert manifest.world_size == 1
+    assert (manifest.epoch, manifest.global_step) == (4, 40)
+    assert manifest.entry("__0_0.distcp") is not None
+    assert manifest.entry("__0_0.distcp").size == 1000  # type: ignore[union-attr]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_commit_directory_error_keeps_the_old_directory(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({"meta.pt": b"old"}))
+
+    def fail(staging: Path) -> None:
+        (staging / "meta.pt").write_bytes(b"new")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        commit_directory(target, fail)
+    assert (target / "meta.pt").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_leftovers_are_cleaned_by_the_next_save_and_ignored_by_resolve(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({"meta.pt": b"v1"}))
+    stale = tmp_path / ".ckpt.staging-0000000000000001deadbeef"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    trash = tmp_path / ".ckpt.trash-0000000000000002deadbeef"
+    trash.mkdir()
+    assert resolve(target) == target
+    assert leftovers(target) == [stale, trash]
+    commit_directory(target, write_dir({"meta.pt": b"v2"}))
+    assert leftovers(target) == []
+    assert (target / "meta.pt").read_bytes() == b"v2"
+
+
+def test_resolve_picks_the_newest_old_version_when_the_path_is_gone(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    older = tmp_path / ".ckpt.old-0000000000000001aaaaaaaa"
+    newer = tmp_path / ".ckpt.old-0000000000000002aaaaaaaa"
+    older.mkdir()
+    newer.mkdir()
+    (newer / "meta.pt").write_bytes(b"v")
+    assert resolve(target) == newer
+    assert resolve(tmp_path / "other") == tmp_path / "other"
+    # the next save puts it back in place before replacing it
+    commit_directory(target, write_dir({"meta.pt": b"v2"}))
+    assert leftovers(target) == []
+    assert (target / "meta.pt").read_bytes() == b"v2"
+
+
+def test_remove_checkpoint_removes_directory_file_and_leftovers(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({"meta.pt": b"v1"}))
+    (tmp_path / ".ckpt.old-0000000000000001aaaaaaaa").mkdir()
+    remove_checkpoint(target)
+    assert list(tmp_path.iterdir()) == []
+    assert not resolve(target).exists()
+    commit_file(target, write_text("file"))
+    remove_checkpoint(target)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FileNotFoundError, match="no checkpoint to remove"):
+        remove_checkpoint(target)
+
+
+def test_leftovers_of_other_checkpoints_are_left_alone(tmp_path: Path) -> None:
+    (tmp_path / ".ckpt2.staging-0000000000000001aaaaaaaa").mkdir()
+    commit_directory(tmp_path / "ckpt", write_dir({"meta.pt": b"v1"}))
+    assert (tmp_path / ".ckpt2.staging-0000000000000001aaaaaaaa").exists()
+
+
+@pytest.mark.parametrize(("fault", "survivor"), [("before_publish", "old"), ("after_publish", "new")])
+def test_commit_file_sigkill(tmp_path: Path, fault: str, survivor: str) -> None:
+    target = tmp_path / "last.ckpt"
+    target.write_text("old")
+    code = (
+        "import sys; from pathlib import Path;"
+        "from lightning_sharded.checkpoint.atomic import commit_file;"
+        "commit_file(sys.argv[1], lambda p: Path(p).write_text('new'))"
+    )
+    env = {**os.environ, FAULT_ENV: fault, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(target)], env=env, timeout=120, capture_output=True
+    )
+    assert proc.returncode == -9, proc.stderr
+    assert target.read_text() == survivor
+    commit_file(target, write_text("next"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_manifest_name_is_reserved(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({MANIFEST_NAME: b"not json", "meta.pt": b"m"}))
+    manifest = read_manifest(target)
+    assert manifest is not None
+    assert [e.path for e in manifest.files] == ["meta.pt"]

@@ -1,0 +1,128 @@
+"""Crash a sharded save over an existing checkpoint with real processes and SIGKILLs, then load.
+
+``tests/distributed/fault_driver.py`` runs every case once (about 5 s for all); each test below checks
+one case: the checkpoint at the path is the old version or the new one, whole (weights, optimizer
+state and ``meta.pt`` of one version, never a mix), and the next save succeeds and cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sharded.checkpoint.atomic import leftovers, resolve
+from lightning_sharded.checkpoint.manifest import read_manifest
+from tests._compare import assert_same
+from tests.distributed.fault_driver import CASES, expected
+
+DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
+
+OLD, NEW = 1, 2
+#: case -> the version that must be at the path after the crash (None: no checkpoint at all).
+OUTCOME: dict[str, int | None] = {
+    "clean": NEW,
+    "during_shards_rank1": OLD,
+    "during_shards_all": OLD,
+    "after_shards_rank0": OLD,
+    "after_write_rank1": OLD,
+    "before_manifest_all": OLD,
+    "before_publish_rank0": OLD,
+    # rank 1 dies while rank 0, which has everything it needs, publishes: the new version.
+    "before_publish_rank1": NEW,
+    "after_publish_all": NEW,
+    "during_remove_all": NEW,
+    "fallback_between_renames": OLD,
+    "fallback_after_publish": NEW,
+    "fallback_during_remove": NEW,
+    "enospc_shards_rank1": OLD,
+    "enospc_meta_rank0": OLD,
+    "fresh_before_publish": None,
+}
+
+
+@pytest.fixture(scope="module")
+def crashes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("faults")
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), str(out), "all"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+def read_dcp_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a sharded directory in this process with DCP alone (no library loader involved)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    _load_state_dict(state, FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    state.update(torch.load(path / "meta.pt", weights_only=True))
+    return state
+
+
+def assert_version(path: Path, version: int) -> None:
+    real = resolve(path)
+    assert real.is_dir(), f"no checkpoint at {path} (resolved to {real})"
+    manifest = read_manifest(real)
+    assert manifest is not None
+    assert manifest.epoch == version
+    for entry in manifest.files:
+        assert (real / entry.path).stat().st_size == entry.size, entry
+    loaded = read_dcp_checkpoint(real)
+    assert_same(loaded, expected(version))
+
+
+def test_every_case_has_an_expected_outcome() -> None:
+    assert set(OUTCOME) == set(CASES)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_crash_leaves_old_or_new_whole(crashes: tuple[Path, dict[str, Any]], case: str) -> None:
+    out, _ = crashes
+    ckpt = out / case / "crashed" / "ckpt"
+    version = OUTCOME[case]
+    if version is None:
+        assert not resolve(ckpt).exists(), "a crashed first save must leave nothing at the path"
+        assert not ckpt.exists()
+    else:
+        assert_version(ckpt, version)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_next_save_succeeds_and_cleans_up(crashes: tuple[Path, dict[str, Any]], case: str) -> None:
+    out, results = crashes
+    assert results[case]["recover"] == [0, 0]
+    ckpt = out / case / "recovered" / "ckpt"
+    assert_version(ckpt, 3)
+    assert leftovers(ckpt) == []
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt"]
+
+
+def test_crashed_ranks_really_died_or_failed(crashes: tuple[Path, dict[str, Any]]) -> None:
+    _, results = crashes
+    assert results["clean"]["crash"] == [0, 0]
+    assert results["during_shards_all"]["crash"] == [-9, -9]
+    assert results["after_write_rank1"]["crash"][1] == -9
+    assert results["before_publish_rank0"]["crash"][0] == -9
+    # A raised error on one rank is raised on every rank, the original one where it happened.
+    assert results["enospc_meta_rank0"]["crash"] == [3, 4]
+    assert results["enospc_shards_rank1"]["crash"] == [5, 5]
+
+
+def test_fallback_crash_between_renames_is_recovered_by_resolve(crashes: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = crashes
+    ckpt = out / "fallback_between_renames" / "crashed" / "ckpt"
+    assert not ckpt.exists()
+    real = resolve(ckpt)
+    assert real.name.startswith(".ckpt.old-")
