@@ -1,0 +1,133 @@
+"""The checkpoint half both strategies share: gather, save, restore after setup, remove.
+
+It holds no loading logic of its own; everything goes through :mod:`lightning_sharded.checkpoint.io`.
+The strategies put it first in their bases, so its overrides replace the parent's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sharded.checkpoint import io
+from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
+
+StateDictType = Literal["sharded", "full"]
+_STATE_DICT_TYPES = ("sharded", "full")
+
+
+def check_state_dict_type(value: str) -> StateDictType:
+    """``value`` if it is ``"sharded"`` or ``"full"``; a ``ValueError`` naming the choices otherwise."""
+    if value not in _STATE_DICT_TYPES:
+        raise ValueError(
+            f"Unknown state_dict_type {value!r}: choose 'sharded' (a directory) or 'full' (one file)."
+        )
+    return value  # type: ignore[return-value]
+
+
+class ShardedCheckpointing(ParallelStrategy):
+    """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
+
+    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and
+    :attr:`_sharded_state_dict_type`.
+    """
+
+    #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
+    _model_key: str = "model"
+    _sharded_state_dict_type: StateDictType = "sharded"
+
+    @property
+    def _saves_sharded(self) -> bool:
+        return self._sharded_state_dict_type == "sharded"
+
+    def _register_sharded_state_hooks(self) -> None:
+        """Register the sharded-state hooks on the LightningModule unless it has them (the mixin)."""
+        module = self.lightning_module
+        if module is not None and not has_sharded_state_hooks(module):
+            register_sharded_state_hooks(module)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return io.model_state_dict(self.model, full=not self._saves_sharded)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return io.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Override to do nothing: `load_checkpoint()` already loaded the model into its shards.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # Override to do nothing: `load_checkpoint()` already loaded the optimizer states.
+        pass
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Save a sharded directory (``state_dict_type="sharded"``) or one full file (``"full"``).
+
+        Collective. The path of rank 0 is used on every rank.
+        """
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
+                f" `{type(self).__name__}` does not use the `CheckpointIO`."
+            )
+        path = Path(self.broadcast(filepath))
+        start = time.perf_counter()
+        io.save_checkpoint(
+            path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
+        )
+        rank_zero_info(
+            f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
+            f" {time.perf_counter() - start:.2f} s"
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a sharded directory or full file into the wrapped model (and optimizers when fitting).
+
+        Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
+        """
+        path = Path(self.broadcast(checkpoint_path))
+        assert self.model is not None
+        module = self.lightning_module
+        assert module is not None
+        self._register_sharded_state_hooks()
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = list(self.optimizers) if fitting else []
+        start = time.perf_counter()
+        restored = io.restore_checkpoint(
+            path, self.model, optimizers, strict=module.strict_loading, weights_only=weights_only
+        )
+        if restored.keys:
+            rank_zero_warn(
+                f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping keys"
+                f" that only one side has. {restored.keys.describe()}"
+            )
+        what = "model and optimizer states" if optimizers else "model state"
+        rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
+        return restored.metadata
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
+        io.remove_checkpoint(Path(filepath), rank=self.global_rank)

@@ -1,0 +1,131 @@
+"""``ShardedFSDPStrategy``: Lightning's FSDP1 strategy that runs on CPU, keeps sharded attributes and
+restores any checkpoint into the wrapped model, at any world size."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_sharded.checkpoint.format import MODEL
+from lightning_sharded.strategies._checkpointing import (
+    ShardedCheckpointing,
+    StateDictType,
+    check_state_dict_type,
+)
+
+
+class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
+    """FSDP1 (``FullyShardedDataParallel``) for sharded models, on CPU (gloo) and CUDA (nccl).
+
+    Differences from Lightning's ``FSDPStrategy``:
+
+    - runs with ``accelerator="cpu"`` (it passes ``device_id=torch.device("cpu")`` to FSDP);
+    - registers the sharded-state hooks on the LightningModule at setup, so ``DTensor`` and
+      ``ShardedTensor`` attributes are saved and restored with the model;
+    - saves sharded by default; restores sharded directories written by this library, by stock
+      ``FSDPStrategy`` and by stock ``ModelParallelStrategy``, and full checkpoint files (read
+      memory-mapped, one tensor at a time), at any world size, model and optimizer state;
+    - honours ``strict_loading`` both ways, and raises
+      :class:`~lightning_sharded.CheckpointError` naming the key, file or rank when a checkpoint
+      does not fit.
+
+    Args:
+        *args: positional arguments of ``FSDPStrategy``.
+        state_dict_type: ``"sharded"`` (default) writes a directory of shards per checkpoint, readable by
+            stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
+            ``torch.load`` and a single-device Trainer read.
+        **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
+
+    Example::
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardedFSDPStrategy(
+            auto_wrap_policy={torch.nn.Linear}))
+        trainer.fit(model, ckpt_path="checkpoints/last.ckpt")
+    """
+
+    strategy_name = "sharded_fsdp"
+    _model_key = MODEL
+
+    def __init__(self, *args: Any, state_dict_type: StateDictType = "sharded", **kwargs: Any) -> None:
+        kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
+        super().__init__(*args, **kwargs)
+        self._sharded_state_dict_type = state_dict_type
+
+    def _fsdp_device_id(self) -> int | torch.device | None:
+        # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
+        # CPU device itself.
+        device = self.root_device
+        return device if device.type == "cpu" else device.index
+
+    @override
+    def setup_environment(self) -> None:
+        mesh = self.kwargs.get("device_mesh")
+        if isinstance(mesh, tuple):
+            # The parent builds a tuple mesh on "cuda" unconditionally; build it on our device instead.
+            del self.kwargs["device_mesh"]
+        super().setup_environment()
+        if isinstance(mesh, tuple):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.kwargs["device_mesh"] = init_device_mesh(self.root_device.type, mesh)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._register_sharded_state_hooks()
+        super().setup(trainer)
+
+    @override
+    def _setup_model(self, model: Module) -> Module:
+        """Wrap the model in ``FullyShardedDataParallel`` (as the parent does, with a CPU-safe device id)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules()):
+            if _has_meta_device_parameters_or_buffers(model):
+                rank_zero_warn(
+                    "The model is already wrapped in `FSDP` but there are still parameters on the meta"
+                    " device."
+                )
+            if "auto_wrap_policy" in self.kwargs:
+                rank_zero_warn(
+                    "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be"
+                    " ignored."
+                )
+                del self.kwargs["auto_wrap_policy"]
+        else:
+            model = FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self._fsdp_device_id(),
+                **self.kwargs,
+            )
+        _move_torchmetrics_to_device(model, self.root_device)
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import enable_wrap
+
+        with enable_wrap(
+            wrapper_cls=FullyShardedDataParallel,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self._fsdp_device_id(),
+            **self.kwargs,
+        ):
+            yield

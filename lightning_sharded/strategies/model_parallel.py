@@ -1,0 +1,161 @@
+"""``ShardedModelParallelStrategy``: Lightning's FSDP2/DTensor strategy with the checkpoint core of
+``ShardedFSDPStrategy`` and an optional ``fully_shard`` policy for plain models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from datetime import timedelta
+from typing import Literal
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from typing_extensions import override
+
+from lightning_sharded.checkpoint.format import STATE_DICT
+from lightning_sharded.strategies._checkpointing import (
+    ShardedCheckpointing,
+    StateDictType,
+    check_state_dict_type,
+)
+
+#: Which submodules get their own ``fully_shard``: a collection of module classes, or a predicate.
+FullyShardPolicy = Collection[type[nn.Module]] | Callable[[nn.Module], bool]
+
+
+class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) and tensor parallelism for sharded models, on CPU (gloo) and CUDA (nccl).
+
+    It restores checkpoints exactly as :class:`~lightning_sharded.ShardedFSDPStrategy` does, through the
+    same code: sharded directories from this library or stock Lightning (``FSDPStrategy`` or
+    ``ModelParallelStrategy``) and full files, at any world size, model, sharded attributes and optimizer
+    state, ``strict_loading`` honoured both ways. So a run can move between FSDP1 and FSDP2.
+
+    Args:
+        data_parallel_size: as in ``ModelParallelStrategy``. With a ``fully_shard_policy`` and both sizes
+            left at ``"auto"``, every process is data parallel (``data_parallel_size=world size``,
+            ``tensor_parallel_size=1``), which is what a policy-sharded model needs.
+        tensor_parallel_size: as in ``ModelParallelStrategy``.
+        save_distributed_checkpoint: as in ``ModelParallelStrategy``; ``False`` means
+            ``state_dict_type="full"``.
+        process_group_backend: as in ``ModelParallelStrategy``.
+        timeout: as in ``ModelParallelStrategy``.
+        state_dict_type: ``"sharded"`` (a directory, readable by stock ``ModelParallelStrategy``) or
+            ``"full"`` (one ``torch.save`` file). Defaults to what ``save_distributed_checkpoint`` says.
+        fully_shard_policy: module classes (or a predicate on modules) that get their own ``fully_shard``
+            after ``configure_model``, followed by the root module, when ``configure_model`` did not
+            apply ``fully_shard`` itself. With a policy, ``configure_model`` need not be overridden.
+
+    Example::
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ShardedModelParallelStrategy(
+            fully_shard_policy={torch.nn.Linear}))
+        trainer.fit(model, ckpt_path="checkpoints/last.ckpt")
+    """
+
+    _model_key = STATE_DICT
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: StateDictType | None = None,
+        fully_shard_policy: FullyShardPolicy | None = None,
+    ) -> None:
+        if state_dict_type is None:
+            state_dict_type = "sharded" if save_distributed_checkpoint else "full"
+        elif not save_distributed_checkpoint and state_dict_type == "sharded":
+            raise ValueError(
+                "`save_distributed_checkpoint=False` and `state_dict_type='sharded'` contradict each other;"
+                " pass only `state_dict_type`."
+            )
+        state_dict_type = check_state_dict_type(state_dict_type)
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=state_dict_type == "sharded",
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._sharded_state_dict_type = state_dict_type
+        self._fully_shard_policy = fully_shard_policy
+
+    @override
+    def setup_environment(self) -> None:
+        if (
+            self._fully_shard_policy is not None
+            and self._data_parallel_size == "auto"
+            and self._tensor_parallel_size == "auto"
+        ):
+            self._data_parallel_size = self.num_nodes * self.num_processes
+            self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self._register_sharded_state_hooks()
+        self.accelerator.setup(trainer)
+
+        if self._fully_shard_policy is None and not is_overridden("configure_model", self.lightning_module):
+            raise TypeError(
+                f"When using the {type(self).__name__} without a `fully_shard_policy`, you are required to"
+                " override the `configure_model()` hook in the LightningModule and apply parallelization"
+                " there."
+            )
+        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
+            raise TypeError(
+                "Found modules wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1). The"
+                f" `{type(self).__name__}` only supports FSDP2 (`fully_shard`); use `ShardedFSDPStrategy`."
+            )
+        if self._fully_shard_policy is not None:
+            self._apply_fully_shard_policy(self.model)
+
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_fully_shard_policy(self, model: nn.Module) -> None:
+        """``fully_shard`` every submodule the policy picks (innermost first), then the root."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if any(isinstance(module, FSDPModule) for module in model.modules()):
+            rank_zero_warn(
+                "A `fully_shard_policy` is set, but `configure_model` already applied `fully_shard`."
+                " The policy will be ignored."
+            )
+            return
+        policy = self._fully_shard_policy
+        assert policy is not None
+        if callable(policy) and not isinstance(policy, type):
+            picks: Callable[[nn.Module], bool] = policy  # type: ignore[assignment]
+        else:
+            classes = tuple(policy)  # type: ignore[arg-type]
+
+            def picks(module: nn.Module) -> bool:
+                return isinstance(module, classes)
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in reversed(list(model.modules())):
+            if module is not model and picks(module):
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
