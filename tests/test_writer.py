@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -59,3 +62,22 @@ def test_commit_uses_known_checksums_and_reads_back_the_rest(tmp_path: Path) -> 
     assert {e.path for e in manifest.files} >= {".metadata", "meta.pt", "extra.bin"}
     for entry in manifest.files:
         assert file_checksum(target / entry.path) == (entry.size, entry.checksum), entry.path
+
+
+def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatch: Any) -> None:
+    """torch's extra writer threads only print their errors; ours must raise (else a corrupt publish)."""
+    from lightning_sharded.checkpoint import writer as writer_module
+
+    original = writer_module._HashingStream.write
+
+    def write(self: Any, b: Any) -> int:
+        if threading.current_thread() is not threading.main_thread() and len(memoryview(b)) > 1024:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, b)
+
+    monkeypatch.setattr(writer_module._HashingStream, "write", write)
+    state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+    # torch.save inside the thread turns our OSError into its own RuntimeError: any error will do, as
+    # long as the save fails instead of publishing an index that points at bytes never written.
+    with pytest.raises(BaseException, match=r"writer|No space|unexpected pos"):
+        dcp.save(state, storage_writer=ChecksummingWriter(tmp_path / "c", thread_count=2), no_dist=True)

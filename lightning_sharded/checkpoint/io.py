@@ -10,7 +10,7 @@ tensors with the adapters of :mod:`lightning_sharded.tensors`. Sharded attribute
 On disk:
 
 - :func:`write_sharded_checkpoint` is the one function that writes a sharded directory (DCP shards, the
-  DCP ``.metadata`` index, then ``meta.pt``);
+  DCP ``.metadata`` index, ``meta.pt`` and the manifest, committed atomically);
 - :func:`write_full_checkpoint` is the one function that writes a full file (``torch.save`` on rank 0).
 
 Loading (:func:`restore_checkpoint`) reads either layout into the live, already sharded model (and
@@ -25,13 +25,14 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded.checkpoint._pages import FileMapping
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.format import (
     META_FILENAME,
@@ -44,7 +45,11 @@ from lightning_sharded.checkpoint.format import (
     read_sharded_layout,
     summarize_keys,
 )
+from lightning_sharded.checkpoint.optim_state import preallocate_optimizer_state
 from lightning_sharded.tensors import adapter_for
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "KeyReport",
@@ -54,9 +59,13 @@ __all__ = [
     "remove_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",
+    "split_sharded_checkpoint",
     "write_full_checkpoint",
     "write_sharded_checkpoint",
 ]
+
+#: DCP writer threads per rank (one shard file each). Two measured 1.57 GB/s against 1.40 with one.
+WRITER_THREADS = 2
 
 _STATE = "state"
 _PARAM_GROUPS = "param_groups"
@@ -116,27 +125,58 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 
 
 def write_sharded_checkpoint(
-    path: Path, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
+    path: Path,
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    rank: int,
+    group: ProcessGroup | None = None,
 ) -> None:
-    """Write a sharded checkpoint directory at ``path``: DCP shards and index, then ``meta.pt``.
+    """Write a sharded checkpoint directory at ``path`` atomically: DCP shards and index, ``meta.pt``.
 
-    Collective: every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``). A file at ``path`` is replaced by the directory. ``metadata`` (the rest of the
-    Lightning checkpoint) is written by rank 0, last.
+    Collective over ``group`` (the default group when ``None``): every rank calls it with its own shards
+    in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``). ``metadata`` (the rest of
+    the Lightning checkpoint) is written by rank 0. Everything goes to a staging directory next to
+    ``path``, checksummed while it is written (:class:`~.writer.ChecksummingWriter`), then published
+    with the manifest by :func:`~lightning_sharded.checkpoint.atomic.commit_directory`:
+    a previous checkpoint (directory or file) at ``path`` stays whole until the new one is complete.
 
     Raises:
-        CheckpointError: DCP failed on some rank; the message names the ranks and their errors.
+        CheckpointError: DCP failed on some rank, or the commit did; the message names the ranks and
+            their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    if rank == 0 and path.is_file():
-        path.unlink()
-    _barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    _run_dcp(lambda: save(state, checkpoint_id=path), f"Saving the sharded checkpoint to {str(path)!r}")
-    if rank == 0:
-        torch.save(metadata, path / META_FILENAME)
-    _barrier()
+    from lightning_sharded.checkpoint.atomic import commit_directory
+    from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
+
+    def write(staging: Path) -> dict[str, tuple[int, str]]:
+        writer = ChecksummingWriter(staging, thread_count=WRITER_THREADS)
+        with without_torch_crc32():
+            _run_dcp(
+                lambda: save(state, storage_writer=writer, process_group=group),
+                f"Saving the sharded checkpoint to {str(path)!r}",
+            )
+        if rank == 0:
+            torch.save(metadata, staging / META_FILENAME)
+        return writer.checksums
+
+    progress = {key: metadata[key] for key in ("epoch", "global_step") if isinstance(metadata.get(key), int)}
+    commit_directory(path, write, metadata=progress, group=group)
+
+
+def split_sharded_checkpoint(
+    checkpoint: dict[str, Any], model_key: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Lightning checkpoint dict as ``(state for DCP, the rest)``; consumes ``checkpoint``.
+
+    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``; the
+    rest (loops, callbacks, epoch, step...) goes to ``meta.pt``.
+    """
+    state = {model_key: checkpoint.pop(STATE_DICT)}
+    for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_STATES, [])):
+        state[optimizer_key(index)] = optim_state
+    return state, checkpoint
 
 
 def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
@@ -181,10 +221,8 @@ def save_checkpoint(
         rank: this process's global rank.
     """
     if sharded:
-        state = {model_key: checkpoint.pop(STATE_DICT)}
-        for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_STATES, [])):
-            state[optimizer_key(index)] = optim_state
-        write_sharded_checkpoint(path, state, checkpoint, rank=rank)
+        state, metadata = split_sharded_checkpoint(checkpoint, model_key)
+        write_sharded_checkpoint(path, state, metadata, rank=rank)
     else:
         write_full_checkpoint(path, checkpoint, rank=rank)
 
@@ -303,6 +341,8 @@ def _restore_sharded_optimizer(
     path: Path, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
 ) -> None:
     key = optimizer_key(index)
+    # Without this, torch creates the state with a fake optimizer step that the load then overwrites.
+    preallocate_optimizer_state(model, optimizer, layout.entries, f"{key}.{_STATE}.")
     template = optimizer_state_dict(model, optimizer, full=False)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{_PARAM_GROUPS}.")
@@ -350,6 +390,8 @@ def _restore_full(
             f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
             " by torch.save, or it is truncated or corrupt; resume from another checkpoint."
         ) from ex
+    # Each tensor's pages are given back once copied: the peak stays one shard plus one tensor.
+    mapping = FileMapping(path)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(STATE_DICT), dict):
         keys = sorted(map(str, checkpoint)) if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(
@@ -371,16 +413,24 @@ def _restore_full(
     to_load: dict[str, Any] = {}
     for key in report.common:  # sorted: the same order on every rank
         to_load[key] = _copy_full_into(target[key], source[key])
+        mapping.release(source[key])
     _set_model_state(model, to_load)
     del to_load, source
 
     for index, (optimizer, optim_state) in enumerate(zip(optimizers, optimizer_states or [], strict=True)):
-        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict)
+        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
     return Restored(checkpoint, report)
 
 
 def _restore_full_optimizer(
-    path: Path, model: nn.Module, optimizer: Optimizer, source: dict[str, Any], index: int, *, strict: bool
+    path: Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    source: dict[str, Any],
+    index: int,
+    *,
+    strict: bool,
+    mapping: FileMapping | None = None,
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
     template = optimizer_state_dict(model, optimizer, full=False)
@@ -419,6 +469,8 @@ def _restore_full_optimizer(
                     prefix="",
                 )
                 entries[entry] = _copy_full_into(entries[entry], value)
+                if mapping is not None:
+                    mapping.release(value)
             else:
                 entries[entry] = value
         if not entries:

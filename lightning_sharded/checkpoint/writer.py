@@ -96,6 +96,7 @@ class _ChecksummingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.checksums: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -109,6 +110,10 @@ class _ChecksummingFileSystem(FileSystem):
             stream = _HashingStream(raw)
             try:
                 yield stream
+            except BaseException as err:  # kept: torch's extra writer threads only print it
+                with self._lock:
+                    self.errors.append(err)
+                raise
             finally:
                 figures = stream.result()
         with self._lock:
@@ -137,6 +142,23 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
         self.fs: _ChecksummingFileSystem = _ChecksummingFileSystem()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        """Write this rank's items, then raise if any writer thread failed.
+
+        torch's extra writer threads (``thread_count > 1``) only print their exceptions: the save would
+        go on with the items they lost, and publish a checkpoint whose index points at missing bytes.
+        """
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        if self.fs.errors:
+            raise self.fs.errors[0]
+        if len(results) != len(plan.items):
+            raise OSError(
+                f"The checkpoint writer wrote {len(results)} of the {len(plan.items)} items of this rank into"
+                f" {str(self.path)!r}; a writer thread failed (its error was printed above)."
+            )
+        return future
 
     @property
     def checksums(self) -> dict[str, tuple[int, str]]:
