@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
 
 from lightning_sharded.hooks import register_sharded_state_hooks
 from lightning_sharded.tensors import gather_full_values
@@ -57,3 +63,75 @@ class ShardedStateMixin:
         strategy = getattr(trainer, "strategy", None) if trainer is not None else None
         if "state_dict" in checkpoint and not writes_sharded_checkpoints(strategy):
             gather_full_values(checkpoint["state_dict"])
+
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | os.PathLike[str] | IO[bytes],
+        map_location: Any = None,
+        hparams_file: str | os.PathLike[str] | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's ``load_from_checkpoint``, which also accepts a sharded checkpoint directory.
+
+        For a directory (written by this library, or by stock ``FSDPStrategy`` or
+        ``ModelParallelStrategy``), the full checkpoint is read in this process, without any process
+        group (:func:`lightning_sharded.load_checkpoint`), then goes through Lightning's own path:
+        checkpoint migration, ``hparams_file`` and ``kwargs`` overrides, the model built from the saved
+        hyperparameters, ``load_state_dict`` with ``strict``. Meant for inference on one machine: the
+        whole model is loaded into memory. A file is loaded exactly as Lightning does.
+
+        Raises:
+            FileNotFoundError: nothing at ``checkpoint_path``.
+            CheckpointError: the directory is not a checkpoint or is damaged, or its keys or shapes do
+                not fit the model (the message lists them).
+        """
+        from lightning.pytorch import LightningModule
+
+        from lightning_sharded.checkpoint.atomic import resolve
+
+        parent: Any = super()
+        if not isinstance(checkpoint_path, (str, os.PathLike)) or not resolve(checkpoint_path).is_dir():
+            return parent.load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+            )
+        from lightning_sharded.checkpoint.errors import CheckpointError
+        from lightning_sharded.checkpoint.tools import load_checkpoint
+
+        location = map_location if isinstance(map_location, (str, torch.device)) else None
+        checkpoint = load_checkpoint(Path(checkpoint_path), location or "cpu")
+        assert issubclass(cls, LightningModule)
+        try:
+            with _preloaded(checkpoint_path, checkpoint):
+                return parent.load_from_checkpoint(
+                    checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+                )
+        except RuntimeError as err:
+            if "state_dict" not in str(err):
+                raise
+            raise CheckpointError(
+                f"The checkpoint {str(checkpoint_path)!r} does not fit {cls.__name__}: {err}\nBuild the model"
+                " with the hyperparameters it was trained with (they set the shapes); for missing or"
+                " unexpected keys only, strict=False loads the keys that match."
+            ) from err
+
+
+@contextlib.contextmanager
+def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iterator[None]:
+    """Make Lightning's checkpoint reader return ``checkpoint`` for ``path`` (and only for it)."""
+    from lightning.pytorch.core import saving
+
+    original = saving.pl_load  # type: ignore[attr-defined]
+
+    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        if path_or_url is path:
+            return checkpoint
+        return original(path_or_url, *args, **kwargs)
+
+    saving.pl_load = pl_load  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        saving.pl_load = original  # type: ignore[attr-defined]

@@ -1,15 +1,24 @@
-"""Shared fixtures: a one-rank gloo process group for in-process tests of distributed values."""
+"""Shared fixtures: a one-rank gloo process group for in-process tests of distributed values, and one
+run of the fault driver that gives the crash cases and a clean 2-rank sharded checkpoint."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed.launch import free_port
+
+DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +38,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def fault_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """``fault_driver.py OUT all``: ``OUT/template/ckpt`` (version 1, 2 ranks) and every crash case."""
+    out = tmp_path_factory.mktemp("faults")
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), str(out), "all"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture
+def sharded_ckpt(fault_run: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    """A private copy of a complete 2-rank sharded checkpoint (version 1 of ``fault_driver.expected``)."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(fault_run[0] / "template" / "ckpt", dst)
+    return dst

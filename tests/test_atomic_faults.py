@@ -7,9 +7,6 @@ state and ``meta.pt`` of one version, never a mix), and the next save succeeds a
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +17,6 @@ from lightning_sharded.checkpoint.atomic import leftovers, resolve
 from lightning_sharded.checkpoint.manifest import read_manifest
 from tests._compare import assert_same
 from tests.distributed.fault_driver import CASES, expected
-
-DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
 OLD, NEW = 1, 2
 #: case -> the version that must be at the path after the crash (None: no checkpoint at all).
@@ -47,16 +42,8 @@ OUTCOME: dict[str, int | None] = {
 
 
 @pytest.fixture(scope="module")
-def crashes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("faults")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), str(out), "all"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return out, json.loads((out / "results.json").read_text())
+def crashes(fault_run: tuple[Path, dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    return fault_run
 
 
 def read_dcp_checkpoint(path: Path) -> dict[str, Any]:

@@ -8,25 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import REPO, rank_env
+from tests.distributed.launch import REPO, launcher_env
 
 
 @pytest.mark.slow
 def test_mixin_under_ddp_two_processes(tmp_path: Path) -> None:
-    env = {
-        k: v
-        for k, v in rank_env(0, 1, 0).items()
-        if k
-        not in {
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "LOCAL_WORLD_SIZE",
-            "NODE_RANK",
-            "GROUP_RANK",
-            "MASTER_PORT",
-        }
-    }
+    env = launcher_env()
     out = subprocess.run(
         [sys.executable, str(REPO / "examples/mixin_ddp.py"), str(tmp_path)],
         env=env,

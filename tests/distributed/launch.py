@@ -73,6 +73,15 @@ def run_ranks(
         )
         for rank in range(world_size)
     ]
+    return wait_all(procs, timeout, f"{Path(script).name} x{world_size}", "rank")
+
+
+def wait_all(procs: list[subprocess.Popen[str]], timeout: float, label: str, what: str) -> list[str]:
+    """Wait for every process; kill all of them (their process groups) at ``timeout`` seconds.
+
+    Returns each process's combined output. Raises ``AssertionError`` with every output when one
+    exited non-zero or the timeout struck.
+    """
     deadline = time.monotonic() + timeout
     outputs: list[str] = []
     timed_out = False
@@ -86,12 +95,28 @@ def run_ranks(
                     os.killpg(p.pid, signal.SIGKILL)
             out, _ = proc.communicate()
         outputs.append(out)
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if timed_out or failed:
         report = "\n".join(
-            f"----- rank {rank} (exit {procs[rank].returncode}) -----\n{out[-6000:]}"
-            for rank, out in enumerate(outputs)
+            f"----- {what} {i} (exit {procs[i].returncode}) -----\n{out[-6000:]}"
+            for i, out in enumerate(outputs)
         )
-        reason = f"timed out after {timeout:.0f}s" if timed_out else f"ranks {failed} failed"
-        raise AssertionError(f"{Path(script).name} x{world_size} {reason}:\n{report}")
+        reason = f"timed out after {timeout:.0f}s" if timed_out else f"{what}s {failed} failed"
+        raise AssertionError(f"{label} {reason}:\n{report}")
     return outputs
+
+
+#: Variables a launcher sets per rank; a process that starts its own ranks must not inherit them.
+RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT")
+
+
+def launcher_env() -> dict[str, str]:
+    """This process's environment for a child that starts ranks itself (torchrun, Lightning's launcher)."""
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+    )
+    return env

@@ -1,0 +1,232 @@
+"""Checks of checkpoint files: presence and sizes on every load, checksums on request.
+
+- :func:`check_files`: a sharded directory against its manifest; presence and sizes always (cheap:
+  one ``stat`` per file), checksums with ``verify=True`` (reads every byte).
+- :func:`verify_checkpoint`: everything that can be checked at a path, checksums included; for a
+  sharded directory without a manifest (stock Lightning), what can be checked without one: that
+  ``.metadata`` reads and that every shard file it references is there and long enough; for a full
+  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive.
+
+Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.layout import (
+    DCP_METADATA,
+    LIGHTNING_METADATA,
+    SHARD_FILE,
+    CheckpointKind,
+    checkpoint_kind,
+)
+from lightning_sharded.checkpoint.manifest import Manifest, file_checksum, read_manifest
+
+__all__ = ["Problem", "VerifyReport", "check_files", "find_problems", "verify_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One bad file of a checkpoint.
+
+    Attributes:
+        path: The file, relative to the checkpoint directory (the file name for a full checkpoint).
+        what: What is wrong with it, in words.
+        rank: The rank that wrote it, when known.
+    """
+
+    path: str
+    what: str
+    rank: int | None = None
+
+    def __str__(self) -> str:
+        who = f" (written by rank {self.rank})" if self.rank is not None else ""
+        return f"{self.path!r}{who} {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_checkpoint` checked.
+
+    Attributes:
+        path: The checkpoint read (the previous version, when an interrupted save left the path empty).
+        kind: ``"sharded"`` or ``"full"``.
+        files: Number of files checked.
+        bytes: Bytes read to check them.
+        has_manifest: A sharded directory with a manifest (sizes and checksums checked against it).
+        notes: What could not be checked, in words.
+    """
+
+    path: Path
+    kind: CheckpointKind
+    files: int = 0
+    bytes: int = 0
+    has_manifest: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _rank_of(name: str) -> int | None:
+    m = SHARD_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
+    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
+    root = Path(path)
+    problems: list[Problem] = []
+    for entry in manifest.files:
+        file = root / entry.path
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            problems.append(Problem(entry.path, "is missing", entry.rank))
+            continue
+        if size != entry.size:
+            how = "truncated" if size < entry.size else "longer than written"
+            problems.append(
+                Problem(entry.path, f"is {how}: {size} bytes, the manifest says {entry.size}", entry.rank)
+            )
+            continue
+        if checksums:
+            _, checksum = file_checksum(file)
+            if checksum != entry.checksum:
+                problems.append(
+                    Problem(
+                        entry.path,
+                        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says"
+                        f" {entry.checksum}",
+                        entry.rank,
+                    )
+                )
+    return problems
+
+
+def _raise(path: Path, problems: list[Problem]) -> None:
+    if not problems:
+        return
+    first, others = problems[0], problems[1:]
+    also = f" Also: {'; '.join(map(str, others))}." if others else ""
+    raise CheckpointError(
+        f"The checkpoint {str(path)!r} is damaged: {first}.{also} Restore it from a copy, or load an earlier"
+        " checkpoint."
+    )
+
+
+def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
+    """Check a sharded directory against its manifest before loading it.
+
+    Args:
+        path: The sharded checkpoint directory.
+        manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
+        verify: Also compare every file's checksum (reads every byte).
+
+    Raises:
+        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
+            names the first one, its rank and the others.
+    """
+    if manifest is None:
+        return
+    _raise(Path(path), find_problems(path, manifest, checksums=verify))
+
+
+def _dcp_problems(root: Path) -> tuple[list[Problem], int]:
+    """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
+    try:
+        with open(root / DCP_METADATA, "rb") as f:
+            metadata: Any = pickle.load(f)
+        storage = dict(metadata.storage_data or {})
+    except Exception as err:
+        return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        rel = str(info.relative_path)
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    problems: list[Problem] = []
+    for rel in sorted(needed):
+        try:
+            size = (root / rel).stat().st_size
+        except FileNotFoundError:
+            problems.append(Problem(rel, "is missing (`.metadata` references it)", _rank_of(rel)))
+            continue
+        if size < needed[rel]:
+            problems.append(
+                Problem(rel, f"is truncated: {size} bytes, `.metadata` needs {needed[rel]}", _rank_of(rel))
+            )
+    if not (root / LIGHTNING_METADATA).is_file():
+        problems.append(Problem(LIGHTNING_METADATA, "is missing"))
+    return problems, len(needed) + 1
+
+
+def _full_file_problems(file: Path) -> list[Problem]:
+    """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
+    try:
+        with zipfile.ZipFile(file) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as err:
+        return [
+            Problem(
+                file.name,
+                f"is not a complete torch.save archive ({err}): it is truncated or corrupt, or was written"
+                " by a"
+                " torch older than 1.6",
+            )
+        ]
+    if bad is not None:
+        return [
+            Problem(file.name, f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored")
+        ]
+    return []
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check every file of a checkpoint, checksums included; works in one plain process.
+
+    - a sharded directory with a manifest: every listed file present, with its size and checksum;
+    - a sharded directory without one (stock Lightning): nothing to compare checksums with, so it
+      checks that ``.metadata`` reads and that every file it references is there and long enough
+      (the report's ``notes`` say so);
+    - a full file: the CRC-32 of every record of the ``torch.save`` archive.
+
+    Args:
+        path: A sharded checkpoint directory or a full checkpoint file.
+
+    Returns:
+        What was checked.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: the path is not a checkpoint, or a file is missing, truncated or corrupted;
+            the message names the first bad file, the rank that wrote it, and the others.
+    """
+    real, kind = checkpoint_kind(path)
+    report = VerifyReport(real, kind)
+    if kind is CheckpointKind.FULL:
+        _raise(real, _full_file_problems(real))
+        report.files, report.bytes = 1, real.stat().st_size
+        return report
+    manifest = read_manifest(real)
+    if manifest is None:
+        problems, report.files = _dcp_problems(real)
+        _raise(real, problems)
+        report.notes.append(
+            "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
+            " with; checked that `.metadata` reads and that every shard file it references is present and"
+            " long enough"
+        )
+        report.bytes = sum(p.stat().st_size for p in real.iterdir() if p.is_file())
+        return report
+    problems = find_problems(real, manifest, checksums=True)
+    listed = {e.path for e in manifest.files}
+    if DCP_METADATA not in listed:
+        problems.append(Problem(DCP_METADATA, "is not listed in the manifest"))
+    _raise(real, problems)
+    report.has_manifest = True
+    report.files, report.bytes = len(manifest.files), manifest.total_size
+    return report

@@ -1,0 +1,268 @@
+"""load_checkpoint, consolidate_checkpoint, inspect and the `lightning-sharded` CLI, in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
+from lightning_sharded.checkpoint.atomic import commit_directory, leftovers
+from lightning_sharded.checkpoint.tools import inspect_checkpoint
+from lightning_sharded.cli import main
+from tests._compare import assert_same
+from tests.distributed.fault_driver import expected
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def lightning_form(version: int) -> dict[str, Any]:
+    """``fault_driver.expected(version)`` as a full Lightning checkpoint (optimizer keyed by index)."""
+    full = expected(version)
+    opt = full.pop("optimizer_0")
+    full["optimizer_states"] = [
+        {
+            "state": {0: opt["state"]["layer.weight"], 1: opt["state"]["layer.bias"]},
+            "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+        }
+    ]
+    return full
+
+
+def save_single_process(path: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """A sharded checkpoint written by one process with DCP (no process group), through commit_directory."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    def write(staging: Path) -> None:
+        _save_state_dict(state, FileSystemWriter(staging), no_dist=True)
+        torch.save(meta, staging / "meta.pt")
+
+    commit_directory(
+        path, write, metadata={"epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
+    )
+
+
+def test_load_checkpoint_of_a_two_rank_directory(sharded_ckpt: Path) -> None:
+    assert_same(load_checkpoint(sharded_ckpt), lightning_form(1))
+
+
+def test_load_checkpoint_of_a_full_file(sharded_ckpt: Path, tmp_path: Path) -> None:
+    out = consolidate_checkpoint(sharded_ckpt, tmp_path / "full.ckpt", progress=False)
+    assert_same(load_checkpoint(out), lightning_form(1))
+    assert_same(torch.load(out, weights_only=True), lightning_form(1))
+
+
+def test_fsdp_model_key_and_extra_keys(tmp_path: Path) -> None:
+    weight = torch.arange(6.0).reshape(2, 3)
+    state = {
+        "model": {"w": weight},
+        "optimizer_0": {
+            "state": {"w": {"exp_avg": weight * 2}},
+            "param_groups": [{"lr": 1.0, "params": ["w"]}],
+        },
+    }
+    save_single_process(tmp_path / "ckpt", state, {"epoch": 2, "global_step": 7})
+    loaded = load_checkpoint(tmp_path / "ckpt")
+    assert_same(loaded["state_dict"], {"w": weight})
+    assert_same(
+        loaded["optimizer_states"],
+        [{"state": {0: {"exp_avg": weight * 2}}, "param_groups": [{"lr": 1.0, "params": [0]}]}],
+    )
+    assert (loaded["epoch"], loaded["global_step"]) == (2, 7)
+
+
+def test_missing_optimizer_number_and_no_model(tmp_path: Path) -> None:
+    save_single_process(
+        tmp_path / "a", {"state_dict": {"w": torch.ones(2)}, "optimizer_1": {"x": torch.ones(1)}}, {}
+    )
+    with pytest.raises(CheckpointError, match=r"optimizer states \['optimizer_1'\], not numbered 0, 1"):
+        load_checkpoint(tmp_path / "a")
+    save_single_process(tmp_path / "b", {"weights": {"w": torch.ones(2)}}, {})
+    with pytest.raises(
+        CheckpointError, match=r"has no model state: none of the keys \['state_dict', 'model'\]"
+    ):
+        load_checkpoint(tmp_path / "b")
+
+
+def test_consolidate_output_is_a_valid_archive_published_atomically(
+    sharded_ckpt: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "out" / "full.ckpt"
+    dst.parent.mkdir()
+    dst.write_text("previous")
+    out = consolidate_checkpoint(sharded_ckpt, dst, progress=False)
+    assert out == dst
+    with zipfile.ZipFile(dst) as archive:
+        assert archive.testzip() is None  # every CRC-32 recomputed after the fill
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["full.ckpt"]
+    assert leftovers(dst) == []
+
+
+def test_consolidate_refuses_a_full_file(sharded_ckpt: Path, tmp_path: Path) -> None:
+    out = consolidate_checkpoint(sharded_ckpt, tmp_path / "full.ckpt", progress=False)
+    with pytest.raises(
+        CheckpointError, match="already a full checkpoint file: there is nothing to consolidate"
+    ):
+        consolidate_checkpoint(out, tmp_path / "again.ckpt")
+
+
+def test_consolidate_keeps_real_tensors_of_meta(tmp_path: Path) -> None:
+    score = torch.tensor(0.25)
+    save_single_process(
+        tmp_path / "ckpt",
+        {"state_dict": {"w": torch.ones(3)}},
+        {"callbacks": {"ModelCheckpoint": {"best_model_score": score, "best_k_models": {"a": score + 1}}}},
+    )
+    out = consolidate_checkpoint(tmp_path / "ckpt", tmp_path / "full.ckpt", progress=False)
+    loaded = torch.load(out, weights_only=True)
+    assert_same(
+        loaded["callbacks"],
+        {"ModelCheckpoint": {"best_model_score": score, "best_k_models": {"a": score + 1}}},
+    )
+
+
+MEMORY_SCRIPT = r"""
+import sys, threading, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import torch
+from lightning_sharded import consolidate_checkpoint, load_checkpoint
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+def anon_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+
+class Peak:
+    def __init__(self):
+        self.peak, self.run = anon_kib(), True
+        self.thread = threading.Thread(target=self.sample, daemon=True); self.thread.start()
+    def sample(self):
+        while self.run:
+            self.peak = max(self.peak, anon_kib()); time.sleep(0.002)
+    def stop(self):
+        self.run = False; self.thread.join(); return self.peak
+
+root = Path(sys.argv[2])
+state = {"state_dict": {f"w{i}": torch.full((4 << 20,), float(i)) for i in range(8)}}  # 8 x 16 MiB
+_save_state_dict(state, FileSystemWriter(root / "ckpt"), no_dist=True)
+torch.save({"epoch": 0}, root / "ckpt" / "meta.pt")
+del state
+import gc; gc.collect()
+# a first, small consolidation imports what it needs (FakeTensor, tqdm...): code, not data
+tiny = {"state_dict": {"w": torch.ones(4)}}
+_save_state_dict(tiny, FileSystemWriter(root / "tiny"), no_dist=True)
+torch.save({"epoch": 0}, root / "tiny" / "meta.pt")
+consolidate_checkpoint(root / "tiny", root / "tiny.ckpt", progress=False)
+gc.collect()
+base = anon_kib(); p = Peak()
+consolidate_checkpoint(root / "ckpt", root / "full.ckpt", progress=False)
+consolidate_peak = p.stop() - base
+gc.collect(); base = anon_kib(); p = Peak()
+loaded = load_checkpoint(root / "ckpt")
+load_peak = p.stop() - base
+assert torch.equal(torch.load(root / "full.ckpt", mmap=True)["state_dict"]["w7"], loaded["state_dict"]["w7"])
+print(consolidate_peak // 1024, load_peak // 1024)
+"""
+
+
+def test_consolidate_memory_is_bounded_by_one_tensor(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(REPO), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    consolidate_mib, load_mib = map(int, proc.stdout.split())
+    # 128 MiB of tensors, the largest 16 MiB: loading everything must show up (the measure works) ...
+    assert load_mib >= 120, (consolidate_mib, load_mib)
+    # ... and consolidation stays within a few copies of the largest tensor.
+    assert consolidate_mib <= 64, (consolidate_mib, load_mib)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_inspect_table_and_json(sharded_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "inspect", str(sharded_ckpt))
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["key", "shape", "dtype", "size", "shards"]
+    assert any(
+        line.split() == ["state_dict.layer.weight", "(8,", "6)", "torch.float32", "192", "B", "2"]
+        for line in lines
+    )
+    assert "world size:  2" in out and "epoch:       1" in out and "global step: 10" in out
+    assert "kind:        sharded (manifest)" in out
+    code, out, _ = run_cli(capsys, "inspect", str(sharded_ckpt), "--json")
+    data = json.loads(out)
+    assert data["world_size"] == 2 and data["epoch"] == 1 and data["global_step"] == 10
+    entry = next(e for e in data["entries"] if e["key"] == "state_dict.layer.weight")
+    assert entry == {
+        "key": "state_dict.layer.weight",
+        "shape": [8, 6],
+        "dtype": "torch.float32",
+        "size": 192,
+        "shards": 2,
+    }
+    assert data == inspect_checkpoint(sharded_ckpt).to_dict()
+
+
+def test_cli_verify_ok_and_damaged(sharded_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "verify", str(sharded_ckpt))
+    assert code == 0
+    assert out.startswith(f"OK: {sharded_ckpt} (sharded, 4 files,") and "checksums match" in out
+    (sharded_ckpt / "__0_0.distcp").unlink()
+    data = bytearray((sharded_ckpt / "__1_0.distcp").read_bytes())
+    data[100] ^= 1
+    (sharded_ckpt / "__1_0.distcp").write_bytes(bytes(data))
+    code, out, err = run_cli(capsys, "verify", str(sharded_ckpt))
+    assert code == 1 and out == ""
+    assert err.startswith("lightning-sharded verify: error: The checkpoint")
+    assert "'__0_0.distcp' (written by rank 0) is missing" in err
+    assert "'__1_0.distcp' (written by rank 1) is corrupted" in err
+
+
+def test_cli_consolidate(sharded_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "consolidate", str(sharded_ckpt), str(tmp_path / "full.ckpt"))
+    assert code == 0 and out.startswith(f"Wrote {tmp_path / 'full.ckpt'}")
+    assert_same(torch.load(tmp_path / "full.ckpt", weights_only=True), lightning_form(1))
+
+
+def test_cli_errors_and_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "verify", str(tmp_path / "nope"))
+    assert code == 1 and "There is no checkpoint at" in err
+    code, _, err = run_cli(capsys, "bogus")
+    assert code == 2 and "invalid choice" in err
+    try:
+        import lightning_sharded.demo  # noqa: F401
+    except ModuleNotFoundError:
+        code, _, err = run_cli(capsys, "demo", "--help")
+        assert code == 2 and "the demo is not part of this installation yet" in err
+
+
+def test_console_script_runs(sharded_ckpt: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_sharded.cli", "verify", str(sharded_ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("OK:"), proc.stderr
