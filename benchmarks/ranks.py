@@ -140,6 +140,17 @@ def barrier() -> None:
         dist.barrier()
 
 
+def settle() -> None:
+    """Flush every dirty page of the machine (untimed), so a timed write does not pay for older ones.
+
+    ext4 commits its journal on fsync; with dirty data of earlier files (a full checkpoint written
+    without fsync, deleted checkpoints) that made the first timed write of each case 3-6x slower.
+    """
+    barrier()
+    os.sync()
+    barrier()
+
+
 def timed(fn: Callable[[], Any]) -> float:
     """Seconds ``fn`` takes on this rank, between barriers (so all ranks start together)."""
     barrier()
@@ -202,6 +213,7 @@ def raw_probe(args: argparse.Namespace, record: dict[str, Any]) -> None:
         return
     file = args.dir / f"raw.rank{dist.get_rank()}.bin"
     share = args.raw_bytes // dist.get_world_size()
+    settle()
     record.setdefault("raw write s", []).append(timed(lambda: write_fsync(file, share, _RANDOM)))
     evict_own(file)
     record.setdefault("raw read s", []).append(timed(lambda: read_all(file)))
@@ -268,6 +280,7 @@ class SaveTimer(L.Callback):
             if i:
                 remove(self.ckpt)
             raw_probe(self.args, self.record)
+            settle()
             times.append(timed(lambda: trainer.save_checkpoint(self.ckpt)))
         self.record["save s"] = times
         self.record["bytes"] = tree_bytes(self.ckpt)
@@ -381,6 +394,7 @@ def torch_case(args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {"save s": [], "load s": [], "dcp save s": [], "dcp load s": []}
     for _ in range(args.repeats):
         raw_probe(args, record)
+        settle()
         record["save s"].append(timed(torch_save))
         record["bytes"] = file.stat().st_size * dist.get_world_size()
         evict_own(file)
@@ -389,6 +403,7 @@ def torch_case(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = args.dir / "dcp"
     for _ in range(args.repeats):
         remove(ckpt)
+        settle()
         record["dcp save s"].append(timed(lambda: dcp.save(state, checkpoint_id=ckpt)))
         record["dcp bytes"] = tree_bytes(ckpt)
         evict(ckpt)
@@ -397,7 +412,7 @@ def torch_case(args: argparse.Namespace) -> dict[str, Any]:
     stalls, totals = [], []
     for _ in range(args.repeats):
         remove(ckpt)
-        barrier()
+        settle()
         start = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=ckpt)
         stalls.append(time.perf_counter() - start)
@@ -423,21 +438,28 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     record: dict[str, Any] = {}
     ckpt = args.dir / f"{name}.ckpt"
 
+    first: list[float] = []
+
     class Saves(L.Callback):
         def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             strategy: Any = trainer.strategy
             sync, stall, total = [], [], []
-            for i in range(args.repeats):
-                strategy.async_save = False
-                sync.append(timed(lambda i=i: trainer.save_checkpoint(ckpt.with_suffix(f".sync{i}"))))
+            # One more async save than timed: the first allocates the staging buffers (kept apart).
+            for i in range(args.repeats + 1):
+                if i:
+                    strategy.async_save = False
+                    settle()
+                    sync.append(timed(lambda i=i: trainer.save_checkpoint(ckpt.with_suffix(f".sync{i}"))))
                 strategy.async_save = True
-                barrier()
+                settle()
                 start = time.perf_counter()
                 trainer.save_checkpoint(ckpt.with_suffix(f".async{i}"))
-                stall.append(time.perf_counter() - start)
+                (stall if i else first).append(time.perf_counter() - start)
                 strategy.wait_for_checkpoint()
                 barrier()
-                total.append(time.perf_counter() - start)
+                if i:
+                    total.append(time.perf_counter() - start)
+            record["first async stall s"] = first
             record.update({"sync s": sync, "async stall s": stall, "async total s": total})
 
     model = BenchModel(args.width, args.layers, shard_layers=True)
@@ -445,7 +467,7 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(model)
     del trainer, model
     gc.collect()
-    for i in range(args.repeats):
+    for i in range(args.repeats + 1):
         remove(ckpt.with_suffix(f".sync{i}"))
         remove(ckpt.with_suffix(f".async{i}"))
     return record

@@ -168,11 +168,13 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
             sync = median_of_max(per_rank, case, "sync s")
             stall = median_of_max(per_rank, case, "async stall s")
             total = median_of_max(per_rank, case, "async total s")
+            first = max(r[case]["first async stall s"][0] for r in per_rank)
             async_rows[LABELS[case.removeprefix("async-")] + " async_save=True"] = {
                 "sync save s": sync,
                 "stall s": stall,
                 "async total s": total,
                 "stall / sync save": stall / sync,
+                "first save stall s (allocates the buffers)": first,
             }
 
     memory_rows: dict[str, dict[str, float]] = {}
@@ -264,6 +266,48 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def markdown(report: dict[str, Any]) -> str:
+    """The tables of ``docs/benchmarks.md``, from a report."""
+    raw = report["disk"]
+    out = [
+        f"Disk, probed the same way (both ranks at once, median of {len(raw['write probes GB/s'])} probes):"
+        f" write+fsync **{raw['write GB/s']:.2f} GB/s**, cold read **{raw['read GB/s']:.2f} GB/s**;"
+        f" checkpoint {report['config']['checkpoint GB']:.2f} GB.",
+        "",
+        "| save / load | save GB/s | save / raw write | load GB/s | load / raw read | resume vs stock |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in report["throughput"]["rows"].items():
+        speed = r.get("resume speedup vs stock")
+        out.append(
+            f"| {LABELS[name]} | {r['save GB/s']:.2f} | {r['save / raw write']:.2f} | {r['load GB/s']:.2f}"
+            f" | {r['load / raw read']:.2f} | {f'{speed:.2f}x' if speed else '-'} |"
+        )
+    out += [
+        "",
+        "| async save | sync save s | stall s | stall / sync save | first stall s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["async"]["rows"].items():
+        first = r.get("first save stall s (allocates the buffers)")
+        out.append(
+            f"| {name} | {r['sync save s']:.2f} | {r['stall s']:.3f} | {r['stall / sync save']:.3f}"
+            f" | {f'{first:.2f}' if first else '-'} |"
+        )
+    out += [
+        "",
+        "| full-file load into the sharded model | peak above baseline GB | shard GB | peak / shard"
+        " | peak / (shard + largest tensor) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["memory"]["rows"].items():
+        out.append(
+            f"| {name} | {r['peak above baseline bytes'] / 1e9:.2f} | {r['shard bytes'] / 1e9:.2f}"
+            f" | {r['peak / shard']:.2f} | {r['peak / (shard + largest tensor)']:.2f} |"
+        )
+    return "\n".join(out)
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -332,16 +376,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where results.json/.png go")
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--cases", nargs="+", help="run only these cases (default: all that exist)")
+    parser.add_argument("--no-hooks", action="store_true", help="skip the hook-overhead section")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gb = min(args.size_gb, 0.02)
-    repeats = args.repeats or (2 if args.quick else 3)
+    repeats = args.repeats or 2
     width, layers = geometry(args.size_gb)
     ours = our_strategies()
     cases = ["stock-mp", "stock-fsdp", *ours, "torch", "memory-stock-mp"]
     if "ours-mp" in ours:
         cases.append("memory-ours-mp")
     cases += [f"async-{case}" for case, has_async in ours.items() if has_async]
+    if args.cases:
+        cases = [case for case in cases if case in args.cases]
 
     start = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="lsbench-", dir=args.dir))
@@ -394,7 +442,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "disk": raw,
     }
     report.update(collect(per_rank, raw))
-    report["hooks"] = hooks_section(200 if args.quick else 2000, 5 if args.quick else 41)
+    report["hooks"] = (
+        {"rows": {}, "ratios": {}}
+        if args.no_hooks
+        else hooks_section(200 if args.quick else 2000, 5 if args.quick else 41)
+    )
     import lightning
     import torch
 
@@ -402,6 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["seconds"] = time.perf_counter() - start
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     plot(report, args.out / "results.png")
+    (args.out / "results.md").write_text(markdown(report) + "\n")
     print(table(report))
     print(f"\n{report['seconds']:.0f} s; wrote {args.out / 'results.json'} and {args.out / 'results.png'}")
     return report

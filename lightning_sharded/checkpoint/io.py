@@ -45,7 +45,10 @@ from lightning_sharded.checkpoint.format import (
     read_sharded_layout,
     summarize_keys,
 )
-from lightning_sharded.checkpoint.optim_state import preallocate_optimizer_state
+from lightning_sharded.checkpoint.optim_state import (
+    preallocate_from_full_state,
+    preallocate_optimizer_state,
+)
 from lightning_sharded.tensors import adapter_for
 
 if TYPE_CHECKING:
@@ -433,6 +436,8 @@ def _restore_full_optimizer(
     mapping: FileMapping | None = None,
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
+    # Without this, torch creates the state with a fake optimizer step (zero grads, Adam temporaries).
+    preallocate_from_full_state(model, optimizer, source)
     template = optimizer_state_dict(model, optimizer, full=False)
     names = _param_names(template)
     source_groups = source.get(_PARAM_GROUPS, [])
@@ -574,8 +579,12 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    from lightning_sharded.checkpoint.reader import DirectReader
+
     _run_dcp(
-        lambda: load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True)),
+        lambda: load(
+            state, storage_reader=DirectReader(path), planner=DefaultLoadPlanner(allow_partial_load=True)
+        ),
         f"Loading the sharded checkpoint {str(path)!r}",
     )
 

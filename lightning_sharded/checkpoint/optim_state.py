@@ -17,12 +17,13 @@ makes it change nothing and return ``False``, and the caller falls back to torch
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-__all__ = ["preallocate_optimizer_state"]
+__all__ = ["preallocate_from_full_state", "preallocate_optimizer_state"]
 
 
 def _global_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -83,3 +84,29 @@ def preallocate_optimizer_state(
     for param, state in planned:
         optimizer.state[param] = state
     return True
+
+
+def preallocate_from_full_state(model: nn.Module, optimizer: Optimizer, source: Mapping[str, Any]) -> bool:
+    """:func:`preallocate_optimizer_state` for the optimizer state of a full checkpoint file.
+
+    ``source`` is one entry of Lightning's ``optimizer_states``: ``{"state": ..., "param_groups": ...}``
+    keyed by parameter index (``Optimizer.state_dict()``) or by parameter name.
+    """
+    names = {id(param): name for name, param in model.named_parameters()}
+    ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    if any(name is None for name in ordered):
+        return False
+    state: Mapping[Any, Any] = source.get("state", {})
+    if any(isinstance(key, int) for key in state):
+        positions = [p for group in source.get("param_groups", []) for p in group.get("params", [])]
+        if len(positions) != len(ordered):
+            return False
+        by_position = dict(zip(positions, ordered, strict=True))
+        state = {by_position.get(key, key): value for key, value in state.items()}
+    entries = {
+        f"{name}.{entry}": tuple(value.shape) if isinstance(value, torch.Tensor) else None
+        for name, values in state.items()
+        if isinstance(values, Mapping)
+        for entry, value in values.items()
+    }
+    return preallocate_optimizer_state(model, optimizer, entries, prefix="")
