@@ -393,7 +393,6 @@ def torch_case(args: argparse.Namespace) -> dict[str, Any]:
 
     record: dict[str, Any] = {"save s": [], "load s": [], "dcp save s": [], "dcp load s": []}
     for _ in range(args.repeats):
-        raw_probe(args, record)
         settle()
         record["save s"].append(timed(torch_save))
         record["bytes"] = file.stat().st_size * dist.get_world_size()
