@@ -64,6 +64,7 @@ def test_commit_uses_known_checksums_and_reads_back_the_rest(tmp_path: Path) -> 
         assert file_checksum(target / entry.path) == (entry.size, entry.checksum), entry.path
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatch: Any) -> None:
     """torch's extra writer threads only print their errors; ours must raise (else a corrupt publish)."""
     from lightning_sharded.checkpoint import writer as writer_module
