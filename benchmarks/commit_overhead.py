@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
 from lightning_sharded.checkpoint.atomic import commit_directory
-from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
+from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
 
 def main() -> None:

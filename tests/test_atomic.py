@@ -218,9 +218,9 @@ def test_checksums_computed_while_writing_match_and_skip_the_read_back(
     import torch.distributed.checkpoint as dcp
 
     from lightning_sharded.checkpoint import atomic
-    from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
     from lightning_sharded.checkpoint.manifest import file_checksum
     from lightning_sharded.checkpoint.verify import verify_checkpoint
+    from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
     read_back: list[str] = []
     original = atomic.file_checksum

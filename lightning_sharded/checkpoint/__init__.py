@@ -14,7 +14,6 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
-    from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
     from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
     from lightning_sharded.checkpoint.tools import (
         CheckpointInfo,
@@ -23,6 +22,7 @@ if TYPE_CHECKING:
         load_checkpoint,
     )
     from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
+    from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
 _LAZY = {
     "MANIFEST_NAME": "manifest",
@@ -32,7 +32,7 @@ _LAZY = {
     "commit_file": "atomic",
     "remove_checkpoint": "atomic",
     "resolve": "atomic",
-    "ChecksummingWriter": "dcp_writer",
+    "ChecksummingWriter": "writer",
     "CheckpointInfo": "tools",
     "consolidate_checkpoint": "tools",
     "inspect_checkpoint": "tools",

@@ -397,13 +397,15 @@ def _own_files(staging: Path, rank: int) -> list[str]:
     return [rel for rel in _walk(staging) if "/" not in rel and rel.startswith(prefix)]
 
 
-def _checksum(file: Path, known: tuple[int, str] | None) -> tuple[int, str]:
-    """Size and CRC-32 of a file just written: ``known`` (computed while writing) if the size on disk
-    agrees, else read back. Either way the file is fsynced."""
-    if known is not None and file.stat().st_size == int(known[0]):
-        _fsync_file(file)
-        return int(known[0]), str(known[1])
-    return file_checksum(file, fsync=True)
+def _entry(staging: Path, rel: str, rank: int, known: Mapping[str, tuple[int, str]]) -> FileEntry:
+    """The manifest entry of one staged file, fsynced: from ``known`` (checksummed while written, its
+    size checked against the file) or else by reading the file back."""
+    figures = known.get(rel)
+    if figures is not None and os.stat(staging / rel).st_size == figures[0]:
+        _fsync_file(staging / rel)
+        return FileEntry(rel, figures[0], figures[1], rank)
+    size, checksum = file_checksum(staging / rel, fsync=True)
+    return FileEntry(rel, size, checksum, rank)
 
 
 def _describe(err: BaseException) -> str:
@@ -431,9 +433,9 @@ def commit_directory(
             on rank 0, ``torch.save(meta, staging / "meta.pt")``. Shard files other than rank 0's
             must be named ``__<rank>_*`` (as DCP does) to be checksummed by their own rank; any other
             file is checksummed by rank 0. It may return ``{relative path: (size, crc32 hex)}`` for
-            files it checksummed while writing
-            (:class:`~lightning_sharded.checkpoint.dcp_writer.ChecksummingWriter`): those are not read
-            back, only their sizes checked and the files fsynced.
+            files it checksummed while writing them (see
+            :class:`~lightning_sharded.checkpoint.writer.ChecksummingWriter`); those are only
+            fsynced and their size checked, not read back.
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``;
             JSON-serializable values.
         group: The process group of the ranks that write.
@@ -474,17 +476,16 @@ def commit_directory(
 
     # 2. every rank writes, then checksums and fsyncs its own files.
     entries: list[FileEntry] = []
-    known: dict[str, tuple[int, str]] = {}
+    known: Mapping[str, tuple[int, str]] = {}
     own_error: BaseException | None = None
     t_write = time.perf_counter()
     try:
-        known = dict(write(staging) or {})
+        known = write(staging) or {}
         _fault(FaultPoint.AFTER_WRITE, rank)
         t_write = time.perf_counter() - t_write
         if rank != 0:
             for rel in _own_files(staging, rank):
-                size, checksum = _checksum(staging / rel, known.get(rel))
-                entries.append(FileEntry(rel, size, checksum, rank))
+                entries.append(_entry(staging, rel, rank, known))
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
     try:
@@ -515,8 +516,7 @@ def commit_directory(
             claimed = {e.path: e for rank_entries, _ in reports for e in rank_entries}
             for rel in _walk(staging):
                 if rel not in claimed and rel != MANIFEST_NAME:
-                    size, checksum = _checksum(staging / rel, known.get(rel))
-                    claimed[rel] = FileEntry(rel, size, checksum, 0)
+                    claimed[rel] = _entry(staging, rel, 0, known)
             for dirpath, _, _ in os.walk(staging):
                 _fsync_dir(Path(dirpath))
             t_sum = time.perf_counter() - t_sum

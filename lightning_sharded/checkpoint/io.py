@@ -10,7 +10,7 @@ tensors with the adapters of :mod:`lightning_sharded.tensors`. Sharded attribute
 On disk:
 
 - :func:`write_sharded_checkpoint` is the one function that writes a sharded directory (DCP shards, the
-  DCP ``.metadata`` index, then ``meta.pt``);
+  DCP ``.metadata`` index, ``meta.pt`` and the manifest, committed atomically);
 - :func:`write_full_checkpoint` is the one function that writes a full file (``torch.save`` on rank 0).
 
 Loading (:func:`restore_checkpoint`) reads either layout into the live, already sharded model (and
@@ -25,12 +25,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded.checkpoint._pages import FileMapping
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.format import (
     META_FILENAME,
@@ -45,6 +46,9 @@ from lightning_sharded.checkpoint.format import (
 )
 from lightning_sharded.tensors import adapter_for
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = [
     "KeyReport",
     "Restored",
@@ -53,9 +57,15 @@ __all__ = [
     "remove_checkpoint",
     "restore_checkpoint",
     "save_checkpoint",
+    "split_sharded_checkpoint",
     "write_full_checkpoint",
     "write_sharded_checkpoint",
 ]
+
+#: DCP writer threads per rank (one shard file each). With 2 ranks on 2 cores, a second thread (plus
+#: its hashing thread) only adds contention: 2 GB saves took 1.58 s with 2 threads, 1.13 s with 1
+#: (stock ModelParallel in the same runs: 1.01 s and 1.26 s).
+WRITER_THREADS = 1
 
 _STATE = "state"
 _PARAM_GROUPS = "param_groups"
@@ -115,36 +125,61 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 
 
 def write_sharded_checkpoint(
-    path: Path, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
+    path: Path,
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    rank: int,
+    group: ProcessGroup | None = None,
 ) -> None:
     """Write a sharded checkpoint directory at ``path`` atomically: DCP shards and index, ``meta.pt``.
 
-    Collective: every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``); ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
-    Everything goes into a staging directory next to ``path``, which
-    :func:`~lightning_sharded.checkpoint.atomic.commit_directory` checksums, fsyncs, describes in a
-    manifest and publishes by rename: a crash at any moment leaves the previous checkpoint at ``path``
-    or the new one, complete.
+    Collective over ``group`` (the default group when ``None``): every rank calls it with its own shards
+    in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``). ``metadata`` (the rest of
+    the Lightning checkpoint) is written by rank 0. Everything goes to a staging directory next to
+    ``path``, checksummed while it is written (:class:`~.writer.ChecksummingWriter`), then published
+    with the manifest by :func:`~lightning_sharded.checkpoint.atomic.commit_directory`:
+    a previous checkpoint (directory or file) at ``path`` stays whole until the new one is complete.
 
     Raises:
         IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint (it would be
             replaced as a whole).
-        CheckpointError: the save failed on some rank; the message names the ranks and their errors.
+        CheckpointError: DCP failed on some rank, or the commit did; the message names the ranks and
+            their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
     from lightning_sharded.checkpoint.atomic import commit_directory
+    from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
 
     _refuse_foreign_directory(path)
 
-    def write(staging: Path) -> None:
-        _run_dcp(
-            lambda: save(state, checkpoint_id=staging), f"Saving the sharded checkpoint to {str(path)!r}"
-        )
+    def write(staging: Path) -> dict[str, tuple[int, str]]:
+        writer = ChecksummingWriter(staging, thread_count=WRITER_THREADS)
+        with without_torch_crc32():
+            _run_dcp(
+                lambda: save(state, storage_writer=writer, process_group=group),
+                f"Saving the sharded checkpoint to {str(path)!r}",
+            )
         if rank == 0:
             torch.save(metadata, staging / META_FILENAME)
+        return writer.checksums
 
-    commit_directory(path, write, metadata=_manifest_metadata(metadata))
+    commit_directory(path, write, metadata=_manifest_metadata(metadata), group=group)
+
+
+def split_sharded_checkpoint(
+    checkpoint: dict[str, Any], model_key: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Lightning checkpoint dict as ``(state for DCP, the rest)``; consumes ``checkpoint``.
+
+    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``; the
+    rest (loops, callbacks, epoch, step...) goes to ``meta.pt``.
+    """
+    state = {model_key: checkpoint.pop(STATE_DICT)}
+    for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_STATES, [])):
+        state[optimizer_key(index)] = optim_state
+    return state, checkpoint
 
 
 def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
@@ -199,10 +234,8 @@ def save_checkpoint(
         rank: this process's global rank.
     """
     if sharded:
-        state = {model_key: checkpoint.pop(STATE_DICT)}
-        for index, optim_state in enumerate(checkpoint.pop(OPTIMIZER_STATES, [])):
-            state[optimizer_key(index)] = optim_state
-        write_sharded_checkpoint(path, state, checkpoint, rank=rank)
+        state, metadata = split_sharded_checkpoint(checkpoint, model_key)
+        write_sharded_checkpoint(path, state, metadata, rank=rank)
     else:
         write_full_checkpoint(path, checkpoint, rank=rank)
 
@@ -453,6 +486,8 @@ def _restore_full(
             f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
             " by torch.save, or it is truncated or corrupt; resume from another checkpoint."
         ) from ex
+    # Each tensor's pages are given back once copied: the peak stays one shard plus one tensor.
+    mapping = FileMapping(path)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(STATE_DICT), dict):
         keys = sorted(map(str, checkpoint)) if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(
@@ -474,16 +509,24 @@ def _restore_full(
     to_load: dict[str, Any] = {}
     for key in report.common:  # sorted: the same order on every rank
         to_load[key] = _copy_full_into(target[key], source[key])
+        mapping.release(source[key])
     _set_model_state(model, to_load)
     del to_load, source
 
     for index, (optimizer, optim_state) in enumerate(zip(optimizers, optimizer_states or [], strict=True)):
-        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict)
+        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
     return Restored(checkpoint, report)
 
 
 def _restore_full_optimizer(
-    path: Path, model: nn.Module, optimizer: Optimizer, source: dict[str, Any], index: int, *, strict: bool
+    path: Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    source: dict[str, Any],
+    index: int,
+    *,
+    strict: bool,
+    mapping: FileMapping | None = None,
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
     source_groups = source.get(_PARAM_GROUPS, [])
@@ -538,6 +581,8 @@ def _restore_full_optimizer(
                 label = f"{name}.{entry}"
                 _check_shapes(path, {label: entries[entry]}, {label: tuple(value.shape)})
                 entries[entry] = _copy_full_into(entries[entry], value)
+                if mapping is not None:
+                    mapping.release(value)  # its memory-mapped pages are not needed again
             else:
                 entries[entry] = value
         if not entries:
@@ -653,8 +698,12 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
+    from lightning_sharded.checkpoint.reader import DirectReader
+
     _run_dcp(
-        lambda: load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True)),
+        lambda: load(
+            state, storage_reader=DirectReader(path), planner=DefaultLoadPlanner(allow_partial_load=True)
+        ),
         f"Loading the sharded checkpoint {str(path)!r}",
     )
 

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sharded.checkpoint import io
+from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 StateDictType = Literal["sharded", "full"]
@@ -45,6 +46,27 @@ class ShardedCheckpointing(ParallelStrategy):
     #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
     _model_key: str = "model"
     _sharded_state_dict_type: StateDictType = "sharded"
+    #: ``save_checkpoint`` returns once the state is staged in host memory; the write and the atomic
+    #: publish run in the background (see :mod:`lightning_sharded.checkpoint.async_save`).
+    async_save: bool = False
+    _async_saver: AsyncSaver | None = None
+
+    def _init_async_save(self, async_save: bool) -> None:
+        if async_save and not self._saves_sharded:
+            raise ValueError(
+                "`async_save=True` needs `state_dict_type='sharded'`: a full checkpoint is gathered on rank 0"
+                " and written by it alone. Save sharded, or set `async_save=False`."
+            )
+        self.async_save = async_save
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background, if any, is published.
+
+        Raises:
+            CheckpointError: that background save failed (the previous checkpoint at its path is intact).
+        """
+        if self._async_saver is not None:
+            self._async_saver.wait()
 
     @property
     def _saves_sharded(self) -> bool:
@@ -93,6 +115,22 @@ class ShardedCheckpointing(ParallelStrategy):
             )
         path = Path(self.broadcast(filepath))
         start = time.perf_counter()
+        if self.async_save and self._saves_sharded:
+            if self._async_saver is None:
+                self._async_saver = AsyncSaver(type(self).__name__)
+            state, metadata = io.split_sharded_checkpoint(checkpoint, self._model_key)
+            rank = self.global_rank
+
+            def write(target: Path, staged: Any, group: Any) -> None:
+                io.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
+
+            self._async_saver.save(path, (state, metadata), write)
+            rank_zero_info(
+                f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
+                " writing it in the background"
+            )
+            return
+        self.wait_for_checkpoint()  # saves publish in order
         io.save_checkpoint(
             path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
         )
@@ -108,6 +146,7 @@ class ShardedCheckpointing(ParallelStrategy):
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
         """
         path = Path(self.broadcast(checkpoint_path))
+        self.wait_for_checkpoint()  # it may be the very checkpoint being written
         assert self.model is not None
         module = self.lightning_module
         assert module is not None
@@ -130,4 +169,16 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
+        if self._async_saver is not None and self._async_saver.in_flight == Path(filepath):
+            self.wait_for_checkpoint()
         io.remove_checkpoint(Path(filepath), rank=self.global_rank)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for a background save (raising its error: it must not be lost), then tear down as usual."""
+        saver, self._async_saver = self._async_saver, None
+        try:
+            if saver is not None:
+                saver.close()
+        finally:
+            super().teardown()

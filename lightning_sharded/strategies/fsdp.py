@@ -56,10 +56,17 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
     strategy_name = "sharded_fsdp"
     _model_key = MODEL
 
-    def __init__(self, *args: Any, state_dict_type: StateDictType = "sharded", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        state_dict_type: StateDictType = "sharded",
+        async_save: bool = False,
+        **kwargs: Any,
+    ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
         super().__init__(*args, **kwargs)
         self._sharded_state_dict_type = state_dict_type
+        self._init_async_save(async_save)
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the

@@ -51,6 +51,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         fully_shard_policy: module classes (or a predicate on modules) that get their own ``fully_shard``
             after ``configure_model``, followed by the root module, when ``configure_model`` did not
             apply ``fully_shard`` itself. With a policy, ``configure_model`` need not be overridden.
+        async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
+            and atomic publish run in the background (sharded only); the next save, a load and the end
+            of training wait for it and raise its error, if any.
 
     Example::
 
@@ -70,6 +73,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: StateDictType | None = None,
         fully_shard_policy: FullyShardPolicy | None = None,
+        async_save: bool = False,
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -88,6 +92,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         )
         self._sharded_state_dict_type = state_dict_type
         self._fully_shard_policy = fully_shard_policy
+        self._init_async_save(async_save)
 
     @override
     def setup_environment(self) -> None:

@@ -1,0 +1,460 @@
+"""The benchmark suite: checkpoints of our strategies against stock Lightning, torch and the disk.
+
+Run: ``python benchmarks/run.py [--size-gb 2] [--repeats 2] [--quick]``. It prints a table and writes
+``benchmarks/results/results.json`` and ``benchmarks/results/results.png``. Every figure is a ratio
+against a baseline measured in the same run:
+
+- **throughput**: save and load of a sharded checkpoint (a model of ``Linear`` layers plus Adam, 2 ranks,
+  CPU, gloo, ranks started by this script) through real Lightning Trainers (``trainer.save_checkpoint``
+  and the restore of ``fit(ckpt_path=...)``), for stock ``ModelParallelStrategy``, stock
+  ``FSDPStrategy``, ours, plain ``torch.save``/``torch.load`` and plain ``dcp.save``/``dcp.load``, as
+  checkpoint bytes per second against the disk's raw sequential write+fsync and cold read, measured by
+  this script the same way (every rank writes and reads its share at once) before each timed save,
+  the median of those probes. The page cache of a checkpoint is dropped
+  before each load;
+- **async**: how long a save blocks training with ``async_save`` against the synchronous save;
+- **memory**: peak resident memory per rank while resuming from one full checkpoint file, above the
+  process's memory before the model was built, against the size of the rank's shard (model plus Adam);
+- **hooks**: the sharded-state hooks' overhead (``benchmarks/hooks_overhead.py``).
+
+Times are the slowest rank's, medians over ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests.distributed.launch import run_ranks  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+WORLD = 2
+STOCK = {"ours-mp": "stock-mp", "ours-fsdp": "stock-fsdp"}
+LABELS = {
+    "torch": "torch.save / torch.load (per rank)",
+    "dcp": "dcp.save / dcp.load",
+    "stock-mp": "stock ModelParallelStrategy",
+    "stock-fsdp": "stock FSDPStrategy",
+    "ours-mp": "ShardedModelParallelStrategy",
+    "ours-fsdp": "ShardedFSDPStrategy",
+}
+
+
+def geometry(size_gb: float) -> tuple[int, int]:
+    """(width, layers) of a model whose checkpoint (weights plus two Adam moments) is ``size_gb``."""
+    width = 4096 if size_gb >= 0.5 else 512
+    layers = max(2, round(size_gb * 1e9 / (12 * width * width)))
+    return width, layers
+
+
+def our_strategies() -> dict[str, bool]:
+    """Which of our strategies exist on this branch, and whether they have ``async_save``."""
+    try:
+        import lightning_sharded
+    except ImportError:
+        return {}
+    found = {}
+    for case, name in (("ours-mp", "ShardedModelParallelStrategy"), ("ours-fsdp", "ShardedFSDPStrategy")):
+        cls = getattr(lightning_sharded, name, None)
+        if cls is not None:
+            found[case] = hasattr(cls, "wait_for_checkpoint")
+    return found
+
+
+def median_of_max(per_rank: list[dict[str, Any]], case: str, key: str) -> float:
+    """Median over repeats of the slowest rank's seconds."""
+    series = [r[case][key] for r in per_rank]
+    return statistics.median(max(values) for values in zip(*series, strict=True))
+
+
+def raw_bandwidth(per_rank: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
+    """The disk's raw write+fsync and cold read GB/s from the ranks' probes (all ranks at once, each its
+    share of ``nbytes``; slowest rank per probe), median over every probe of the run."""
+    figures: dict[str, Any] = {}
+    for key, name in (("raw write s", "write GB/s"), ("raw read s", "read GB/s")):
+        probes = [
+            max(values)
+            for case in per_rank[0]
+            if isinstance(per_rank[0][case], dict) and key in per_rank[0][case]
+            for values in zip(*(r[case][key] for r in per_rank), strict=True)
+        ]
+        figures[name] = nbytes / statistics.median(probes) / 1e9
+        figures[name.replace("GB/s", "probes GB/s")] = [nbytes / s / 1e9 for s in probes]
+    return figures
+
+
+def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, Any]:
+    """Turn the ranks' JSON into the report's sections; every ratio in each section's ``ratios``."""
+    errors = {
+        case: values["error"]
+        for case, values in per_rank[0].items()
+        if isinstance(values, dict) and "error" in values
+    }
+    ok = {case for case in per_rank[0] if case not in errors}
+    rows: dict[str, dict[str, float]] = {}
+
+    def row(name: str, nbytes: float, save_s: float, load_s: float) -> None:
+        rows[name] = {
+            "bytes": nbytes,
+            "save s": save_s,
+            "load s": load_s,
+            "save GB/s": nbytes / save_s / 1e9,
+            "load GB/s": nbytes / load_s / 1e9,
+            "save / raw write": nbytes / save_s / 1e9 / raw["write GB/s"],
+            "load / raw read": nbytes / load_s / 1e9 / raw["read GB/s"],
+        }
+
+    if "torch" in ok:
+        t = per_rank[0]["torch"]
+        row(
+            "torch",
+            t["bytes"],
+            median_of_max(per_rank, "torch", "save s"),
+            median_of_max(per_rank, "torch", "load s"),
+        )
+        row(
+            "dcp",
+            t["dcp bytes"],
+            median_of_max(per_rank, "torch", "dcp save s"),
+            median_of_max(per_rank, "torch", "dcp load s"),
+        )
+    for case in ("stock-mp", "stock-fsdp", "ours-mp", "ours-fsdp"):
+        if case in ok:
+            row(
+                case,
+                per_rank[0][case]["bytes"],
+                median_of_max(per_rank, case, "save s"),
+                median_of_max(per_rank, case, "load s"),
+            )
+    for ours, stock in STOCK.items():
+        if ours in rows and stock in rows:
+            rows[ours]["resume speedup vs stock"] = rows[stock]["load s"] / rows[ours]["load s"]
+            rows[ours]["save speedup vs stock"] = rows[stock]["save s"] / rows[ours]["save s"]
+    throughput_ratios = {
+        f"{name}: {key}": value
+        for name, figures in rows.items()
+        for key, value in figures.items()
+        if " / " in key or "speedup" in key
+    }
+
+    async_rows: dict[str, dict[str, float]] = {}
+    if "torch" in ok:
+        sync = median_of_max(per_rank, "torch", "dcp save s")
+        stall = median_of_max(per_rank, "torch", "async stall s")
+        total = median_of_max(per_rank, "torch", "async total s")
+        async_rows["dcp.async_save (stock torch)"] = {
+            "sync save s": sync,
+            "stall s": stall,
+            "async total s": total,
+            "stall / sync save": stall / sync,
+        }
+    for case in ("async-ours-mp", "async-ours-fsdp"):
+        if case in ok:
+            sync = median_of_max(per_rank, case, "sync s")
+            stall = median_of_max(per_rank, case, "async stall s")
+            total = median_of_max(per_rank, case, "async total s")
+            first = max(r[case]["first async stall s"][0] for r in per_rank)
+            async_rows[LABELS[case.removeprefix("async-")] + " async_save=True"] = {
+                "sync save s": sync,
+                "stall s": stall,
+                "async total s": total,
+                "stall / sync save": stall / sync,
+                "first save stall s (allocates the buffers)": first,
+            }
+
+    memory_rows: dict[str, dict[str, float]] = {}
+    for case in ("memory-stock-mp", "memory-ours-mp"):
+        if case in ok:
+            worst = max(per_rank, key=lambda r: r[case]["peak rss bytes"] - r[case]["baseline rss bytes"])[
+                case
+            ]
+            peak = worst["peak rss bytes"] - worst["baseline rss bytes"]
+            memory_rows[LABELS[case.removeprefix("memory-")]] = {
+                "peak above baseline bytes": peak,
+                "shard bytes": worst["shard bytes"],
+                "largest tensor bytes": worst["largest tensor bytes"],
+                "peak / shard": peak / worst["shard bytes"],
+                "peak / (shard + largest tensor)": peak
+                / (worst["shard bytes"] + worst["largest tensor bytes"]),
+                "restore s": worst["restore s"],
+            }
+    return {
+        "throughput": {"rows": rows, "ratios": throughput_ratios},
+        "async": {
+            "rows": async_rows,
+            "ratios": {
+                f"{name}: stall / sync save": r["stall / sync save"] for name, r in async_rows.items()
+            },
+        },
+        "memory": {
+            "rows": memory_rows,
+            "ratios": {
+                f"{name}: {k}": v for name, r in memory_rows.items() for k, v in r.items() if " / " in k
+            },
+        },
+        "errors": errors,
+    }
+
+
+def hooks_section(modules: int, repeats: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks import hooks_overhead
+    from tests.distributed.launch import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = hooks_overhead.run(modules, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {f"{case}: {k}": v for case, r in rows.items() for k, v in r.items() if "ratio" in k}
+    return {"rows": rows, "ratios": ratios}
+
+
+def table(report: dict[str, Any]) -> str:
+    raw = report["disk"]
+    lines = [
+        f"checkpoint: {report['config']['checkpoint GB']:.2f} GB (model + Adam), {WORLD} ranks, CPU, gloo;"
+        f" disk raw write+fsync {raw['write GB/s']:.2f} GB/s, cold read {raw['read GB/s']:.2f} GB/s",
+        "",
+        f"{'save / load':<38}{'save GB/s':>10}{'/ raw':>7}{'load GB/s':>11}{'/ raw':>7}"
+        f"{'resume x stock':>16}",
+    ]
+    for name, r in report["throughput"]["rows"].items():
+        speed = r.get("resume speedup vs stock")
+        lines.append(
+            f"{LABELS[name]:<38}{r['save GB/s']:>10.2f}{r['save / raw write']:>7.2f}{r['load GB/s']:>11.2f}"
+            f"{r['load / raw read']:>7.2f}{(f'{speed:.2f}' if speed else '-'):>16}"
+        )
+    lines += ["", f"{'async save':<50}{'sync s':>8}{'stall s':>9}{'stall / sync':>14}"]
+    for name, r in report["async"]["rows"].items():
+        lines.append(f"{name:<50}{r['sync save s']:>8.2f}{r['stall s']:>9.3f}{r['stall / sync save']:>14.3f}")
+    lines += [
+        "",
+        f"{'full-file load, peak RSS per rank':<38}{'peak GB':>8}{'shard GB':>10}{'/ shard':>9}"
+        f"{'/ (shard+largest)':>19}",
+    ]
+    for name, r in report["memory"]["rows"].items():
+        lines.append(
+            f"{name:<38}{r['peak above baseline bytes'] / 1e9:>8.2f}{r['shard bytes'] / 1e9:>10.2f}"
+            f"{r['peak / shard']:>9.2f}{r['peak / (shard + largest tensor)']:>19.2f}"
+        )
+    lines += ["", "hooks overhead (hooked / plain)"]
+    for name, value in report["hooks"]["ratios"].items():
+        lines.append(f"  {name:<70}{value:>7.3f}")
+    if report["errors"]:
+        lines += ["", "FAILED cases: " + ", ".join(f"{c}: {e}" for c, e in report["errors"].items())]
+    return "\n".join(lines)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The tables of ``docs/benchmarks.md``, from a report."""
+    raw = report["disk"]
+    out = [
+        f"Disk, probed the same way (both ranks at once, median of {len(raw['write probes GB/s'])} probes):"
+        f" write+fsync **{raw['write GB/s']:.2f} GB/s**, cold read **{raw['read GB/s']:.2f} GB/s**;"
+        f" checkpoint {report['config']['checkpoint GB']:.2f} GB.",
+        "",
+        "| save / load | save GB/s | save / raw write | load GB/s | load / raw read | resume vs stock |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in report["throughput"]["rows"].items():
+        speed = r.get("resume speedup vs stock")
+        out.append(
+            f"| {LABELS[name]} | {r['save GB/s']:.2f} | {r['save / raw write']:.2f} | {r['load GB/s']:.2f}"
+            f" | {r['load / raw read']:.2f} | {f'{speed:.2f}x' if speed else '-'} |"
+        )
+    out += [
+        "",
+        "| async save | sync save s | stall s | stall / sync save | first stall s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["async"]["rows"].items():
+        first = r.get("first save stall s (allocates the buffers)")
+        out.append(
+            f"| {name} | {r['sync save s']:.2f} | {r['stall s']:.3f} | {r['stall / sync save']:.3f}"
+            f" | {f'{first:.2f}' if first else '-'} |"
+        )
+    out += [
+        "",
+        "| full-file load into the sharded model | peak above baseline GB | shard GB | peak / shard"
+        " | peak / (shard + largest tensor) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["memory"]["rows"].items():
+        out.append(
+            f"| {name} | {r['peak above baseline bytes'] / 1e9:.2f} | {r['shard bytes'] / 1e9:.2f}"
+            f" | {r['peak / shard']:.2f} | {r['peak / (shard + largest tensor)']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(20, 5), gridspec_kw={"width_ratios": [3, 1.4, 1.2, 1.4]})
+    rows = report["throughput"]["rows"]
+    names = list(rows)
+    x = range(len(names))
+    ax = axes[0]
+    ax.bar(
+        [i - 0.2 for i in x],
+        [rows[n]["save / raw write"] for n in names],
+        0.4,
+        label="save / raw write+fsync",
+    )
+    ax.bar(
+        [i + 0.2 for i in x], [rows[n]["load / raw read"] for n in names], 0.4, label="load / raw cold read"
+    )
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(list(x), [LABELS[n].replace(" / ", "/\n").replace(" ", "\n", 1) for n in names], fontsize=8)
+    ax.set_ylabel("fraction of the disk's raw bandwidth")
+    ax.set_title(f"{report['config']['checkpoint GB']:.1f} GB checkpoint, 2 ranks")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    a = report["async"]["rows"]
+    ax.bar(range(len(a)), [r["stall / sync save"] for r in a.values()], color="tab:green")
+    ax.axhline(0.10, color="red", lw=0.8, ls="--", label="target 0.10")
+    ax.set_xticks(range(len(a)), [n.replace(" ", "\n", 1) for n in a], fontsize=7)
+    ax.set_title("training stall / sync save")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    m = report["memory"]["rows"]
+    ax.bar(range(len(m)), [r["peak / (shard + largest tensor)"] for r in m.values()], color="tab:purple")
+    ax.axhline(1.2, color="red", lw=0.8, ls="--", label="target 1.2")
+    ax.set_xticks(range(len(m)), [n.replace("Strategy", "\nStrategy") for n in m], fontsize=7)
+    ax.set_title("full-file load: peak RSS / (shard + largest)")
+    ax.legend(fontsize=8)
+    ax = axes[3]
+    h = report["hooks"]["ratios"]
+    ax.bar(range(len(h)), list(h.values()), color="tab:gray")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(h)), [n.replace(": ", "\n").replace(", ", "\n") for n in h], fontsize=6)
+    ax.set_title("hooks: hooked / plain")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def finite_positive(report: dict[str, Any]) -> list[str]:
+    """Names of ratios that are not finite positive numbers (empty when the report is sound)."""
+    return [
+        f"{section}: {name}"
+        for section in ("throughput", "async", "memory", "hooks")
+        for name, value in report[section]["ratios"].items()
+        if not (isinstance(value, float | int) and math.isfinite(value) and value > 0)
+    ]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (model + Adam)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed saves and loads per case")
+    parser.add_argument("--quick", action="store_true", help="a small size and few repeats: a smoke test")
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where results.json/.png go")
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--cases", nargs="+", help="run only these cases (default: all that exist)")
+    parser.add_argument("--no-hooks", action="store_true", help="skip the hook-overhead section")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gb = min(args.size_gb, 0.02)
+    repeats = args.repeats or 2
+    width, layers = geometry(args.size_gb)
+    ours = our_strategies()
+    cases = ["stock-mp", "stock-fsdp", *ours, "torch", "memory-stock-mp"]
+    if "ours-mp" in ours:
+        cases.append("memory-ours-mp")
+    cases += [f"async-{case}" for case, has_async in ours.items() if has_async]
+    if args.cases:
+        cases = [case for case in cases if case in args.cases]
+
+    start = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="lsbench-", dir=args.dir))
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        nbytes = 12 * width * width * layers
+        ranks_out = scratch / "ranks"
+        ranks_out.mkdir()
+        run_ranks(
+            Path(__file__).with_name("ranks.py"),
+            WORLD,
+            *cases,
+            "--dir",
+            str(scratch),
+            "--out",
+            str(ranks_out),
+            "--width",
+            str(width),
+            "--layers",
+            str(layers),
+            "--repeats",
+            str(repeats),
+            "--full",
+            "--raw-bytes",
+            str(nbytes),
+            timeout=args.timeout,
+        )
+        per_rank = [json.loads((ranks_out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    raw = raw_bandwidth(per_rank, nbytes)
+    report: dict[str, Any] = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "memory GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "config": {
+            "checkpoint GB": nbytes / 1e9,
+            "width": width,
+            "layers": layers,
+            "ranks": WORLD,
+            "repeats": repeats,
+            "cases": cases,
+        },
+        "disk": raw,
+    }
+    report.update(collect(per_rank, raw))
+    report["hooks"] = (
+        {"rows": {}, "ratios": {}}
+        if args.no_hooks
+        else hooks_section(200 if args.quick else 2000, 5 if args.quick else 21)
+    )
+    import lightning
+    import torch
+
+    report["machine"].update(torch=torch.__version__, lightning=lightning.__version__)
+    report["seconds"] = time.perf_counter() - start
+    (args.out / "results.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / "results.png")
+    (args.out / "results.md").write_text(markdown(report) + "\n")
+    print(table(report))
+    print(f"\n{report['seconds']:.0f} s; wrote {args.out / 'results.json'} and {args.out / 'results.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Checkpoints written in the background: stage into host memory, return, write and publish later.
+
+:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds. Its :meth:`~AsyncSaver.save`
+(collective, every rank):
+
+1. waits for the previous background save of this saver, raising its error if it failed (one save in
+   flight at a time, so the staging buffers can be reused and saves publish in order);
+2. copies every tensor of the state (``DTensor`` and ``ShardedTensor`` shards, plain tensors) into
+   CPU staging buffers kept from the previous save when shapes and dtypes match (so a steady run
+   allocates nothing), and deep-copies the small non-tensor rest; training may change the model as
+   soon as this returns;
+3. hands the staged state to one background thread that runs the write: for a sharded directory the
+   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.atomic.commit_directory`:
+   staging directory, checksums, manifest, one rename), with its collectives on a process group of its
+   own (gloo), so they never interleave with training's.
+
+What happens to a save in flight:
+
+- the next save, a load (:meth:`~AsyncSaver.wait` before reading), the removal of the same path, and
+  the end of training (:meth:`~AsyncSaver.close` from the strategy's ``teardown``) wait for it;
+- an error in the background (disk full, a rank that failed) is kept and raised, as a
+  :class:`~lightning_sharded.CheckpointError` naming the path, by the next of those calls in the
+  training process; it is never lost (:meth:`close` raises it at the end of training at the latest);
+- a crash (SIGKILL) while it is written leaves the previous checkpoint at that path intact and
+  loadable: nothing is published before every rank's files are complete, fsynced and checksummed.
+
+Staging costs one extra copy of the rank's shard in host memory while a saver lives.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_sharded.checkpoint.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["AsyncSaver", "StagingBuffers"]
+
+log = logging.getLogger(__name__)
+
+#: ``write(path, staged_state, group)``: writes (and publishes) the staged state at ``path``.
+WriteFn = Callable[[Path, Any, "ProcessGroup | None"], None]
+
+
+class StagingBuffers:
+    """CPU copies of a state dict's tensors, in buffers reused from one :meth:`stage` to the next.
+
+    A buffer is kept per position in the state (the path of keys and list indices that leads to the
+    tensor) and reused while its shape and dtype stay the same; buffers of positions a stage no
+    longer has are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._used: set[tuple[Any, ...]] = set()
+        #: Bytes copied by the last :meth:`stage`, and how many of them went into new buffers.
+        self.copied_bytes = 0
+        self.allocated_bytes = 0
+
+    @torch.no_grad()
+    def stage(self, state: Any) -> Any:
+        """A copy of ``state`` whose tensors live in this object's buffers; the structure is rebuilt.
+
+        ``DTensor`` and ``ShardedTensor`` values stay sharded (same mesh, placements and global
+        metadata), with their local shards copied. Values other than tensors, dicts, lists and tuples
+        are deep-copied.
+        """
+        self._used = set()
+        self.copied_bytes = self.allocated_bytes = 0
+        staged = self._stage(state, ())
+        for stale in set(self._buffers) - self._used:
+            del self._buffers[stale]
+        return staged
+
+    def _buffer(self, key: tuple[Any, ...], source: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+            self._buffers[key] = buffer
+            self.allocated_bytes += buffer.numel() * buffer.element_size()
+        self._used.add(key)
+        buffer.copy_(source)
+        self.copied_bytes += buffer.numel() * buffer.element_size()
+        return buffer
+
+    def _stage(self, obj: Any, key: tuple[Any, ...]) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(obj, DTensor):
+            local = self._buffer(key, obj.to_local())
+            return DTensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
+        if isinstance(obj, torch.Tensor) and type(obj).__name__ == "ShardedTensor":
+            return self._stage_sharded_tensor(obj, key)
+        if isinstance(obj, torch.Tensor):
+            return self._buffer(key, obj.detach())
+        if isinstance(obj, dict):
+            return {k: self._stage(v, (*key, k)) for k, v in obj.items()}
+        if isinstance(obj, list | tuple):
+            items = [self._stage(v, (*key, i)) for i, v in enumerate(obj)]
+            return items if isinstance(obj, list) else type(obj)(items)
+        return copy.deepcopy(obj)
+
+    def _stage_sharded_tensor(self, obj: Any, key: tuple[Any, ...]) -> Any:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+        from torch.distributed._shard.sharded_tensor.shard import Shard
+
+        shards = [
+            Shard(self._buffer((*key, "shard", i), shard.tensor), shard.metadata)
+            for i, shard in enumerate(obj.local_shards())
+        ]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group
+        )
+
+
+class AsyncSaver:
+    """Background checkpoint writes with one save in flight at a time; see the module docstring.
+
+    Args:
+        name: shown in the background thread's name and in log messages.
+    """
+
+    def __init__(self, name: str = "lightning-sharded") -> None:
+        self._name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[None] | None = None
+        self._path: Path | None = None
+        self._group: ProcessGroup | None = None
+        self._group_made = False
+        self._lock = threading.Lock()
+        self.buffers = StagingBuffers()
+        #: Seconds the last :meth:`save` blocked its caller (waiting for the previous save excluded).
+        self.last_stall_s = 0.0
+
+    @property
+    def in_flight(self) -> Path | None:
+        """The path of the save in flight (possibly finished but not yet waited for), or ``None``."""
+        return self._path if self._future is not None else None
+
+    def group(self) -> ProcessGroup | None:
+        """The process group of the background writes: a gloo group of all ranks, made on first use.
+
+        Collective the first time (every rank must call it in the same order, as :meth:`save` does);
+        ``None`` without an initialized default group (one process).
+        """
+        import torch.distributed as dist
+
+        if not self._group_made:
+            if dist.is_available() and dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")
+            self._group_made = True
+        return self._group
+
+    def save(self, path: Path, state: Any, write: WriteFn) -> None:
+        """Stage ``state`` into host memory, then run ``write(path, staged, group)`` in the background.
+
+        Collective: every rank calls it with its own shards, in the same order. Returns once the state
+        is copied; the model and optimizer may change right after.
+
+        Raises:
+            CheckpointError: the previous background save failed (this save is then not started).
+        """
+        self.wait()
+        group = self.group()
+        start = time.perf_counter()
+        staged = self.buffers.stage(state)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
+        with self._lock:
+            self._path = path
+            self._future = self._executor.submit(self._run, write, path, staged, group)
+        self.last_stall_s = time.perf_counter() - start
+        log.info(
+            "Staged checkpoint %s in %.2f s (%.2f GB, %.2f GB newly allocated); writing in the background",
+            path,
+            self.last_stall_s,
+            self.buffers.copied_bytes / 1e9,
+            self.buffers.allocated_bytes / 1e9,
+        )
+
+    @staticmethod
+    def _run(write: WriteFn, path: Path, staged: Any, group: ProcessGroup | None) -> None:
+        start = time.perf_counter()
+        try:
+            write(path, staged, group)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException; keep it for wait()
+            raise _BackgroundError(err) from err
+        log.info("Background save of %s finished in %.2f s", path, time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Block until the save in flight, if any, is written and published.
+
+        Raises:
+            CheckpointError: the background save failed; the message names the path and the error.
+                The previous checkpoint at that path, if any, is unchanged.
+        """
+        with self._lock:
+            future, path = self._future, self._path
+            self._future = self._path = None
+        if future is None:
+            return
+        try:
+            future.result()
+        except _BackgroundError as err:
+            cause = err.cause
+            raise CheckpointError(
+                f"The background save of the checkpoint {str(path)!r} failed: {cause!r}. The previous"
+                " checkpoint at that path, if any, is unchanged; fix the cause (disk space, permissions)"
+                " and save again."
+            ) from cause
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+class _BackgroundError(Exception):
+    """Carries any error of a background write (also a ``BaseException``) to :meth:`AsyncSaver.wait`."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.cause = cause

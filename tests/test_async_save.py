@@ -1,0 +1,189 @@
+"""``async_save=True`` on both strategies, with real ranks (``tests/distributed/scenario_async.py``).
+
+- an async-saved checkpoint holds exactly what a synchronous save of the same state holds (on disk, and
+  after a resume), although training changed the model while it was written;
+- an error of the background write is raised in the training process (next save, end of fit) and the
+  previous checkpoint stays;
+- a rank SIGKILLed while the background write is in flight leaves the previous checkpoint whole.
+No timing assertions.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lightning_sharded
+from lightning_sharded.checkpoint.async_save import AsyncSaver, StagingBuffers
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import file_checksum, read_manifest
+from tests.distributed.launch import free_port, rank_env, run_ranks
+
+SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"
+_STRATEGIES = pytest.mark.skipif(
+    not hasattr(lightning_sharded, "ShardedModelParallelStrategy"), reason="the strategies are not merged yet"
+)
+MODEL_KEY = {"mp": "state_dict", "fsdp": "model"}
+
+
+def read_values(path: Path, strategy: str) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint read in this process, named like the scenario's ``full_values``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = path.parent / f"{path.name}.flat.pt"
+    dcp_to_torch_save(path, flat)
+    ckpt = torch.load(flat, weights_only=False)
+    values = {f"model.{k}": v for k, v in ckpt[MODEL_KEY[strategy]].items()}
+    for name, state in ckpt["optimizer_0"]["state"].items():
+        for entry, value in state.items():
+            values[f"optim.{name}.{entry}"] = torch.as_tensor(value)
+    return values
+
+
+def assert_equal(
+    expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor], keys: Any = None
+) -> None:
+    keys = sorted(k for k in expected if k != "global_step") if keys is None else keys
+    assert keys
+    differ = [k for k in keys if k not in actual or not torch.equal(expected[k], torch.as_tensor(actual[k]))]
+    assert not differ, f"values differ for {differ}"
+
+
+def assert_whole(path: Path) -> None:
+    manifest = read_manifest(path)
+    assert manifest is not None, f"no manifest in {path}"
+    for entry in manifest.files:
+        assert file_checksum(path / entry.path) == (entry.size, entry.checksum), entry.path
+
+
+@pytest.fixture(scope="module", params=["mp", "fsdp"])
+def main_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Path, Any]:
+    strategy = request.param
+    root = tmp_path_factory.mktemp(f"async-{strategy}")
+    run_ranks(SCENARIO, 2, "main", "--dir", str(root), "--strategy", strategy, timeout=150)
+    return strategy, root, torch.load(root / "main.rank0.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@_STRATEGIES
+def test_async_checkpoint_equals_sync_checkpoint(main_run: tuple[str, Path, Any]) -> None:
+    strategy, root, result = main_run
+    saved = result["saved"]
+    # Training went on while the async one was written: the model moved away from what was saved.
+    assert not all(
+        torch.equal(saved[k], result["after_training"][k]) for k in saved if k.startswith("model.")
+    )
+    on_disk_async = read_values(root / "async", strategy)
+    assert_equal(saved, on_disk_async)
+    assert_whole(root / "async")
+
+
+@pytest.mark.slow
+@_STRATEGIES
+def test_resume_from_async_equals_resume_from_sync(main_run: tuple[str, Path, Any]) -> None:
+    _, _, result = main_run
+    assert_equal(result["saved"], result["resumed_async"])
+    assert_equal(result["resumed_sync"], result["resumed_async"], keys=sorted(result["resumed_sync"]))
+
+
+@pytest.mark.slow
+@_STRATEGIES
+def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
+    main_run: tuple[str, Path, Any],
+) -> None:
+    strategy, root, result = main_run
+    for where in ("next_save_error", "teardown_error"):
+        message = result[where]
+        assert message is not None, f"the failed background write was not raised ({where})"
+        assert message.startswith("CheckpointError"), message
+        assert "No space left on device (injected)" in message, message
+    # Both failed writes went to `sync`: it still is the complete checkpoint saved at step 2.
+    assert_whole(root / "sync")
+    assert_equal(result["saved"], read_values(root / "sync", strategy))
+    assert not list(root.glob(".sync.staging-*")), "a failed save left its staging directory"
+
+
+def _start_ranks(args: list[str]) -> list[subprocess.Popen[str]]:
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, str(SCENARIO), *args],
+            env=rank_env(rank, 2, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
+
+
+@pytest.mark.slow
+@_STRATEGIES
+def test_kill_during_background_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    procs = _start_ranks(["kill", "--dir", str(tmp_path), "--strategy", "mp"])
+    deadline = time.monotonic() + 120
+    while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # what the survivor does in the meantime must not matter either
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    outputs = [p.communicate()[0] for p in procs]
+    assert procs[1].returncode == -signal.SIGKILL, outputs[1][-3000:]
+    saved = torch.load(tmp_path / "kill.rank0.pt", weights_only=False)["v1"]
+    assert_whole(tmp_path / "kill")
+    assert_equal(saved, read_values(tmp_path / "kill", "mp"))
+
+
+# ------------------------------------------------------------------------------- in one process
+
+
+def test_staging_reuses_buffers_and_isolates_from_later_changes() -> None:
+    buffers = StagingBuffers()
+    state = {"a": torch.arange(6.0), "nested": [{"b": torch.ones(2, 2)}, 3], "s": "text"}
+    staged = buffers.stage(state)
+    first_ptr = staged["a"].data_ptr()
+    state["a"].add_(1)
+    assert torch.equal(staged["a"], torch.arange(6.0))
+    again = buffers.stage(state)
+    assert again["a"].data_ptr() == first_ptr and buffers.allocated_bytes == 0
+    assert torch.equal(again["a"], torch.arange(6.0) + 1)
+    assert again["nested"][1] == 3 and again["s"] == "text"
+
+
+def test_saver_raises_the_background_error_once_and_names_the_path(tmp_path: Path) -> None:
+    saver = AsyncSaver()
+
+    def failing(path: Path, state: Any, group: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    saver.save(tmp_path / "ckpt", {"x": torch.zeros(3)}, failing)
+    with pytest.raises(CheckpointError, match=r"ckpt.*No space left on device"):
+        saver.save(tmp_path / "next", {"x": torch.zeros(3)}, failing)
+    # The second save was not started: nothing in flight, nothing more to raise.
+    assert saver.in_flight is None
+    saver.close()
+
+
+def test_saver_close_waits_and_raises(tmp_path: Path) -> None:
+    saver = AsyncSaver()
+    written: list[Path] = []
+
+    def slow(path: Path, state: Any, group: Any) -> None:
+        time.sleep(0.2)
+        written.append(path)
+
+    saver.save(tmp_path / "a", {"x": torch.zeros(3)}, slow)
+    saver.close()
+    assert written == [tmp_path / "a"]

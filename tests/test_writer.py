@@ -1,0 +1,84 @@
+"""The checksumming DCP writer and the atomic commit that takes its checksums instead of reading back."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_sharded.checkpoint.atomic import commit_directory
+from lightning_sharded.checkpoint.manifest import file_checksum, read_manifest
+from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
+
+
+def _state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    # Large enough for the hashing thread path (>= 1 MiB writes) and small ones for the inline path.
+    return {"big": torch.randn(512, 1024), "small": torch.arange(7), "scalar": torch.tensor(3.5)}
+
+
+def test_checksums_equal_a_read_back(tmp_path: Path) -> None:
+    writer = ChecksummingWriter(tmp_path / "ckpt")
+    with without_torch_crc32():
+        dcp.save(_state(), storage_writer=writer, no_dist=True)
+    files = sorted(os.listdir(tmp_path / "ckpt"))
+    assert sorted(writer.checksums) == files  # the shard(s) and .metadata, no temporary name
+    for name, figures in writer.checksums.items():
+        assert file_checksum(tmp_path / "ckpt" / name) == figures
+
+
+def test_without_torch_crc32_restores_the_setting_and_files_load(tmp_path: Path) -> None:
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    with without_torch_crc32():
+        assert config.save.compute_crc32 is False
+        dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path / "c"), no_dist=True)
+    assert config.save.compute_crc32 == before
+    loaded = {k: torch.zeros_like(v) for k, v in _state().items()}
+    dcp.load(loaded, checkpoint_id=tmp_path / "c", no_dist=True)
+    assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_commit_uses_known_checksums_and_reads_back_the_rest(tmp_path: Path) -> None:
+    def write(staging: Path) -> dict[str, tuple[int, str]]:
+        writer = ChecksummingWriter(staging)
+        with without_torch_crc32():
+            dcp.save(_state(), storage_writer=writer, no_dist=True)
+        torch.save({"epoch": 1}, staging / "meta.pt")  # not in the known figures: read back
+        known = writer.checksums
+        known["extra.bin"] = (1, "00000000")  # a wrong size: not trusted, read back instead
+        (staging / "extra.bin").write_bytes(b"ab")
+        return known
+
+    target = tmp_path / "ckpt"
+    commit_directory(target, write)
+    manifest = read_manifest(target)
+    assert {e.path for e in manifest.files} >= {".metadata", "meta.pt", "extra.bin"}
+    for entry in manifest.files:
+        assert file_checksum(target / entry.path) == (entry.size, entry.checksum), entry.path
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatch: Any) -> None:
+    """torch's extra writer threads only print their errors; ours must raise (else a corrupt publish)."""
+    from lightning_sharded.checkpoint import writer as writer_module
+
+    original = writer_module._HashingStream.write
+
+    def write(self: Any, b: Any) -> int:
+        if threading.current_thread() is not threading.main_thread() and len(memoryview(b)) > 1024:
+            raise OSError(28, "No space left on device (injected)")
+        return original(self, b)
+
+    monkeypatch.setattr(writer_module._HashingStream, "write", write)
+    state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+    # torch.save inside the thread turns our OSError into its own RuntimeError: any error will do, as
+    # long as the save fails instead of publishing an index that points at bytes never written.
+    with pytest.raises(BaseException, match=r"writer|No space|unexpected pos"):
+        dcp.save(state, storage_writer=ChecksummingWriter(tmp_path / "c", thread_count=2), no_dist=True)
