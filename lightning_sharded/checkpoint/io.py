@@ -22,6 +22,7 @@ does not fit fails without touching the model, and no load ever writes to the ch
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.format import (
     META_FILENAME,
@@ -44,6 +46,7 @@ from lightning_sharded.checkpoint.format import (
     read_sharded_layout,
     summarize_keys,
 )
+from lightning_sharded.checkpoint.storage import Location
 from lightning_sharded.tensors import adapter_for
 
 __all__ = [
@@ -116,7 +119,7 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 
 
 def write_sharded_checkpoint(
-    path: Path, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
+    path: Location, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
 ) -> None:
     """Write a sharded checkpoint directory at ``path``: DCP shards and index, then ``meta.pt``.
 
@@ -129,6 +132,14 @@ def write_sharded_checkpoint(
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    if isinstance(path, str):  # an fsspec URL: versions and a manifest published last
+        from lightning_sharded.checkpoint import object_store
+
+        progress = {k: metadata[k] for k in ("epoch", "global_step") if isinstance(metadata.get(k), int)}
+        object_store.write_sharded_checkpoint(
+            path, state, metadata, rank=rank, manifest_metadata=progress, run_dcp=_run_dcp
+        )
+        return
     if rank == 0 and path.is_file():
         path.unlink()
     _barrier()
@@ -139,7 +150,7 @@ def write_sharded_checkpoint(
     _barrier()
 
 
-def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
+def write_full_checkpoint(path: Location, checkpoint: dict[str, Any], *, rank: int) -> None:
     """Write a full checkpoint file at ``path`` with ``torch.save`` (rank 0 only; others return).
 
     A sharded checkpoint directory at ``path`` is replaced by the file; any other directory is an error.
@@ -148,6 +159,11 @@ def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) 
         IsADirectoryError: ``path`` is a directory that is not a sharded checkpoint.
     """
     if rank != 0:
+        return
+    if isinstance(path, str):  # an fsspec URL: written locally, then one upload
+        from lightning_sharded.checkpoint import object_store
+
+        object_store.write_full_checkpoint(path, lambda local: torch.save(checkpoint, local))
         return
     if path.is_dir():
         if detect_format_or_none(path) is not CheckpointFormat.SHARDED:
@@ -161,7 +177,7 @@ def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) 
 
 
 def save_checkpoint(
-    path: Path,
+    path: Location,
     checkpoint: dict[str, Any],
     *,
     sharded: bool,
@@ -189,9 +205,15 @@ def save_checkpoint(
         write_full_checkpoint(path, checkpoint, rank=rank)
 
 
-def remove_checkpoint(path: Path, *, rank: int) -> None:
+def remove_checkpoint(path: Location, *, rank: int) -> None:
     """Remove a checkpoint file or directory (rank 0 only). A missing path is not an error."""
     if rank != 0:
+        return
+    if isinstance(path, str):
+        from lightning_sharded.checkpoint import object_store
+
+        with contextlib.suppress(FileNotFoundError):
+            object_store.remove_checkpoint(path)
         return
     if path.is_dir():
         shutil.rmtree(path)
@@ -271,6 +293,8 @@ def restore_checkpoint(
         CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
     """
+    if storage.is_url(path):
+        return _restore_url(str(path), model, optimizers, strict=strict, weights_only=weights_only)
     path = Path(path)
     fmt = detect_format(path)
     if fmt is CheckpointFormat.SHARDED:
@@ -278,8 +302,31 @@ def restore_checkpoint(
     return _restore_full(path, model, optimizers, strict=strict, weights_only=weights_only)
 
 
+def _restore_url(
+    url: str, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+) -> Restored:
+    """Restore from an fsspec URL: the published version of a sharded checkpoint, or a full file."""
+    from lightning_sharded.checkpoint import object_store
+
+    located = object_store.locate(url)
+    if located.kind is object_store.ObjectKind.SHARDED:
+        object_store.check_files(located, verify=False)
+        return _restore_sharded(located.data, model, optimizers, strict=strict, weights_only=weights_only)
+    # Read memory-mapped, one tensor at a time, like a local file: downloaded first (by each rank).
+    with storage.local_copy(url) as local:
+        try:
+            return _restore_full(local, model, optimizers, strict=strict, weights_only=weights_only)
+        except CheckpointError as err:
+            raise CheckpointError(str(err).replace(str(local), url)) from err
+
+
 def _restore_sharded(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+    path: Location,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
 ) -> Restored:
     layout = read_sharded_layout(path)
     if optimizers:
@@ -290,7 +337,7 @@ def _restore_sharded(
     _check_shapes(path, {key: target[key] for key in report.common}, layout.model_entries)
     to_load = {key: target[key] for key in report.common}
     # Before the first read: a bad meta.pt must fail the load before the model changed.
-    metadata = _load_meta(path / META_FILENAME, weights_only)
+    metadata = _load_meta(storage.join(path, META_FILENAME), weights_only)
     _dcp_load({layout.model_key: to_load}, path)
     _set_model_state(model, to_load)
 
@@ -300,7 +347,7 @@ def _restore_sharded(
 
 
 def _restore_sharded_optimizer(
-    path: Path, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
+    path: Location, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
 ) -> None:
     key = optimizer_key(index)
     template = optimizer_state_dict(model, optimizer, full=False)
@@ -440,7 +487,7 @@ def _restore_full_optimizer(
 # -------------------------------------------------------------------------------------------- helpers
 
 
-def _check_optimizer_count(path: Path, configured: int, saved: int) -> None:
+def _check_optimizer_count(path: Location, configured: int, saved: int) -> None:
     if configured == saved:
         return
     if saved == 0:
@@ -455,7 +502,7 @@ def _check_optimizer_count(path: Path, configured: int, saved: int) -> None:
     )
 
 
-def _check_keys(path: Path, report: KeyReport, strict: bool) -> None:
+def _check_keys(path: Location, report: KeyReport, strict: bool) -> None:
     if report and strict:
         raise CheckpointError(
             f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
@@ -474,7 +521,7 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _check_shapes(
-    path: Path, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
+    path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
 ) -> None:
     bad = []
     for key in sorted(targets):
@@ -518,12 +565,16 @@ def _set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def _dcp_load(state: dict[str, Any], path: Location) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
     _run_dcp(
-        lambda: load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True)),
+        lambda: load(
+            state,
+            storage_reader=storage.dcp_reader(path),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        ),
         f"Loading the sharded checkpoint {str(path)!r}",
     )
 
@@ -547,9 +598,9 @@ def _run_dcp(call: Any, what: str) -> None:
         ) from None
 
 
-def _load_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
+def _load_meta(path: Location, weights_only: bool | None) -> dict[str, Any]:
     try:
-        metadata = torch.load(path, map_location="cpu", weights_only=weights_only)
+        metadata = storage.torch_load(path, map_location="cpu", weights_only=weights_only)
     except Exception as ex:
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"

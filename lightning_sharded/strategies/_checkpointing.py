@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.utilities.types import _PATH
@@ -19,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sharded.checkpoint import io
+from lightning_sharded.checkpoint import io, storage
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 StateDictType = Literal["sharded", "full"]
@@ -91,7 +90,7 @@ class ShardedCheckpointing(ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
                 f" `{type(self).__name__}` does not use the `CheckpointIO`."
             )
-        path = Path(self.broadcast(filepath))
+        path = storage.location(self.broadcast(filepath))
         start = time.perf_counter()
         io.save_checkpoint(
             path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
@@ -107,7 +106,7 @@ class ShardedCheckpointing(ParallelStrategy):
 
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
         """
-        path = Path(self.broadcast(checkpoint_path))
+        path = storage.location(self.broadcast(checkpoint_path))
         assert self.model is not None
         module = self.lightning_module
         assert module is not None
@@ -130,4 +129,4 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
-        io.remove_checkpoint(Path(filepath), rank=self.global_rank)
+        io.remove_checkpoint(storage.location(filepath), rank=self.global_rank)
