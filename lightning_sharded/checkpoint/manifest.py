@@ -208,6 +208,13 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
     Raises:
         CheckpointError: the manifest exists but cannot be parsed.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from lightning_sharded.checkpoint import storage
+
+        if storage.is_url(directory):  # the manifest that publishes this version, on object storage
+            from lightning_sharded.checkpoint.object_store import manifest_for
+
+            return manifest_for(directory)
     path = Path(directory) / MANIFEST_NAME
     try:
         text = path.read_text(encoding="utf-8")

@@ -177,15 +177,34 @@ def locate(url: str) -> Located:
     )
 
 
-def find_problems(located: Located, *, checksums: bool) -> list[Problem]:
-    """Every file of the manifest missing, of another size, or (``checksums``) with other bytes."""
-    manifest = located.manifest
-    if manifest is None:
-        return []
-    present = storage.list_files(located.data)
+def manifest_for(data: str) -> Manifest | None:
+    """The manifest that describes the checkpoint files under ``data`` (a URL), or ``None`` (stock).
+
+    For a version ``URL/data-<token>`` it is ``URL``'s manifest, which must publish that version;
+    otherwise a manifest next to the files (a local checkpoint copied to object storage).
+
+    Raises:
+        CheckpointError: ``data`` is a version that its checkpoint's manifest does not publish.
+    """
+    data = data.rstrip("/")
+    parent, _, name = data.rpartition("/")
+    if not _DATA_RE.match(name):
+        return _read_manifest(data)
+    manifest = _read_manifest(parent)
+    if manifest is None or manifest.data_dir != name:
+        raise CheckpointError(
+            f"{data!r} is a version of the checkpoint {parent!r} that is not published (a save that did not"
+            f" finish, or a previous version being deleted). Load {parent!r} itself."
+        )
+    return manifest
+
+
+def find_problems(data: str, manifest: Manifest, *, checksums: bool) -> list[Problem]:
+    """Every file of ``manifest`` missing under ``data``, of another size, or (``checksums``) other bytes."""
+    present = storage.list_files(data)
     problems: list[Problem] = []
     for entry in manifest.files:
-        found = present.get(entry.path) if "/" not in entry.path else _size_or_none(located.data, entry.path)
+        found = present.get(entry.path) if "/" not in entry.path else _size_or_none(data, entry.path)
         if found is None:
             problems.append(Problem(entry.path, "is missing", entry.rank))
             continue
@@ -196,7 +215,7 @@ def find_problems(located: Located, *, checksums: bool) -> list[Problem]:
             )
             continue
         if checksums:
-            key = storage.join(located.data, entry.path)
+            key = storage.join(data, entry.path)
             assert isinstance(key, str)
             _, checksum = storage.url_checksum(key)
             if checksum != entry.checksum:
@@ -482,4 +501,5 @@ def check_files(located: Located, *, verify: bool) -> None:
     with ``verify``); a checkpoint without a manifest checks nothing here."""
     from lightning_sharded.checkpoint.verify import _raise
 
-    _raise(located.url, find_problems(located, checksums=verify))  # type: ignore[arg-type]
+    if located.manifest is not None:
+        _raise(located.data, find_problems(located.data, located.manifest, checksums=verify))
