@@ -282,10 +282,13 @@ class ObjectStorePublisher:
         _fault(FaultPoint.AFTER_PUBLISH, rank)
         stale = [storage.join(url, previous)] if previous and previous != manifest.data_dir else []
         stale += [storage.join(url, name) for name in storage.list_files(url) if _STOCK_FILE.match(name)]
-        for index, old in enumerate(stale):
-            storage.remove_tree(old)
-            if index == 0:
-                _fault(FaultPoint.DURING_REMOVE, rank)
+        try:
+            for index, old in enumerate(stale):
+                storage.remove_tree(old)
+                if index == 0:
+                    _fault(FaultPoint.DURING_REMOVE, rank)
+        except Exception as err:  # the new version is published: what is left goes with the next save
+            log.warning("Published %s, but could not delete the previous version (%s): %s", url, stale, err)
 
     def discard(self, staged: str) -> None:
         """Delete a staged version after a failed save."""
