@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,40 +169,37 @@ def test_a_rank_killed_before_the_publish_leaves_the_previous_checkpoint(
     assert load_checkpoint(url)["global_step"] == results["new"]["global_step"] == 4
 
 
-def _commit_in_child(url: str, fault: str, version: int) -> int:
-    """Fork a process that saves ``{"w": version}`` at ``url`` (world size 1) with ``fault`` set."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.environ[FAULT_ENV] = fault
-            from lightning_sharded.checkpoint import io
-
-            state = {"model": {"w": torch.full((4,), float(version))}}
-            io.write_sharded_checkpoint(url, state, {"global_step": version}, rank=0)
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+POINTS = {"after_write": 1, "before_publish": 1, "after_publish": 2, "during_remove": 2}
+DRIVER = Path(__file__).parent / "distributed" / "s3_fault_driver.py"
 
 
-@pytest.mark.parametrize(
-    ("fault", "survivor"),
-    [("after_write", 1), ("before_publish", 1), ("after_publish", 2), ("during_remove", 2)],
-)
-def test_single_process_saves_killed_at_each_point(s3: S3Server, fs: Any, fault: str, survivor: int) -> None:
-    """A save killed before the manifest PUT leaves version 1; after it, version 2; never a mix, and
-    the next save leaves one version."""
-    url = s3.url(f"points/{fault}")
-    assert _commit_in_child(url, "", 1) == 0
-    assert _commit_in_child(url, fault, 2) == -signal.SIGKILL
-    loaded = load_checkpoint(url, verify=True)
-    assert loaded["global_step"] == survivor
-    assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), float(survivor)))
-    assert _commit_in_child(url, "", 3) == 0
-    assert [n for n in names(fs, url) if n.startswith("data-")] == [object_store.locate(url).data[-29:]]
-    assert load_checkpoint(url)["global_step"] == 3
+def drive(s3: S3Server, tmp_path: Path, phase: str) -> dict[str, list[int]]:
+    out = tmp_path / f"{phase}.json"
+    subprocess.run(
+        [sys.executable, str(DRIVER), phase, s3.url("points"), str(out), *POINTS],
+        env={**os.environ, **s3.env},
+        check=True,
+        timeout=120,
+    )
+    result: dict[str, list[int]] = json.loads(out.read_text())
+    return result
+
+
+def test_single_process_saves_killed_at_each_point(s3: S3Server, fs: Any, tmp_path: Path) -> None:
+    """A save killed before the manifest PUT leaves version 1; after it, version 2; never a mix; the
+    next save leaves one version."""
+    crashed = drive(s3, tmp_path, "crash")
+    assert crashed == {point: [0, -signal.SIGKILL] for point in POINTS}
+    for point, survivor in POINTS.items():
+        loaded = load_checkpoint(s3.url(f"points/{point}"), verify=True)
+        assert loaded["global_step"] == survivor, point
+        assert torch.equal(loaded["state_dict"]["w"], torch.full((4,), float(survivor))), point
+    assert drive(s3, tmp_path, "save") == {point: [0] for point in POINTS}
+    for point in POINTS:
+        url = s3.url(f"points/{point}")
+        published = object_store.locate(url).data.rsplit("/", 1)[1]
+        assert [n for n in names(fs, url) if n.startswith("data-")] == [published], point
+        assert load_checkpoint(url)["global_step"] == 3
 
 
 def test_a_failed_write_changes_nothing(s3: S3Server, fs: Any) -> None:

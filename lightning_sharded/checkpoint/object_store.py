@@ -36,6 +36,7 @@ import io
 import logging
 import re
 import time
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -457,8 +458,6 @@ def write_sharded_checkpoint(
             meta = storage.join(staging, _META)
             assert isinstance(meta, str)
             storage.write_bytes(meta, data)
-            import zlib
-
             checksums[_META] = (len(data), f"{zlib.crc32(data) & 0xFFFFFFFF:08x}")
         return checksums
 
