@@ -287,3 +287,26 @@ def test_errors_name_the_url(s3: S3Server, fs: Any, capsys: pytest.CaptureFixtur
     fs.pipe_file(f"{foreign}/notes.txt", b"hello")
     with pytest.raises(CheckpointError, match=f"The prefix '{foreign}' is not a checkpoint.*notes.txt"):
         verify_checkpoint(foreign)
+
+
+def test_mixin_load_from_checkpoint_reads_an_s3_directory(s3: S3Server, tmp_path: Path) -> None:
+    import lightning as L
+
+    from lightning_sharded.checkpoint import io
+    from tests.distributed.tiny_models import TinyShardedModel
+
+    model = TinyShardedModel(hidden=6)
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(model)
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+    url = s3.url("mixin/ckpt")
+    io.save_checkpoint(url, checkpoint, sharded=True, model_key="model", rank=0)
+    loaded = TinyShardedModel.load_from_checkpoint(url)
+    assert loaded.hparams["hidden"] == 6
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    with pytest.raises(FileNotFoundError, match="mixin/nothing"):
+        TinyShardedModel.load_from_checkpoint(s3.url("mixin/nothing"))
