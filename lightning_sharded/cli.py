@@ -71,9 +71,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     report = verify_checkpoint(args.path)
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
-    print(
-        f"OK: {report.path} ({report.kind.value}, {report.files} files, {_size(report.bytes)}; {what} match)"
-    )
+    files = f"{report.files} file" + ("s" if report.files != 1 else "")
+    print(f"OK: {report.path} ({report.kind.value}, {files}, {_size(report.bytes)}; {what} match)")
     for note in report.notes:
         print(f"note: {note}")
     return EXIT_OK

@@ -98,7 +98,7 @@ class ShardedStateMixin:
         from lightning_sharded.checkpoint.tools import load_checkpoint
 
         location = map_location if isinstance(map_location, (str, torch.device)) else None
-        checkpoint = load_checkpoint(checkpoint_path, location or "cpu")
+        checkpoint = load_checkpoint(checkpoint_path, location or "cpu", weights_only=bool(weights_only))
         assert issubclass(cls, LightningModule)
         try:
             with _preloaded(checkpoint_path, checkpoint):

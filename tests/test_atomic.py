@@ -189,3 +189,64 @@ def test_manifest_name_is_reserved(tmp_path: Path) -> None:
     manifest = read_manifest(target)
     assert manifest is not None
     assert [e.path for e in manifest.files] == ["meta.pt"]
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path: Path) -> None:
+    target = tmp_path / "project"
+    target.mkdir()
+    (target / "notes.txt").write_text("precious")
+    with pytest.raises(
+        IsADirectoryError, match=r"is a directory that is not a checkpoint \(it holds notes.txt\)"
+    ):
+        commit_file(target, write_text("full"))
+    with pytest.raises(
+        CheckpointError, match=r"is a directory that is not a checkpoint.*Choose another path"
+    ):
+        commit_directory(target, write_dir({"meta.pt": b"m"}))
+    assert (target / "notes.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    commit_directory(empty, write_dir({"meta.pt": b"m"}))
+    assert (empty / "meta.pt").read_bytes() == b"m"
+
+
+def test_checksums_computed_while_writing_match_and_skip_the_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_sharded.checkpoint import atomic
+    from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.manifest import file_checksum
+    from lightning_sharded.checkpoint.verify import verify_checkpoint
+
+    read_back: list[str] = []
+    original = atomic.file_checksum
+
+    def spy(path: Path, **kwargs: object) -> tuple[int, str]:
+        read_back.append(Path(path).name)
+        return original(path, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(atomic, "file_checksum", spy)
+    state = {
+        "model": {"w": torch.arange(1000.0), "b": torch.ones(3)},
+        "optimizer_0": {"param_groups": [{"lr": 1}]},
+    }
+
+    def write(staging: Path) -> dict[str, tuple[int, str]]:
+        writer = ChecksummingWriter(staging, thread_count=2)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        torch.save({"epoch": 1}, staging / "meta.pt")
+        return writer.checksums
+
+    target = tmp_path / "ckpt"
+    commit_directory(target, write)
+    assert read_back == ["meta.pt"]  # .metadata and the shard files were checksummed while written
+    manifest = read_manifest(target)
+    assert manifest is not None
+    assert {e.path for e in manifest.files} >= {".metadata", "meta.pt"}
+    for entry in manifest.files:
+        assert (entry.size, entry.checksum) == file_checksum(target / entry.path), entry
+    verify_checkpoint(target)

@@ -7,6 +7,7 @@ state and ``meta.pt`` of one version, never a mix), and the next save succeeds a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from lightning_sharded.checkpoint.atomic import leftovers, resolve
 from lightning_sharded.checkpoint.manifest import read_manifest
+from lightning_sharded.checkpoint.verify import verify_checkpoint
 from tests._compare import assert_same
 from tests.distributed.fault_driver import CASES, expected
 
@@ -92,8 +94,9 @@ def test_next_save_succeeds_and_cleans_up(crashes: tuple[Path, dict[str, Any]], 
     assert results[case]["recover"] == [0, 0]
     ckpt = out / case / "recovered" / "ckpt"
     assert_version(ckpt, 3)
+    verify_checkpoint(ckpt)  # the CRC-32s computed while writing match the bytes on disk
     assert leftovers(ckpt) == []
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in ckpt.parent.iterdir() if not p.name.startswith("error.")) == ["ckpt"]
 
 
 def test_crashed_ranks_really_died_or_failed(crashes: tuple[Path, dict[str, Any]]) -> None:
@@ -113,3 +116,31 @@ def test_fallback_crash_between_renames_is_recovered_by_resolve(crashes: tuple[P
     assert not ckpt.exists()
     real = resolve(ckpt)
     assert real.name.startswith(".ckpt.old-")
+
+
+def test_error_messages_of_a_failed_save(crashes: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = crashes
+    folder = out / "enospc_meta_rank0" / "crashed"
+    assert (
+        folder / "error.rank0.txt"
+    ).read_text() == "OSError: [Errno 28] No space left on device (simulated)"
+    assert re.fullmatch(
+        r"CheckpointError: Saving the checkpoint '.*/enospc_meta_rank0/crashed/ckpt' failed on rank 0"
+        r" \(OSError: \[Errno 28\] No space left on device \(simulated\)\)\. The partial save was removed"
+        r" and the previous checkpoint at that path, if any, is unchanged\.",
+        (folder / "error.rank1.txt").read_text(),
+    )
+    folder = out / "enospc_shards_rank1" / "crashed"
+    for rank in (0, 1):  # DCP reports a write error on every rank, naming the rank where it happened
+        message = (folder / f"error.rank{rank}.txt").read_text()
+        assert message.startswith("CheckpointException: CheckpointException ranks:dict_keys([1])"), message
+        assert "No space left on device (simulated)" in message
+    # a peer killed mid-save: the survivor fails with gloo's error and the old checkpoint stays
+    message = (out / "after_write_rank1" / "crashed" / "error.rank0.txt").read_text()
+    assert re.match(
+        r"CheckpointError: Saving the checkpoint '.*/after_write_rank1/crashed/ckpt' failed after writing,"
+        r" before publishing: a collective failed, most likely because another rank died"
+        r" \(RuntimeError: .*gloo",
+        message,
+    ), message
+    assert "The path holds the previous checkpoint or this one, whole" in message

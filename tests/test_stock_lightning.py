@@ -1,6 +1,6 @@
-"""Checkpoints written by stock Lightning's ModelParallelStrategy (2 real ranks, gloo, FSDP2), read in one
-process: load_checkpoint, consolidate then a stock single-device resume and load_from_checkpoint, the
-mixin's load_from_checkpoint on the directory, inspect and the CLI."""
+"""Checkpoints written by stock Lightning's ModelParallelStrategy (FSDP2) and FSDPStrategy (FSDP1), 2 real
+ranks on gloo, read in one process: load_checkpoint, consolidate then a stock single-device resume and
+load_from_checkpoint, the mixin's load_from_checkpoint on the directory, verify and inspect."""
 
 from __future__ import annotations
 
@@ -22,10 +22,22 @@ SCRIPT = Path(__file__).parent / "distributed" / "stock_lightning.py"
 
 
 @pytest.fixture(scope="module")
-def stock(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def stock_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("stock")
-    run_ranks(SCRIPT, 2, str(out), timeout=240)
-    return out / "mp.ckpt", torch.load(out / "expected.pt", weights_only=False)
+    run_ranks(SCRIPT, 2, str(out), "mp", "fsdp", timeout=240)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stock(stock_run: Path) -> tuple[Path, dict[str, Any]]:
+    """The ModelParallelStrategy checkpoint and its full values."""
+    return stock_run / "mp.ckpt", torch.load(stock_run / "mp.expected.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def stock_fsdp(stock_run: Path) -> tuple[Path, dict[str, Any]]:
+    """The FSDPStrategy (FSDP1) checkpoint and its full model values."""
+    return stock_run / "fsdp.ckpt", torch.load(stock_run / "fsdp.expected.pt", weights_only=False)
 
 
 def torch_form(optimizer: dict[str, Any]) -> dict[str, Any]:
@@ -121,3 +133,40 @@ def test_mixin_load_from_checkpoint_of_a_file_is_unchanged(
     out = consolidate_checkpoint(ckpt, tmp_path / "full.ckpt", progress=False)
     model = TinyShardedModel.load_from_checkpoint(str(out))
     assert_same({k: v.detach() for k, v in model.state_dict().items()}, expected["state_dict"])
+
+
+def test_load_checkpoint_reads_a_stock_fsdp1_directory(stock_fsdp: tuple[Path, dict[str, Any]]) -> None:
+    ckpt, expected = stock_fsdp
+    loaded = load_checkpoint(ckpt)
+    assert_same(loaded["state_dict"], expected["state_dict"])
+    assert loaded["global_step"] == 3
+    (optimizer,) = loaded["optimizer_states"]
+    names = [n for n, _ in TinyModel().named_parameters()]
+    assert optimizer["param_groups"][0]["params"] == list(range(len(names)))
+    for i, name in enumerate(names):
+        state = optimizer["state"][i]
+        assert state["exp_avg"].shape == expected["state_dict"][name].shape
+        assert state["exp_avg_sq"].shape == expected["state_dict"][name].shape
+        assert state["step"].item() == 3
+
+
+def test_consolidate_stock_fsdp1_then_stock_resume(
+    stock_fsdp: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    ckpt, expected = stock_fsdp
+    out = consolidate_checkpoint(ckpt, tmp_path / "full.ckpt", progress=False)
+    capture = Capture()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[capture],
+    )
+    trainer.fit(TinyModel(), ckpt_path=out)
+    assert capture.global_step == 3
+    assert_same(capture.state_dict, expected["state_dict"])
+    assert_same(capture.optimizer["state"], load_checkpoint(ckpt)["optimizer_states"][0]["state"])

@@ -266,3 +266,14 @@ def test_console_script_runs(sharded_ckpt: Path) -> None:
         cwd=REPO,
     )
     assert proc.returncode == 0 and proc.stdout.startswith("OK:"), proc.stderr
+
+
+def test_cli_demo_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    seen: list[list[str]] = []
+    module = types.ModuleType("lightning_sharded.demo")
+    module.main = lambda argv: seen.append(list(argv)) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lightning_sharded.demo", module)
+    assert main(["demo", "--processes", "2", "--out", "x"]) == 7
+    assert seen == [["--processes", "2", "--out", "x"]]

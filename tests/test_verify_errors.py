@@ -247,3 +247,18 @@ def test_bit_flip_without_verify_is_not_silently_different_in_structure(sharded_
     except CheckpointError:
         return
     assert isinstance(loaded["state_dict"]["layer.weight"], torch.Tensor)
+
+
+def test_corrupted_record_without_manifest_names_file_rank_and_key(sharded_ckpt: Path) -> None:
+    # No manifest, sizes intact: DCP fails to deserialize; the error still names file, rank and entry.
+    (sharded_ckpt / MANIFEST_NAME).unlink()
+    shard = sharded_ckpt / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[0:4] = b"XXXX"  # the first record's zip signature
+    shard.write_bytes(bytes(data))
+    expect_error(
+        lambda: load_checkpoint(sharded_ckpt),
+        CheckpointError,
+        r"failed: '__1_0.distcp' \(written by rank 1\) is corrupted: its entry '[\w.]+' at byte 0",
+        sharded_ckpt,
+    )

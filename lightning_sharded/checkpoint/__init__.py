@@ -1,23 +1,61 @@
 """Everything about checkpoint files: formats, loading and saving through
-``torch.distributed.checkpoint``, manifests, atomic commits and the single-process tools."""
+``torch.distributed.checkpoint``, manifests, atomic commits and the single-process tools.
+
+Only :class:`CheckpointError` is imported with the package; the rest loads on first access, so that
+``import lightning_sharded`` does not import ``torch.distributed.checkpoint``.
+"""
 
 from __future__ import annotations
 
-from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
-from lightning_sharded.checkpoint.tools import (
-    CheckpointInfo,
-    consolidate_checkpoint,
-    inspect_checkpoint,
-    load_checkpoint,
-)
-from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
+
+if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
+    from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+    from lightning_sharded.checkpoint.tools import (
+        CheckpointInfo,
+        consolidate_checkpoint,
+        inspect_checkpoint,
+        load_checkpoint,
+    )
+    from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
+
+_LAZY = {
+    "MANIFEST_NAME": "manifest",
+    "Manifest": "manifest",
+    "read_manifest": "manifest",
+    "commit_directory": "atomic",
+    "commit_file": "atomic",
+    "remove_checkpoint": "atomic",
+    "resolve": "atomic",
+    "ChecksummingWriter": "dcp_writer",
+    "CheckpointInfo": "tools",
+    "consolidate_checkpoint": "tools",
+    "inspect_checkpoint": "tools",
+    "load_checkpoint": "tools",
+    "VerifyReport": "verify",
+    "check_files": "verify",
+    "verify_checkpoint": "verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
     "CheckpointInfo",
+    "ChecksummingWriter",
     "Manifest",
     "VerifyReport",
     "check_files",

@@ -23,6 +23,10 @@ given (a fresh staging directory, or a temporary file name). How it works, on a 
    ``.<name>.trash-<token>`` first, then deleted);
 5. rank 0 broadcasts the outcome; every rank returns or raises the same error.
 
+A save replaces a previous checkpoint (directory or file) or an empty directory, never a non-empty
+directory that is not a checkpoint: that raises ``IsADirectoryError`` (wrapped in ``CheckpointError``
+by :func:`commit_directory`) and changes nothing.
+
 Guarantees (one save per target path at a time): a crash of any rank at any moment, SIGKILL and
 power loss included, leaves at the path either the previous checkpoint, untouched, or the new one,
 complete with its manifest; never a mix and never nothing where there was a checkpoint. An exception
@@ -273,11 +277,29 @@ class Publisher:
         raise NotImplementedError
 
 
+def _refuse_foreign_directory(target: Path) -> None:
+    """A save replaces a previous checkpoint, never a directory of something else (it would delete it)."""
+    if not target.is_dir() or target.is_symlink():
+        return
+    names = os.listdir(target)
+    if not names or any(
+        n in (MANIFEST_NAME, ".metadata", "meta.pt") or (n.startswith("__") and n.endswith(".distcp"))
+        for n in names
+    ):
+        return
+    listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    raise IsADirectoryError(
+        f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint (it holds {listed});"
+        " saving would replace and delete it. Choose another path, or remove the directory first."
+    )
+
+
 class LocalPublisher(Publisher):
     """Publishing on a local or POSIX network filesystem, by rename."""
 
     def prepare(self, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _refuse_foreign_directory(target)
         olds = leftovers(target, OLD)
         if not os.path.lexists(target) and olds:
             newest = olds.pop()
@@ -302,20 +324,27 @@ class LocalPublisher(Publisher):
             _fsync_dir(parent)
             return
         if _exchange(staged, target):
-            _fsync_dir(parent)
-            _fault(FaultPoint.AFTER_PUBLISH, rank)
             previous = staged  # after the swap, the staging name holds the previous version
         else:
             previous = _sibling(target, OLD)
             os.rename(target, previous)
             _fault(FaultPoint.BETWEEN_RENAMES, rank)
             os.rename(staged, target)
+        # Published: from here on a failure leaves leftovers for the next save, not a failed save.
+        try:
             _fsync_dir(parent)
             _fault(FaultPoint.AFTER_PUBLISH, rank)
-        trash = _sibling(target, TRASH)
-        os.rename(previous, trash)
-        _delete(trash, rank=rank)
-        _fsync_dir(parent)
+            trash = _sibling(target, TRASH)
+            os.rename(previous, trash)
+            _delete(trash, rank=rank)
+            _fsync_dir(parent)
+        except OSError as err:
+            log.warning(
+                "Checkpoint %s is published, but removing the previous version failed (%s); the next save"
+                " of this path removes it",
+                target,
+                err,
+            )
 
     def discard(self, staged: Path) -> None:
         _delete(staged)
@@ -368,13 +397,22 @@ def _own_files(staging: Path, rank: int) -> list[str]:
     return [rel for rel in _walk(staging) if "/" not in rel and rel.startswith(prefix)]
 
 
+def _checksum(file: Path, known: tuple[int, str] | None) -> tuple[int, str]:
+    """Size and CRC-32 of a file just written: ``known`` (computed while writing) if the size on disk
+    agrees, else read back. Either way the file is fsynced."""
+    if known is not None and file.stat().st_size == int(known[0]):
+        _fsync_file(file)
+        return int(known[0]), str(known[1])
+    return file_checksum(file, fsync=True)
+
+
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
 def commit_directory(
     path: str | os.PathLike[str],
-    write: Callable[[Path], None],
+    write: Callable[[Path], Mapping[str, tuple[int, str]] | None],
     *,
     metadata: Mapping[str, Any] | None = None,
     group: ProcessGroup | None = None,
@@ -392,14 +430,18 @@ def commit_directory(
             part of the checkpoint there, for example ``dcp.save(state, checkpoint_id=staging)`` and,
             on rank 0, ``torch.save(meta, staging / "meta.pt")``. Shard files other than rank 0's
             must be named ``__<rank>_*`` (as DCP does) to be checksummed by their own rank; any other
-            file is checksummed by rank 0.
+            file is checksummed by rank 0. It may return ``{relative path: (size, crc32 hex)}`` for
+            files it checksummed while writing
+            (:class:`~lightning_sharded.checkpoint.dcp_writer.ChecksummingWriter`): those are not read
+            back, only their sizes checked and the files fsynced.
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``;
             JSON-serializable values.
         group: The process group of the ranks that write.
         publisher: How to publish; :class:`LocalPublisher` (rename) by default.
 
     Raises:
-        CheckpointError: another rank failed while writing, or rank 0 failed to publish.
+        CheckpointError: another rank failed while writing, rank 0 failed to publish, or a collective of
+            the commit failed (a rank died).
         BaseException: the exception ``write`` raised on this rank (``OSError`` for a full disk, DCP's
             ``CheckpointException``...), re-raised after every rank has learned of it. In both cases
             the staging directory is removed and the previous checkpoint is unchanged.
@@ -417,7 +459,12 @@ def commit_directory(
             prepared = (str(publisher.stage(target, directory=True)), None)
         except Exception as err:
             prepared = (None, _describe(err))
-    staged_name, error = _broadcast(prepared, src, group, world_size)
+    try:
+        staged_name, error = _broadcast(prepared, src, group, world_size)
+    except Exception as err:
+        if rank == 0 and prepared[0] is not None:
+            publisher.discard(Path(prepared[0]))
+        raise _lost_rank(target, "before writing", err) from err
     if staged_name is None:
         raise CheckpointError(
             f"Could not prepare the checkpoint directory {str(target)!r} on rank 0: {error}. Check that the"
@@ -427,19 +474,27 @@ def commit_directory(
 
     # 2. every rank writes, then checksums and fsyncs its own files.
     entries: list[FileEntry] = []
+    known: dict[str, tuple[int, str]] = {}
     own_error: BaseException | None = None
     t_write = time.perf_counter()
     try:
-        write(staging)
+        known = dict(write(staging) or {})
         _fault(FaultPoint.AFTER_WRITE, rank)
         t_write = time.perf_counter() - t_write
         if rank != 0:
             for rel in _own_files(staging, rank):
-                size, checksum = file_checksum(staging / rel, fsync=True)
+                size, checksum = _checksum(staging / rel, known.get(rel))
                 entries.append(FileEntry(rel, size, checksum, rank))
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
-    reports = _all_gather((entries, None if own_error is None else _describe(own_error)), group, world_size)
+    try:
+        reports = _all_gather(
+            (entries, None if own_error is None else _describe(own_error)), group, world_size
+        )
+    except Exception as err:
+        if rank == 0:
+            publisher.discard(staging)
+        raise _lost_rank(target, "after writing, before publishing", err) from err
     failures = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
     if failures:
         if rank == 0:
@@ -460,7 +515,7 @@ def commit_directory(
             claimed = {e.path: e for rank_entries, _ in reports for e in rank_entries}
             for rel in _walk(staging):
                 if rel not in claimed and rel != MANIFEST_NAME:
-                    size, checksum = file_checksum(staging / rel, fsync=True)
+                    size, checksum = _checksum(staging / rel, known.get(rel))
                     claimed[rel] = FileEntry(rel, size, checksum, 0)
             for dirpath, _, _ in os.walk(staging):
                 _fsync_dir(Path(dirpath))
@@ -496,12 +551,24 @@ def commit_directory(
     else:
         _fault(FaultPoint.BEFORE_MANIFEST, rank)
         _fault(FaultPoint.BEFORE_PUBLISH, rank)
-    outcome = _broadcast(outcome, src, group, world_size)
+    try:
+        outcome = _broadcast(outcome, src, group, world_size)
+    except Exception as err:
+        raise _lost_rank(target, "while rank 0 published", err) from err
     if outcome is not None:
         raise CheckpointError(
             f"Publishing the checkpoint {str(target)!r} failed on rank 0: {outcome}. The previous"
             " checkpoint at that path, if any, is unchanged; check the filesystem and save again."
         )
+
+
+def _lost_rank(target: Path, stage: str, err: Exception) -> CheckpointError:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return CheckpointError(
+        f"Saving the checkpoint {str(target)!r} failed {stage}: a collective failed, most likely because"
+        f" another rank died ({type(err).__name__}: {first}). The path holds the previous checkpoint or"
+        " this one, whole, never a mix; check the other ranks' logs, then resume from it."
+    )
 
 
 def _write_manifest(directory: Path, manifest: Manifest) -> None:

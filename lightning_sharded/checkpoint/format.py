@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.storage import Location
@@ -134,6 +136,7 @@ class ShardedLayout:
             ``None`` for an entry stored as bytes (a non-tensor value).
         optimizer_count: how many ``optimizer_N`` keys there are (``0..N-1`` without gaps).
         entries: every flattened DCP key to its global shape, or ``None`` for bytes entries.
+        dtypes: every flattened DCP key of a tensor to its element type.
     """
 
     path: Location
@@ -141,6 +144,7 @@ class ShardedLayout:
     model_entries: dict[str, tuple[int, ...] | None]
     optimizer_count: int
     entries: dict[str, tuple[int, ...] | None] = field(repr=False)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict, repr=False)
 
 
 def read_sharded_layout(path: str | Path) -> ShardedLayout:
@@ -162,8 +166,11 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
         ) from ex
     _check_shard_files(path, metadata)
     entries: dict[str, tuple[int, ...] | None] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for key, item in metadata.state_dict_metadata.items():
         entries[key] = tuple(item.size) if isinstance(item, TensorStorageMetadata) else None
+        if isinstance(item, TensorStorageMetadata):
+            dtypes[key] = item.properties.dtype
 
     tops = {key.split(".", 1)[0] for key in entries}
     model_keys = sorted(k for k in (MODEL, STATE_DICT) if k in tops)
@@ -193,6 +200,7 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
         model_entries=model_entries,
         optimizer_count=len(indices),
         entries=entries,
+        dtypes=dtypes,
     )
 
 

@@ -23,13 +23,11 @@ does not fit fails without touching the model, and no load ever writes to the ch
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -121,42 +119,52 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 def write_sharded_checkpoint(
     path: Location, state: dict[str, Any], metadata: dict[str, Any], *, rank: int
 ) -> None:
-    """Write a sharded checkpoint directory at ``path``: DCP shards and index, then ``meta.pt``.
+    """Write a sharded checkpoint directory at ``path`` atomically: DCP shards and index, ``meta.pt``.
 
     Collective: every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``). A file at ``path`` is replaced by the directory. ``metadata`` (the rest of the
-    Lightning checkpoint) is written by rank 0, last.
+    and ``"optimizer_0"``); ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
+    Everything goes into a staging directory next to ``path``, which
+    :func:`~lightning_sharded.checkpoint.atomic.commit_directory` checksums, fsyncs, describes in a
+    manifest and publishes by rename: a crash at any moment leaves the previous checkpoint at ``path``
+    or the new one, complete.
 
     Raises:
-        CheckpointError: DCP failed on some rank; the message names the ranks and their errors.
+        IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint (it would be
+            replaced as a whole).
+        CheckpointError: the save failed on some rank; the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
     if isinstance(path, str):  # an fsspec URL: versions and a manifest published last
         from lightning_sharded.checkpoint import object_store
 
-        progress = {k: metadata[k] for k in ("epoch", "global_step") if isinstance(metadata.get(k), int)}
         object_store.write_sharded_checkpoint(
-            path, state, metadata, rank=rank, manifest_metadata=progress, run_dcp=_run_dcp
+            path, state, metadata, rank=rank, manifest_metadata=_manifest_metadata(metadata), run_dcp=_run_dcp
         )
         return
-    if rank == 0 and path.is_file():
-        path.unlink()
-    _barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    _run_dcp(lambda: save(state, checkpoint_id=path), f"Saving the sharded checkpoint to {str(path)!r}")
-    if rank == 0:
-        torch.save(metadata, path / META_FILENAME)
-    _barrier()
+    from lightning_sharded.checkpoint.atomic import commit_directory
+
+    _refuse_foreign_directory(path)
+
+    def write(staging: Path) -> None:
+        _run_dcp(
+            lambda: save(state, checkpoint_id=staging), f"Saving the sharded checkpoint to {str(path)!r}"
+        )
+        if rank == 0:
+            torch.save(metadata, staging / META_FILENAME)
+
+    commit_directory(path, write, metadata=_manifest_metadata(metadata))
 
 
 def write_full_checkpoint(path: Location, checkpoint: dict[str, Any], *, rank: int) -> None:
-    """Write a full checkpoint file at ``path`` with ``torch.save`` (rank 0 only; others return).
+    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
 
-    A sharded checkpoint directory at ``path`` is replaced by the file; any other directory is an error.
+    The file is written next to ``path`` and published by rename
+    (:func:`~lightning_sharded.checkpoint.atomic.commit_file`); a sharded checkpoint directory at
+    ``path`` is replaced by it.
 
     Raises:
-        IsADirectoryError: ``path`` is a directory that is not a sharded checkpoint.
+        IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
     """
     if rank != 0:
         return
@@ -165,15 +173,23 @@ def write_full_checkpoint(path: Location, checkpoint: dict[str, Any], *, rank: i
 
         object_store.write_full_checkpoint(path, lambda local: torch.save(checkpoint, local))
         return
-    if path.is_dir():
-        if detect_format_or_none(path) is not CheckpointFormat.SHARDED:
-            raise IsADirectoryError(
-                f"The checkpoint path {str(path)!r} exists and is a directory that is not a checkpoint;"
-                " refusing to replace it with a full checkpoint file. Choose another path."
-            )
-        shutil.rmtree(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(checkpoint, path)
+    from lightning_sharded.checkpoint.atomic import commit_file
+
+    _refuse_foreign_directory(path)
+    commit_file(path, lambda staged: torch.save(checkpoint, staged))
+
+
+def _refuse_foreign_directory(path: Path) -> None:
+    if path.is_dir() and any(path.iterdir()) and detect_format_or_none(path) is not CheckpointFormat.SHARDED:
+        raise IsADirectoryError(
+            f"The checkpoint path {str(path)!r} is a directory that is not a checkpoint; refusing to replace"
+            " it and everything in it. Choose another path."
+        )
+
+
+def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records about the Lightning checkpoint (JSON values only)."""
+    return {key: checkpoint[key] for key in ("epoch", "global_step") if isinstance(checkpoint.get(key), int)}
 
 
 def save_checkpoint(
@@ -206,7 +222,7 @@ def save_checkpoint(
 
 
 def remove_checkpoint(path: Location, *, rank: int) -> None:
-    """Remove a checkpoint file or directory (rank 0 only). A missing path is not an error."""
+    """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
     if rank != 0:
         return
     if isinstance(path, str):
@@ -215,10 +231,10 @@ def remove_checkpoint(path: Location, *, rank: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             object_store.remove_checkpoint(path)
         return
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+    from lightning_sharded.checkpoint import atomic
+
+    with contextlib.suppress(FileNotFoundError):
+        atomic.remove_checkpoint(path)
 
 
 def detect_format_or_none(path: Path) -> CheckpointFormat | None:
@@ -295,7 +311,10 @@ def restore_checkpoint(
     """
     if storage.is_url(path):
         return _restore_url(str(path), model, optimizers, strict=strict, weights_only=weights_only)
-    path = Path(path)
+    from lightning_sharded.checkpoint.atomic import resolve
+
+    # A crash between the two renames of a fallback publish leaves the checkpoint under an "old" name.
+    path = resolve(path)
     fmt = detect_format(path)
     if fmt is CheckpointFormat.SHARDED:
         return _restore_sharded(path, model, optimizers, strict=strict, weights_only=weights_only)
@@ -350,7 +369,12 @@ def _restore_sharded_optimizer(
     path: Location, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
 ) -> None:
     key = optimizer_key(index)
-    template = optimizer_state_dict(model, optimizer, full=False)
+    template = _optimizer_template_from_index(model, optimizer, layout, key)
+    from_index = template is not None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
+        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
+        template = optimizer_state_dict(model, optimizer, full=False)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{_PARAM_GROUPS}.")
     }
@@ -361,30 +385,107 @@ def _restore_sharded_optimizer(
             " groups as the run that saved the checkpoint."
         )
     state: dict[str, dict[str, Any]] = template[_STATE]
-    flat = {f"{key}.{_STATE}.{name}.{entry}": (name, entry) for name in state for entry in state[name]}
-    found = [k for k in layout.entries if k.startswith(f"{key}.{_STATE}.")]
-    report = KeyReport(list(flat), found)
-    if report.missing and strict:
+    if from_index:
+        # The template holds what the checkpoint has. With any state at all (not a stateless optimizer),
+        # a trainable parameter without state is missing from the checkpoint.
+        trainable = [name for name, param in _named_optimizer_params(model, optimizer) if param.requires_grad]
+        missing = [f"{key}.{_STATE}.{name}" for name in trainable if name not in state] if state else []
+    else:
+        flat = {f"{key}.{_STATE}.{name}.{entry}": (name, entry) for name in state for entry in state[name]}
+        missing = [k for k in flat if k not in layout.entries]
+        _check_shapes(
+            path,
+            {k: state[name][entry] for k, (name, entry) in flat.items() if k in layout.entries},
+            layout.entries,
+        )
+        for k in missing:  # not strict (checked below): those parameters start with fresh state
+            name, entry = flat[k]
+            state[name].pop(entry)
+        for name in [n for n, entries in state.items() if not entries]:
+            state.pop(name)
+    if missing and strict:
         raise CheckpointError(
             f"The optimizer state {key} in {str(path)!r} does not fit the optimizer (strict loading)."
-            f" {KeyReport(report.missing, []).describe()} Resume with the same model and optimizer, or set"
+            f" {KeyReport(missing, []).describe()} Resume with the same model and optimizer, or set"
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
-    _check_shapes(
-        path,
-        {k: state[name][entry] for k, (name, entry) in flat.items() if k in layout.entries},
-        layout.entries,
-    )
-    for k in report.missing:  # not strict: those parameters start with fresh optimizer state
-        name, entry = flat[k]
-        state[name].pop(entry)
-    for name in [n for n, entries in state.items() if not entries]:
-        state.pop(name)
     own_params = [group[_PARAMS] for group in template[_PARAM_GROUPS]]
     _dcp_load({key: template}, path)
     for group, params in zip(template[_PARAM_GROUPS], own_params, strict=True):
         group[_PARAMS] = params
-    _set_optimizer_state(model, optimizer, template)
+    if from_index:
+        optimizer.load_state_dict(_key_by_index(template))
+    else:
+        _set_optimizer_state(model, optimizer, template)
+
+
+def _has_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def _named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [(names[id(param)], param) for group in optimizer.param_groups for param in group[_PARAMS]]
+
+
+def _optimizer_template_from_index(
+    model: nn.Module, optimizer: Optimizer, layout: ShardedLayout, key: str
+) -> dict[str, Any] | None:
+    """An empty, name-keyed optimizer state shaped like the checkpoint's; see :func:`_template_like`."""
+    prefix = f"{key}.{_STATE}."
+    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
+    for flat_key in sorted(layout.entries):
+        if flat_key.startswith(prefix):
+            name, _, entry = flat_key[len(prefix) :].rpartition(".")
+            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
+    return _template_like(model, optimizer, stored)
+
+
+def _template_like(
+    model: nn.Module,
+    optimizer: Optimizer,
+    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+) -> dict[str, Any] | None:
+    """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
+
+    ``stored`` maps parameter name -> state entry -> (global shape, dtype), or ``(None, None)`` for a
+    non-tensor entry. Each state tensor with its parameter's global shape is made like the parameter (a
+    ``DTensor`` stays sharded the same way, so each rank holds only its piece); any other (``step``)
+    is a plain tensor of the stored shape. Unlike ``get_optimizer_state_dict`` this runs no optimizer
+    step. Only for models whose parameters are the optimizer's parameters (plain, FSDP2, tensor
+    parallel); ``None`` for FSDP1 (flat parameters) or a parameter the model does not name.
+    """
+    if _has_fsdp1(model):
+        return None
+    try:
+        named = _named_optimizer_params(model, optimizer)
+    except KeyError:
+        return None
+    params = dict(named)
+    state: dict[str, dict[str, Any]] = {}
+    for name in sorted(stored):
+        param = params.get(name)
+        if param is None:
+            continue  # state of a parameter this optimizer does not have: not loaded
+        for entry, (shape, dtype) in sorted(stored[name].items()):
+            value: Any = None  # a non-tensor entry: the loader puts the stored object here
+            if shape is not None and dtype is not None:
+                if len(shape) > 0 and tuple(shape) == tuple(param.shape):
+                    value = torch.empty_like(param, dtype=dtype, requires_grad=False)
+                else:
+                    value = torch.empty(shape, dtype=dtype)
+            state.setdefault(name, {})[entry] = value
+    groups = []
+    position = 0
+    for group in optimizer.param_groups:
+        count = len(group[_PARAMS])
+        names = [name for name, _ in named[position : position + count]]
+        position += count
+        groups.append({**{k: v for k, v in group.items() if k != _PARAMS}, _PARAMS: names})
+    return {_STATE: state, _PARAM_GROUPS: groups}
 
 
 def _restore_full(
@@ -430,58 +531,86 @@ def _restore_full_optimizer(
     path: Path, model: nn.Module, optimizer: Optimizer, source: dict[str, Any], index: int, *, strict: bool
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
-    template = optimizer_state_dict(model, optimizer, full=False)
-    names = _param_names(template)
     source_groups = source.get(_PARAM_GROUPS, [])
-    if len(source_groups) != len(template[_PARAM_GROUPS]):
+    if len(source_groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"The optimizer state {where} has {len(source_groups)} parameter group(s), the optimizer"
-            f" configured now has {len(template[_PARAM_GROUPS])}. Resume with the same parameter groups."
+            f" configured now has {len(optimizer.param_groups)}. Resume with the same parameter groups."
         )
-    source_state: dict[Any, Any] = source.get(_STATE, {})
-    if any(isinstance(k, int) for k in source_state):
-        source_names = [p for group in source_groups for p in group[_PARAMS]]
-        if all(isinstance(p, int) for p in source_names) and len(source_names) != len(names):
-            raise CheckpointError(
-                f"The optimizer state {where} covers {len(source_names)} parameters, the optimizer has"
-                f" {len(names)}. Resume with the same model and optimizer."
-            )
-        by_position = dict(zip(source_names, names, strict=False))
-        source_state = {by_position.get(k, k): v for k, v in source_state.items()}
+    template = None
+    if not _has_fsdp1(model):
+        try:
+            names = [name for name, _ in _named_optimizer_params(model, optimizer)]
+        except KeyError:
+            names = []
+        if names:
+            source_state = _name_keyed(where, source, names)
+            stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {
+                name: {
+                    entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
+                    for entry, v in entries.items()
+                }
+                for name, entries in source_state.items()
+            }
+            template = _template_like(model, optimizer, stored)
+    with_helpers = template is None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step).
+        template = optimizer_state_dict(model, optimizer, full=False)
+        names = _param_names(template)
+        source_state = _name_keyed(where, source, names)
     state: dict[str, dict[str, Any]] = template[_STATE]
     missing = []
-    for name in sorted(state):
-        entries = state[name]
-        for entry in sorted(entries):
-            if name not in source_state or entry not in source_state[name]:
-                missing.append(f"{name}.{entry}")
-                entries.pop(entry)
-                continue
-            value = source_state[name][entry]
-            if isinstance(value, torch.Tensor):
-                _check_shapes(
-                    path,
-                    {f"{name}.{entry}": entries[entry]},
-                    {f"{name}.{entry}": tuple(value.shape)},
-                    prefix="",
-                )
-                entries[entry] = _copy_full_into(entries[entry], value)
-            else:
-                entries[entry] = value
-        if not entries:
-            state.pop(name)
+    if with_helpers:
+        missing = [f"{n}.{e}" for n in sorted(state) for e in state[n] if e not in source_state.get(n, {})]
+    elif source_state:
+        trainable = [n for n, p in _named_optimizer_params(model, optimizer) if p.requires_grad]
+        missing = [n for n in trainable if n not in state]
     if missing and strict:
         raise CheckpointError(
             f"The optimizer state {where} does not fit the optimizer (strict loading). Missing key(s) in"
             f" the checkpoint: {summarize_keys(missing)}. Resume with the same model and optimizer, or set"
             " `strict_loading = False` on the LightningModule."
         )
+    for name in sorted(state):  # sorted: the same order on every rank
+        entries = state[name]
+        for entry in sorted(entries):
+            if entry not in source_state.get(name, {}):
+                entries.pop(entry)  # not strict: this parameter starts with fresh state
+                continue
+            value = source_state[name][entry]
+            if isinstance(value, torch.Tensor):
+                label = f"{name}.{entry}"
+                _check_shapes(path, {label: entries[entry]}, {label: tuple(value.shape)})
+                entries[entry] = _copy_full_into(entries[entry], value)
+            else:
+                entries[entry] = value
+        if not entries:
+            state.pop(name)
     for group, source_group in zip(template[_PARAM_GROUPS], source_groups, strict=True):
         params = group[_PARAMS]
         group.clear()
         group.update(source_group)
         group[_PARAMS] = params
-    _set_optimizer_state(model, optimizer, template)
+    if with_helpers:
+        _set_optimizer_state(model, optimizer, template)
+    else:
+        optimizer.load_state_dict(_key_by_index(template))
+
+
+def _name_keyed(where: str, source: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A full file's optimizer state keyed by parameter name (stock files key it by index)."""
+    source_state: dict[Any, Any] = source.get(_STATE, {})
+    if not any(isinstance(k, int) for k in source_state):
+        return source_state
+    source_names = [p for group in source.get(_PARAM_GROUPS, []) for p in group[_PARAMS]]
+    if all(isinstance(p, int) for p in source_names) and len(source_names) != len(names):
+        raise CheckpointError(
+            f"The optimizer state {where} covers {len(source_names)} parameters, the optimizer has"
+            f" {len(names)}. Resume with the same model and optimizer."
+        )
+    by_position = dict(zip(source_names, names, strict=False))
+    return {by_position.get(k, k): v for k, v in source_state.items()}
 
 
 # -------------------------------------------------------------------------------------------- helpers
@@ -611,8 +740,3 @@ def _load_meta(path: Location, weights_only: bool | None) -> dict[str, Any]:
             f"The Lightning metadata {str(path)!r} is a {type(metadata).__name__}, not a dict."
         )
     return metadata
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -102,10 +102,42 @@ class _DcpReader:
         try:
             _load_state_dict(state, storage.dcp_reader(self.root), planner=planner, no_dist=True)
         except (CheckpointException, Exception) as err:
+            where = self.diagnose()
             raise CheckpointError(
-                f"Reading the sharded checkpoint {str(self.root)!r} failed: {_first_line(err)}."
-                f" {_VERIFY_HINT.format(path=self.root)}"
+                f"Reading the sharded checkpoint {str(self.root)!r} failed"
+                + (f": {where}" if where else f" ({_first_line(err)})")
+                + ". Restore it from a copy, or load an earlier checkpoint. "
+                + _VERIFY_HINT.format(path=self.root)
             ) from err
+
+    def diagnose(self) -> str | None:
+        """After a failed read: the first stored item that does not deserialize, by file, rank and key.
+
+        Reads one item at a time (memory bounded by the largest chunk).
+        """
+        import io
+
+        items = sorted(
+            (self.metadata.storage_data or {}).items(),
+            key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
+        )
+        for index, info in items:
+            rel = str(info.relative_path)
+            m = SHARD_FILE.match(rel)
+            who = f" (written by rank {m.group(1)})" if m else ""
+            try:
+                with storage.open_file(storage.join(self.root, rel)) as f:
+                    f.seek(int(info.offset))
+                    data = f.read(int(info.length))
+                if len(data) != int(info.length):
+                    raise EOFError(f"{len(data)} of {int(info.length)} bytes")
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=index.fqn in self.tensors)
+            except Exception as err:
+                return (
+                    f"{rel!r}{who} is corrupted: its entry {index.fqn!r} at byte {int(info.offset)} cannot be"
+                    f" read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                )
+        return None
 
     def read_objects(self) -> dict[str, Any]:
         """The non-tensor entries (pickled by DCP), e.g. the optimizers' ``param_groups``."""

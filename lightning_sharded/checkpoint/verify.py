@@ -166,7 +166,7 @@ def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
             )
     if LIGHTNING_METADATA not in sizes:
         problems.append(Problem(LIGHTNING_METADATA, "is missing"))
-    return problems, len(needed) + 1
+    return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
 
 
 def _full_file_problems(file: storage.Location) -> list[Problem]:

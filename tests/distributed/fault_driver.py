@@ -15,9 +15,11 @@ For each case, in ``OUT/<case>/``:
   overwrite it with version 2, crashed as the case says. The test loads it and expects version 1
   or 2, whole.
 - ``recovered/ckpt``: a copy of ``crashed/`` (leftovers included), then a clean save of version 3,
-  which must succeed and clean the leftovers up.
+  which must succeed and clean the leftovers up; it checksums while writing (``ChecksummingWriter``).
 
-``OUT/results.json`` maps each case to the exit codes of its ranks (negative: killed by that signal).
+A rank whose ``commit_directory`` raised writes ``<type>: <message>`` to ``error.rank<R>.txt`` next
+to the checkpoint. ``OUT/results.json`` maps each case to the exit codes of its ranks (negative:
+killed by that signal).
 
 How a rank is crashed: ``LIGHTNING_SHARDED_FAULT=<point>[@rank]`` (``atomic.py``'s fault points), or
 a kill inside the ``write`` callable (points ``atomic.py`` cannot see):
@@ -52,6 +54,7 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded.checkpoint.atomic import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
+from lightning_sharded.checkpoint.dcp_writer import ChecksummingWriter
 
 WORLD_SIZE = 2
 ROWS = 8
@@ -154,25 +157,33 @@ def save_rank(rank: int, port: int, ckpt: Path, version: int, kill: str) -> int:
 
         filesystem._write_item = write_then_fail  # type: ignore[assignment]
 
-    def write(staging: Path) -> None:
-        dcp.save(state, checkpoint_id=staging)
+    def write(staging: Path) -> dict[str, tuple[int, str]] | None:
+        # Version 3 (the saves after a crash) checksums while DCP writes; the others are read back.
+        writer = ChecksummingWriter(staging) if version == 3 else None
+        dcp.save(state, checkpoint_id=staging, storage_writer=writer)
         if _kill_at(kill, "after_shards", rank):
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 0:
             torch.save(meta, staging / "meta.pt")
             if _kill_at(kill, "enospc_meta", rank):
                 raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return writer.checksums if writer is not None else None
+
+    def report(err: BaseException) -> None:
+        message = f"{type(err).__name__}: {err}"
+        print(f"rank {rank} {message}", flush=True)
+        (ckpt.parent / f"error.rank{rank}.txt").write_text(message)
 
     try:
         commit_directory(ckpt, write, metadata={"epoch": version, "global_step": 10 * version})
     except OSError as err:
-        print(f"rank {rank} OSError: {err}", flush=True)
+        report(err)
         return 3
     except Exception as err:
-        print(f"rank {rank} {type(err).__name__}: {err}", flush=True)
+        report(err)
         return 4
     except BaseException as err:  # DCP's CheckpointException
-        print(f"rank {rank} {type(err).__name__}: {err}", flush=True)
+        report(err)
         return 5
     dist.destroy_process_group()
     return 0

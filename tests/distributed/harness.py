@@ -37,8 +37,19 @@ class Batch:
         for world, jobs in sorted(self.jobs.items(), reverse=True):
             jobs_file = self.root / f"jobs-{world}-{len(self.outs)}.pt"
             torch.save(jobs, jobs_file)
-            run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
+            try:
+                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
+            except AssertionError as ex:
+                # The free port can be taken by another process between choosing and binding it.
+                if not _port_taken(str(ex)):
+                    raise
+                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
         self.jobs = {}
+
+
+def _port_taken(output: str) -> bool:
+    text = output.lower()
+    return "address already in use" in text or "eaddrinuse" in text
 
 
 class Results:

@@ -70,8 +70,10 @@ class ShardedModel(L.LightningModule):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import Shard, distribute_tensor
 
-            mesh = init_device_mesh("cpu", (world,))
-            self.table = distribute_tensor(_table_values(), mesh, [Shard(0)], src_data_rank=None)
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            mesh = init_device_mesh(device, (world,))
+            table = _table_values().to(device)
+            self.table = distribute_tensor(table, mesh, [Shard(0)], src_data_rank=None)
         if self.sharded_tensor and self.cache is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)

@@ -116,15 +116,14 @@ def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     for key, value in get_model_state_dict(root, options=options).items():
         if key.startswith("layer"):
-            values[f"model.{key}"] = value
+            values[f"model.{key}"] = value.clone()  # in one process it can be the live tensor
     if model.table is not None:
-        values["model.table"] = (
-            model.table.full_tensor() if hasattr(model.table, "full_tensor") else model.table
-        )
+        table = model.table.full_tensor() if hasattr(model.table, "full_tensor") else model.table
+        values["model.table"] = table.clone()
     if model.cache is not None:
         from lightning_sharded.tensors import to_full
 
-        values["model.cache"] = to_full(model.cache)
+        values["model.cache"] = to_full(model.cache).clone()
     for index, opt in enumerate(trainer.optimizers):
         state = get_optimizer_state_dict(root, opt, options=options)
         for name, entries in state.get("state", {}).items():
@@ -146,6 +145,17 @@ class Capture(L.Callback):
         self.values = full_values(trainer, pl_module)
         if self.out is not None:
             write(self.out, self.values)
+
+
+class SaveAfterFirstStep(L.Callback):
+    """Saves to the checkpoint path once early, so the final save replaces an existing checkpoint."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.path)
 
 
 def write(out: Path, values: dict[str, Any]) -> None:
@@ -197,6 +207,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--cases", type=Path, help="errors phase: a torch.save'd list of case dicts")
     parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--overwrite", action="store_true", help="also save to --ckpt after the first step")
     return parser
 
 
@@ -226,6 +237,8 @@ def run_job(argv: list[str]) -> None:
                     dirpath=args.top_k, every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"
                 )
             )
+        if args.overwrite:
+            callbacks.append(SaveAfterFirstStep(args.ckpt))
         trainer = L.Trainer(max_steps=args.steps, limit_val_batches=0, callbacks=callbacks, **common)
         trainer.fit(model)
         trainer.save_checkpoint(args.ckpt)

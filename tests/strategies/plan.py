@@ -27,11 +27,11 @@ RESUMERS = {"fsdp": FSDP, "mp": MP, "mp-policy": MP_POLICY, "stock-fsdp": STOCK_
 # name -> (world size, flags). Jobs run in this order within a world size; "single" jobs come first
 # among the 1-process jobs, before any process group exists in that process.
 FITS: dict[str, tuple[int, tuple[str, ...]]] = {
-    "fsdp2": (2, (*FSDP, "--top-k", "{root}/fsdp2-topk")),
-    "mp2": (2, MP),
+    "fsdp2": (2, (*FSDP, "--top-k", "{root}/fsdp2-topk", "--overwrite")),
+    "mp2": (2, (*MP, "--overwrite")),
     "stock-fsdp2": (2, STOCK_FSDP),
     "stock-mp2": (2, STOCK_MP),
-    "fsdp2-full": (2, (*FSDP, "--state-dict-type", "full")),
+    "fsdp2-full": (2, (*FSDP, "--state-dict-type", "full", "--overwrite")),
     "mp2-full": (2, (*MP, "--state-dict-type", "full")),
     "single": (1, SINGLE),
     "fsdp1": (1, FSDP),

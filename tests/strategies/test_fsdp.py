@@ -32,9 +32,23 @@ def test_resume_sharded_at_any_world_size(runs: Session, saved_on: int, resumed_
     saved = runs[f"fsdp{saved_on}"]
     assert (runs.root / f"fsdp{saved_on}" / ".metadata").is_file()
     assert (runs.root / f"fsdp{saved_on}" / "meta.pt").is_file()
+    assert (runs.root / f"fsdp{saved_on}" / "lightning_sharded.json").is_file()  # the manifest
     restored = runs[resume_name(f"fsdp{saved_on}", "fsdp", resumed_on)]
     assert {"model.cache", "model.table"} <= set(model_keys(restored))
     assert_same(saved, restored)
+
+
+def test_saving_over_a_checkpoint_replaces_it_and_leaves_nothing_behind(runs: Session) -> None:
+    # "fsdp2", "mp2" and "fsdp2-full" were saved after step 1 and again after step 3, at the same path.
+    from lightning_sharded.checkpoint.atomic import leftovers
+    from lightning_sharded.checkpoint.manifest import read_manifest
+
+    for name in ("fsdp2", "mp2", "fsdp2-full"):
+        assert runs[name]["global_step"] == 3
+        assert leftovers(runs.root / name) == []
+    manifest = read_manifest(runs.root / "fsdp2")
+    assert manifest is not None and manifest.global_step == 3 and manifest.world_size == 2
+    assert torch.load(runs.root / "fsdp2-full", weights_only=False)["global_step"] == 3
 
 
 def test_model_checkpoint_save_top_k_keeps_two_directories(runs: Session) -> None:
@@ -96,16 +110,20 @@ def test_validate_test_predict_with_ckpt_path(runs: Session) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_resume_sharded_on_cuda(tmp_path: Path) -> None:
-    root = tmp_path
-    batch = Batch(root)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_on_cuda(tmp_path: Path) -> None:
+    # The CPU matrix above, on GPUs: 2 processes (or 1 with one GPU), sharded and full, resumed at 1 too.
+    world = min(2, torch.cuda.device_count())
     flags = ("--strategy", "fsdp", "--accelerator", "cuda")
-    batch.add("fit", 2, "fit", "--ckpt", str(root / "ck"), *flags)
+    batch = Batch(tmp_path)
+    batch.add("sharded", world, "fit", "--ckpt", str(tmp_path / "sharded"), *flags)
+    batch.add("full", world, "fit", "--ckpt", str(tmp_path / "full"), *flags, "--state-dict-type", "full")
     batch.run()
-    batch.add("r2", 2, "resume", "--ckpt", str(root / "ck"), *flags)
-    batch.add("r1", 1, "resume", "--ckpt", str(root / "ck"), *flags)
+    for resumed_on in sorted({1, world}):
+        for kind in ("sharded", "full"):
+            batch.add(f"{kind}@{resumed_on}", resumed_on, "resume", "--ckpt", str(tmp_path / kind), *flags)
     batch.run()
     results = Results(batch.outs)
-    assert_same(results["fit"], results["r2"])
-    assert_same(results["fit"], results["r1"])
+    for resumed_on in sorted({1, world}):
+        for kind in ("sharded", "full"):
+            assert_same(results[kind], results[f"{kind}@{resumed_on}"])

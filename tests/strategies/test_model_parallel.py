@@ -64,15 +64,20 @@ def test_full_save_resumes_at_another_world_size(runs: Session) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_resume_sharded_on_cuda(tmp_path: Path) -> None:
-    batch = Batch(tmp_path)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_on_cuda(tmp_path: Path) -> None:
+    # The CPU matrix above, on GPUs: 2 processes (or 1 with one GPU), sharded and full, resumed at 1 too.
+    world = min(2, torch.cuda.device_count())
     flags = ("--strategy", "mp", "--accelerator", "cuda")
-    batch.add("fit", 2, "fit", "--ckpt", str(tmp_path / "ck"), *flags)
+    batch = Batch(tmp_path)
+    batch.add("sharded", world, "fit", "--ckpt", str(tmp_path / "sharded"), *flags)
+    batch.add("full", world, "fit", "--ckpt", str(tmp_path / "full"), *flags, "--state-dict-type", "full")
     batch.run()
-    batch.add("r2", 2, "resume", "--ckpt", str(tmp_path / "ck"), *flags)
-    batch.add("r1", 1, "resume", "--ckpt", str(tmp_path / "ck"), *flags)
+    for resumed_on in sorted({1, world}):
+        for kind in ("sharded", "full"):
+            batch.add(f"{kind}@{resumed_on}", resumed_on, "resume", "--ckpt", str(tmp_path / kind), *flags)
     batch.run()
     results = Results(batch.outs)
-    assert_same(results["fit"], results["r2"])
-    assert_same(results["fit"], results["r1"])
+    for resumed_on in sorted({1, world}):
+        for kind in ("sharded", "full"):
+            assert_same(results[kind], results[f"{kind}@{resumed_on}"])

@@ -1,0 +1,355 @@
+"""``lightning-sharded demo``: train sharded on CPU, save, resume in 1 and in N processes, compare.
+
+The demo trains a small LightningModule with FSDP-sharded linear layers and a ``DTensor`` embedding
+table (a sharded attribute, not a parameter) on CPU with ``--processes`` processes, saves a checkpoint,
+then resumes it in 1 process and in ``--processes`` processes. Each run gathers the full values of the
+weights, the table and the Adam state with torch's own helpers; the demo prints whether the restored
+values equal the saved ones, and exits non-zero if any differs.
+
+It starts its rank processes itself (``python -m lightning_sharded.demo --rank-job ...`` with
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set, as ``torchrun`` would),
+so it works from a console script without Lightning relaunching ``sys.argv``.
+
+Run it with ``python -m lightning_sharded.demo --help`` (or ``lightning-sharded demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["compare", "main"]
+
+STEPS = 4
+VOCAB, DIM, HIDDEN = 16, 8, 32
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_STRATEGY_NAMES = {"fsdp": "ShardedFSDPStrategy", "model-parallel": "ShardedModelParallelStrategy"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-sharded demo",
+        description="Train a sharded model on CPU, save a checkpoint, resume it in 1 and in N processes,"
+        " and check that weights, the DTensor table and the optimizer state come back exactly.",
+    )
+    parser.add_argument("--processes", type=int, default=2, help="processes to train with (default: 2)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=Path("lightning-sharded-demo"),
+        help="folder for checkpoint and results",
+    )
+    parser.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded")
+    parser.add_argument("--strategy", choices=sorted(_STRATEGY_NAMES), default="fsdp")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each phase may take")
+    parser.add_argument("--rank-job", choices=["train", "resume"], help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; returns the exit code (0: every restored value equals the saved one)."""
+    args = _parser().parse_args(argv)
+    if args.rank_job is not None:
+        _rank_job(args)
+        return 0
+    if args.processes < 1:
+        print("--processes must be at least 1", file=sys.stderr)
+        return 2
+    output: Path = args.output.resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    checkpoint = output / ("checkpoint" if args.state_dict_type == "sharded" else "checkpoint.ckpt")
+    print(
+        f"lightning-sharded demo: {_STRATEGY_NAMES[args.strategy]}, {args.state_dict_type} checkpoint, CPU"
+        f" (gloo), output in {output}"
+    )
+    start = time.perf_counter()
+    if not _launch(args, "train", args.processes, output):
+        return 1
+    print(
+        f"  trained {STEPS} steps in {args.processes} process(es) and saved {_describe(checkpoint)}"
+        f" ({time.perf_counter() - start:.1f} s)"
+    )
+    import torch
+
+    saved = torch.load(output / "saved.pt", weights_only=False)
+    failed = False
+    for world in sorted({1, args.processes}):
+        start = time.perf_counter()
+        if not _launch(args, "resume", world, output):
+            return 1
+        restored = torch.load(output / f"restored-{world}.pt", weights_only=False)
+        report = compare(saved, restored)
+        failed |= not report.ok
+        print(f"  resumed in {world} process(es) ({time.perf_counter() - start:.1f} s): {report}")
+    if failed:
+        print("FAILED: some restored values differ from the saved ones (see above).", file=sys.stderr)
+        return 1
+    print("OK: the restored weights, table and optimizer state equal the saved ones.")
+    return 0
+
+
+@dataclass
+class Report:
+    """How the values gathered after a resume compare with those gathered after the save."""
+
+    weights: tuple[int, int]
+    table: bool
+    optimizer: tuple[int, int]
+    step: tuple[int, int]
+    differ: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.differ and self.table and self.step[0] == self.step[1]
+
+    def __str__(self) -> str:
+        text = (
+            f"weights {self.weights[0]}/{self.weights[1]} equal,"
+            f" table {'equal' if self.table else 'DIFFERS'},"
+            f" optimizer state {self.optimizer[0]}/{self.optimizer[1]} equal,"
+            f" global step {self.step[1]} (saved {self.step[0]})"
+        )
+        return text if self.ok else f"{text}; MISMATCH: {', '.join(self.differ) or 'global step'}"
+
+
+def compare(saved: dict[str, Any], restored: dict[str, Any]) -> Report:
+    """Compare the full values of two runs exactly; every key of ``saved`` must be in ``restored``."""
+    import torch
+
+    def equal(key: str) -> bool:
+        return key in restored and torch.equal(torch.as_tensor(saved[key]), torch.as_tensor(restored[key]))
+
+    weights = sorted(k for k in saved if k.startswith("weight."))
+    optimizer = sorted(k for k in saved if k.startswith("optimizer."))
+    differ = [k for k in [*weights, "table", *optimizer] if not equal(k)]
+    return Report(
+        weights=(sum(map(equal, weights)), len(weights)),
+        table=equal("table"),
+        optimizer=(sum(map(equal, optimizer)), len(optimizer)),
+        step=(int(saved["global_step"]), int(restored.get("global_step", -1))),
+        differ=differ,
+    )
+
+
+def _describe(path: Path) -> str:
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        return f"{path.name}/ ({len(files)} files, {size / 1024:.1f} KiB)"
+    return f"{path.name} ({path.stat().st_size / 1024:.1f} KiB)"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry: bool = True) -> bool:
+    """Start ``world`` rank processes of ``job`` and wait; on failure print their output, return False.
+
+    A free port can be taken by another program between choosing and binding it; then the job runs
+    once more on another port.
+    """
+    port = _free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_sharded.demo",
+        "--rank-job",
+        job,
+        "--output",
+        str(output),
+        "--state-dict-type",
+        args.state_dict_type,
+        "--strategy",
+        args.strategy,
+    ]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            NODE_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH", "")])),
+        )
+        procs.append(
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    deadline = time.monotonic() + args.timeout
+    outputs = []
+    timed_out = False
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for other in procs:
+                other.kill()
+            out, _ = proc.communicate()
+        outputs.append(out)
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if not (timed_out or failed):
+        return True
+    if retry and not timed_out and any("address already in use" in out.lower() for out in outputs):
+        return _launch(args, job, world, output, retry=False)
+    reason = f"timed out after {args.timeout:.0f} s" if timed_out else f"rank(s) {failed} failed"
+    print(f"FAILED: the {job} phase in {world} process(es) {reason}.", file=sys.stderr)
+    for rank, out in enumerate(outputs):
+        print(f"----- rank {rank} (exit {procs[rank].returncode}) -----\n{out[-4000:]}", file=sys.stderr)
+    return False
+
+
+# ------------------------------------------------------------------------------------ inside a rank
+
+
+def _rank_job(args: argparse.Namespace) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_sharded.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    output: Path = args.output
+    checkpoint = output / ("checkpoint" if args.state_dict_type == "sharded" else "checkpoint.ckpt")
+    model = _demo_model()
+    strategy: Any
+    if args.strategy == "fsdp":
+        strategy = ShardedFSDPStrategy(auto_wrap_policy={_linear()}, state_dict_type=args.state_dict_type)
+    else:
+        strategy = ShardedModelParallelStrategy(
+            fully_shard_policy={_linear()}, state_dict_type=args.state_dict_type
+        )
+    values: dict[str, Any] = {}
+
+    class Capture(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+            values.update(_full_values(trainer, pl_module))
+
+    resume = args.rank_job == "resume"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=STEPS + 1 if resume else STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Capture()] if resume else [],
+    )
+    if resume:
+        trainer.fit(model, ckpt_path=checkpoint)
+        result = output / f"restored-{world}.pt"
+    else:
+        trainer.fit(model)
+        trainer.save_checkpoint(checkpoint)
+        values = _full_values(trainer, model)
+        result = output / "saved.pt"
+    if rank == 0:
+        import torch
+
+        torch.save(values, result)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _linear() -> type:
+    from torch import nn
+
+    return nn.Linear
+
+
+def _demo_model() -> Any:
+    """A LightningModule with two linear layers (sharded by the strategy) and a DTensor table."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class DemoModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder = nn.Linear(DIM, HIDDEN)
+            self.head = nn.Linear(HIDDEN, DIM)
+            self.table: Any = None  # a DTensor, sharded by rows: a sharded attribute, not a parameter
+
+        def configure_model(self) -> None:
+            if self.table is not None:
+                return
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            full = torch.arange(VOCAB * DIM, dtype=torch.float32).reshape(VOCAB, DIM) / (VOCAB * DIM)
+            self.table = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (ids,) = batch
+            rows = self.table.full_tensor()[ids]  # look up rows of the sharded table
+            loss: torch.Tensor = (self.head(torch.relu(self.encoder(rows))) - rows).pow(2).mean()
+            return loss
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            with torch.no_grad():  # the table changes too, so only a real restore brings it back
+                self.table.to_local().mul_(0.9).add_(0.01 * (batch_idx + 1))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            ids = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(1))
+            return DataLoader(TensorDataset(ids), batch_size=8)
+
+    return DemoModel()
+
+
+def _full_values(trainer: Any, model: Any) -> dict[str, Any]:
+    """Full weights, table and optimizer state, gathered with torch's own helpers (collective).
+
+    Everything is cloned: in one process the gathered tensors can be the live ones, which training
+    would change afterwards.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    root = trainer.strategy.model
+    values: dict[str, Any] = {"global_step": trainer.global_step, "table": model.table.full_tensor().clone()}
+    model_state: dict[str, Any] = get_model_state_dict(root, options=options)
+    for key, value in model_state.items():
+        if key != "table":
+            values[f"weight.{key}"] = value.clone()
+    for opt in trainer.optimizers:
+        state: dict[str, Any] = get_optimizer_state_dict(root, opt, options=options)  # type: ignore[assignment]
+        for name, entries in state["state"].items():
+            for entry, value in entries.items():
+                values[f"optimizer.{name}.{entry}"] = value.clone()
+    return values
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The checkpoint core on a plain module in one process (no process group): save, restore, no fake step."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_sharded import CheckpointError
+from lightning_sharded.checkpoint import io
+
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+
+    def no_step(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("restoring ran an optimizer step")
+
+    optimizer.step = no_step  # type: ignore[method-assign]
+    return model, optimizer
+
+
+def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
+    checkpoint = {
+        "state_dict": io.model_state_dict(model, full=not sharded),
+        "optimizer_states": [io.optimizer_state_dict(model, optimizer, full=not sharded)],
+        "global_step": 2,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter(
+            "ignore", UserWarning
+        )  # DCP: "assuming the intent is to save in a single process"
+        io.save_checkpoint(path, checkpoint, sharded=sharded, model_key="model", rank=0)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
+def test_round_trip_restores_weights_and_adam_state_without_a_step(tmp_path: Path, sharded: bool) -> None:
+    model, optimizer = _trained()
+    path = tmp_path / "ckpt"
+    _save(path, model, optimizer, sharded)
+    assert path.is_dir() is sharded
+    fresh, fresh_optimizer = _fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        restored = io.restore_checkpoint(path, fresh, [fresh_optimizer])
+    assert restored.metadata["global_step"] == 2 and not restored.keys
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    expected, actual = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert expected["param_groups"] == actual["param_groups"]  # lr 0.1 back from the checkpoint
+    for index, entries in expected["state"].items():
+        for entry, value in entries.items():
+            assert torch.equal(value, actual["state"][index][entry]), (index, entry)
+
+
+def test_strict_restore_refuses_other_keys_before_touching_the_model(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    _save(tmp_path / "ckpt", model, optimizer, sharded=True)
+    other = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r'Missing key\(s\) in the checkpoint: "3.bias", "3.weight"'):
+        io.restore_checkpoint(tmp_path / "ckpt", other)
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    report = io.restore_checkpoint(tmp_path / "ckpt", other, strict=False).keys
+    assert report.missing == ["3.bias", "3.weight"] and not report.unexpected
+    assert torch.equal(other[0].weight, model[0].weight)
