@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import IO, Any
 
 import torch
@@ -90,10 +89,8 @@ class ShardedStateMixin:
         """
         from lightning.pytorch import LightningModule
 
-        from lightning_sharded.checkpoint.atomic import resolve
-
         parent: Any = super()
-        if not isinstance(checkpoint_path, (str, os.PathLike)) or not resolve(checkpoint_path).is_dir():
+        if not isinstance(checkpoint_path, (str, os.PathLike)) or not _is_sharded(checkpoint_path):
             return parent.load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
@@ -101,9 +98,7 @@ class ShardedStateMixin:
         from lightning_sharded.checkpoint.tools import load_checkpoint
 
         location = map_location if isinstance(map_location, (str, torch.device)) else None
-        checkpoint = load_checkpoint(
-            Path(checkpoint_path), location or "cpu", weights_only=bool(weights_only)
-        )
+        checkpoint = load_checkpoint(checkpoint_path, location or "cpu", weights_only=bool(weights_only))
         assert issubclass(cls, LightningModule)
         try:
             with _preloaded(checkpoint_path, checkpoint):
@@ -137,3 +132,16 @@ def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iter
         yield
     finally:
         saving.pl_load = original  # type: ignore[attr-defined]
+
+
+def _is_sharded(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` (a local path or an fsspec URL) is a sharded checkpoint directory."""
+    from lightning_sharded.checkpoint import storage
+
+    if storage.is_url(path):
+        from lightning_sharded.checkpoint.object_store import ObjectKind, locate
+
+        return locate(str(path)).kind is ObjectKind.SHARDED  # its errors name the URL
+    from lightning_sharded.checkpoint.atomic import resolve
+
+    return resolve(path).is_dir()

@@ -56,6 +56,7 @@ class S3Server:
         for key, value in self.env.items():
             self._saved_env[key] = os.environ.get(key)
             os.environ[key] = value
+        _forget_s3_clients()
         import boto3
 
         boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=self.bucket)
@@ -69,6 +70,7 @@ class S3Server:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        _forget_s3_clients()
         self._stop()
 
     def _stop(self) -> None:
@@ -79,3 +81,10 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+
+
+def _forget_s3_clients() -> None:
+    """fsspec caches one S3 filesystem per set of options, endpoint included: drop it with the server."""
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()

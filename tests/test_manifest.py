@@ -14,6 +14,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    READABLE_FORMAT_VERSION,
     FileEntry,
     Manifest,
     file_checksum,
@@ -56,7 +57,9 @@ def test_damaged_manifest(tmp_path: Path) -> None:
 
 
 def test_newer_manifest(tmp_path: Path) -> None:
-    (tmp_path / MANIFEST_NAME).write_text(json.dumps({"format_version": FORMAT_VERSION + 1, "files": []}))
+    (tmp_path / MANIFEST_NAME).write_text(
+        json.dumps({"format_version": READABLE_FORMAT_VERSION + 1, "files": []})
+    )
     with pytest.raises(CheckpointError, match="Upgrade lightning_sharded"):
         read_manifest(tmp_path)
 
@@ -79,3 +82,10 @@ def test_manifest_module_does_not_need_torch() -> None:
         timeout=60,
     )
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_local_manifests_keep_format_1_without_data_dir(tmp_path: Path) -> None:
+    text = Manifest(files=[FileEntry("a", 1, "00000000")]).to_json()
+    assert "data_dir" not in json.loads(text) and json.loads(text)["format_version"] == 1
+    remote = Manifest(files=[], format_version=2, data_dir="data-0123456789abcdef01234567")
+    assert Manifest.from_json(remote.to_json()).data_dir == "data-0123456789abcdef01234567"

@@ -195,7 +195,7 @@ def test_consolidate_memory_is_bounded_by_one_tensor(tmp_path: Path) -> None:
     runs = [measure(0), measure(1)]
     consolidate_mib = min(c for c, _ in runs)
     # 256 MiB of tensors, the largest 16 MiB: loading everything must show up (the measure works) ...
-    assert all(load >= 240 for _, load in runs), runs
+    assert all(load >= 192 for _, load in runs), runs
     # ... and consolidation stays within a few copies of the largest tensor.
     assert consolidate_mib <= 7 * 16, runs
 

@@ -35,12 +35,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.storage import Location
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,7 +50,7 @@ __all__ = ["AsyncSaver", "StagingBuffers"]
 log = logging.getLogger(__name__)
 
 #: ``write(path, staged_state, group)``: writes (and publishes) the staged state at ``path``.
-WriteFn = Callable[[Path, Any, "ProcessGroup | None"], None]
+WriteFn = Callable[[Location, Any, "ProcessGroup | None"], None]
 
 
 class StagingBuffers:
@@ -137,7 +137,7 @@ class AsyncSaver:
         self._name = name
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[None] | None = None
-        self._path: Path | None = None
+        self._path: Location | None = None
         self._group: ProcessGroup | None = None
         self._group_made = False
         self._lock = threading.Lock()
@@ -146,7 +146,7 @@ class AsyncSaver:
         self.last_stall_s = 0.0
 
     @property
-    def in_flight(self) -> Path | None:
+    def in_flight(self) -> Location | None:
         """The path of the save in flight (possibly finished but not yet waited for), or ``None``."""
         return self._path if self._future is not None else None
 
@@ -164,7 +164,7 @@ class AsyncSaver:
             self._group_made = True
         return self._group
 
-    def save(self, path: Path, state: Any, write: WriteFn) -> None:
+    def save(self, path: Location, state: Any, write: WriteFn) -> None:
         """Stage ``state`` into host memory, then run ``write(path, staged, group)`` in the background.
 
         Collective: every rank calls it with its own shards, in the same order. Returns once the state
@@ -192,7 +192,7 @@ class AsyncSaver:
         )
 
     @staticmethod
-    def _run(write: WriteFn, path: Path, staged: Any, group: ProcessGroup | None) -> None:
+    def _run(write: WriteFn, path: Location, staged: Any, group: ProcessGroup | None) -> None:
         start = time.perf_counter()
         try:
             write(path, staged, group)

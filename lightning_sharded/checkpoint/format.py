@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.storage import Location
 
 __all__ = [
     "DCP_METADATA_FILENAME",
@@ -137,7 +139,7 @@ class ShardedLayout:
         dtypes: every flattened DCP key of a tensor to its element type.
     """
 
-    path: Path
+    path: Location
     model_key: str
     model_entries: dict[str, tuple[int, ...] | None]
     optimizer_count: int
@@ -152,16 +154,15 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
         CheckpointError: the index cannot be read, or it holds no model state under ``"model"`` or
             ``"state_dict"``, or its optimizer keys have gaps.
     """
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    path = Path(path)
+    path = storage.location(path)
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = storage.dcp_reader(path).read_metadata()
     except Exception as ex:
         raise CheckpointError(
-            f"Could not read the DCP index {str(path / DCP_METADATA_FILENAME)!r}: {ex!r}. The file is"
-            " truncated or corrupt; resume from an earlier checkpoint."
+            f"Could not read the DCP index {str(storage.join(path, DCP_METADATA_FILENAME))!r}: {ex!r}. The"
+            " file is truncated or corrupt; resume from an earlier checkpoint."
         ) from ex
     _check_shard_files(path, metadata)
     entries: dict[str, tuple[int, ...] | None] = {}
@@ -203,7 +204,7 @@ def read_sharded_layout(path: str | Path) -> ShardedLayout:
     )
 
 
-def _check_shard_files(path: Path, metadata: Any) -> None:
+def _check_shard_files(path: Location, metadata: Any) -> None:
     """Every shard file the DCP index names exists and is long enough for the pieces it holds."""
     needed: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
@@ -212,11 +213,12 @@ def _check_shard_files(path: Path, metadata: Any) -> None:
             continue
         needed[relative] = max(needed.get(relative, 0), int(info.offset) + int(info.length))
     problems = []
+    sizes = storage.list_files(path)
     for relative in sorted(needed):
-        file = path / relative
-        if not file.is_file():
+        size = sizes.get(relative)
+        if size is None:
             problems.append(f"{relative!r} is missing")
-        elif (size := file.stat().st_size) < needed[relative]:
+        elif size < needed[relative]:
             problems.append(f"{relative!r} has {size} bytes, its index needs at least {needed[relative]}")
     if problems:
         raise CheckpointError(

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint._pages import FileMapping
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.format import (
@@ -44,6 +45,7 @@ from lightning_sharded.checkpoint.format import (
     read_sharded_layout,
     summarize_keys,
 )
+from lightning_sharded.checkpoint.storage import Location
 from lightning_sharded.tensors import adapter_for
 
 if TYPE_CHECKING:
@@ -125,7 +127,7 @@ def _param_names(state: dict[str, Any]) -> list[str]:
 
 
 def write_sharded_checkpoint(
-    path: Path,
+    path: Location,
     state: dict[str, Any],
     metadata: dict[str, Any],
     *,
@@ -149,6 +151,19 @@ def write_sharded_checkpoint(
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
+    if isinstance(path, str):  # an fsspec URL: versions and a manifest published last
+        from lightning_sharded.checkpoint import object_store
+
+        object_store.write_sharded_checkpoint(
+            path,
+            state,
+            metadata,
+            rank=rank,
+            manifest_metadata=_manifest_metadata(metadata),
+            run_dcp=_run_dcp,
+            group=group,
+        )
+        return
     from lightning_sharded.checkpoint.atomic import commit_directory
     from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
 
@@ -182,7 +197,7 @@ def split_sharded_checkpoint(
     return state, checkpoint
 
 
-def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) -> None:
+def write_full_checkpoint(path: Location, checkpoint: dict[str, Any], *, rank: int) -> None:
     """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
 
     The file is written next to ``path`` and published by rename
@@ -193,6 +208,11 @@ def write_full_checkpoint(path: Path, checkpoint: dict[str, Any], *, rank: int) 
         IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
     """
     if rank != 0:
+        return
+    if isinstance(path, str):  # an fsspec URL: written locally, then one upload
+        from lightning_sharded.checkpoint import object_store
+
+        object_store.write_full_checkpoint(path, lambda local: torch.save(checkpoint, local))
         return
     from lightning_sharded.checkpoint.atomic import commit_file
 
@@ -214,7 +234,7 @@ def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    path: Path,
+    path: Location,
     checkpoint: dict[str, Any],
     *,
     sharded: bool,
@@ -240,9 +260,15 @@ def save_checkpoint(
         write_full_checkpoint(path, checkpoint, rank=rank)
 
 
-def remove_checkpoint(path: Path, *, rank: int) -> None:
+def remove_checkpoint(path: Location, *, rank: int) -> None:
     """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
     if rank != 0:
+        return
+    if isinstance(path, str):
+        from lightning_sharded.checkpoint import object_store
+
+        with contextlib.suppress(FileNotFoundError):
+            object_store.remove_checkpoint(path)
         return
     from lightning_sharded.checkpoint import atomic
 
@@ -322,6 +348,8 @@ def restore_checkpoint(
         CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
     """
+    if storage.is_url(path):
+        return _restore_url(str(path), model, optimizers, strict=strict, weights_only=weights_only)
     from lightning_sharded.checkpoint.atomic import resolve
 
     # A crash between the two renames of a fallback publish leaves the checkpoint under an "old" name.
@@ -332,8 +360,31 @@ def restore_checkpoint(
     return _restore_full(path, model, optimizers, strict=strict, weights_only=weights_only)
 
 
+def _restore_url(
+    url: str, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+) -> Restored:
+    """Restore from an fsspec URL: the published version of a sharded checkpoint, or a full file."""
+    from lightning_sharded.checkpoint import object_store
+
+    located = object_store.locate(url)
+    if located.kind is object_store.ObjectKind.SHARDED:
+        object_store.check_files(located, verify=False)
+        return _restore_sharded(located.data, model, optimizers, strict=strict, weights_only=weights_only)
+    # Read memory-mapped, one tensor at a time, like a local file: downloaded first (by each rank).
+    with storage.local_copy(url) as local:
+        try:
+            return _restore_full(local, model, optimizers, strict=strict, weights_only=weights_only)
+        except CheckpointError as err:
+            raise CheckpointError(str(err).replace(str(local), url)) from err
+
+
 def _restore_sharded(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+    path: Location,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
 ) -> Restored:
     layout = read_sharded_layout(path)
     if optimizers:
@@ -344,7 +395,7 @@ def _restore_sharded(
     _check_shapes(path, {key: target[key] for key in report.common}, layout.model_entries)
     to_load = {key: target[key] for key in report.common}
     # Before the first read: a bad meta.pt must fail the load before the model changed.
-    metadata = _load_meta(path / META_FILENAME, weights_only)
+    metadata = _load_meta(storage.join(path, META_FILENAME), weights_only)
     _dcp_load({layout.model_key: to_load}, path)
     _set_model_state(model, to_load)
 
@@ -354,7 +405,7 @@ def _restore_sharded(
 
 
 def _restore_sharded_optimizer(
-    path: Path, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
+    path: Location, layout: ShardedLayout, model: nn.Module, optimizer: Optimizer, index: int, *, strict: bool
 ) -> None:
     key = optimizer_key(index)
     template = _optimizer_template_from_index(model, optimizer, layout, key)
@@ -616,7 +667,7 @@ def _name_keyed(where: str, source: dict[str, Any], names: list[str]) -> dict[st
 # -------------------------------------------------------------------------------------------- helpers
 
 
-def _check_optimizer_count(path: Path, configured: int, saved: int) -> None:
+def _check_optimizer_count(path: Location, configured: int, saved: int) -> None:
     if configured == saved:
         return
     if saved == 0:
@@ -631,7 +682,7 @@ def _check_optimizer_count(path: Path, configured: int, saved: int) -> None:
     )
 
 
-def _check_keys(path: Path, report: KeyReport, strict: bool) -> None:
+def _check_keys(path: Location, report: KeyReport, strict: bool) -> None:
     if report and strict:
         raise CheckpointError(
             f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
@@ -650,7 +701,7 @@ def _global_shape(value: Any) -> tuple[int, ...] | None:
 
 
 def _check_shapes(
-    path: Path, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
+    path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
 ) -> None:
     bad = []
     for key in sorted(targets):
@@ -694,7 +745,7 @@ def _set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
+def _dcp_load(state: dict[str, Any], path: Location) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
@@ -702,7 +753,9 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
 
     _run_dcp(
         lambda: load(
-            state, storage_reader=DirectReader(path), planner=DefaultLoadPlanner(allow_partial_load=True)
+            state,
+            storage_reader=DirectReader(path) if isinstance(path, Path) else storage.dcp_reader(path),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
         ),
         f"Loading the sharded checkpoint {str(path)!r}",
     )
@@ -727,9 +780,9 @@ def _run_dcp(call: Any, what: str) -> None:
         ) from None
 
 
-def _load_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
+def _load_meta(path: Location, weights_only: bool | None) -> dict[str, Any]:
     try:
-        metadata = torch.load(path, map_location="cpu", weights_only=weights_only)
+        metadata = storage.torch_load(path, map_location="cpu", weights_only=weights_only)
     except Exception as ex:
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"

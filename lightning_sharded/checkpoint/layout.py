@@ -13,6 +13,7 @@ import re
 from enum import Enum
 from pathlib import Path
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.atomic import resolve
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
@@ -49,7 +50,7 @@ class CheckpointKind(str, Enum):
     FULL = "full"
 
 
-def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[Path, CheckpointKind]:
+def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[storage.Location, CheckpointKind]:
     """Find the checkpoint at ``path`` (after the recovery rules of an interrupted save) and its kind.
 
     Only looks at names, never at contents; changes nothing on disk.
@@ -63,6 +64,11 @@ def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[Path, CheckpointKind]
         CheckpointError: an empty directory, a directory that is not a checkpoint, or a sharded
             directory without ``.metadata`` or ``meta.pt``.
     """
+    if storage.is_url(path):  # object storage: the version the manifest publishes
+        from lightning_sharded.checkpoint.object_store import locate
+
+        located = locate(str(path))
+        return located.data, CheckpointKind(located.kind.value)
     given = Path(path)
     real = resolve(given)
     if not real.exists():

@@ -42,6 +42,8 @@ __all__ = [
 MANIFEST_NAME = "lightning_sharded.json"
 #: Version of the on-disk layout described by :class:`Manifest`; bumped on incompatible changes.
 FORMAT_VERSION = 1
+#: The newest format version this library reads: 2 adds :attr:`Manifest.data_dir` (object storage).
+READABLE_FORMAT_VERSION = 2
 #: The only checksum algorithm written so far; recorded in each manifest so it can change later.
 CHECKSUM_ALGORITHM = "crc32"
 #: Bytes read per call while checksumming a file.
@@ -112,6 +114,8 @@ class Manifest:
         torch_version: torch version that wrote it.
         lightning_version: Lightning version that wrote it.
         created: Time of the commit, ISO 8601 in UTC.
+        data_dir: Object storage only: the directory (next to the manifest) that holds the files of the
+            published version; ``None`` when they sit next to the manifest.
     """
 
     files: list[FileEntry]
@@ -123,6 +127,7 @@ class Manifest:
     torch_version: str = field(default_factory=lambda: _version("torch"))
     lightning_version: str = field(default_factory=lambda: _version("lightning"))
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    data_dir: str | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -152,6 +157,8 @@ class Manifest:
         """The manifest as indented JSON text, keys in a stable order."""
         data = asdict(self)
         data["files"] = [asdict(entry) for entry in sorted(self.files, key=lambda e: e.path)]
+        if data["data_dir"] is None:  # local manifests stay as they were
+            del data["data_dir"]
         return json.dumps(data, indent=1, sort_keys=True, default=str) + "\n"
 
     @classmethod
@@ -166,11 +173,11 @@ class Manifest:
             if not isinstance(data, dict):
                 raise TypeError("the top level is not an object")
             version = int(data.get("format_version", -1))
-            if version > FORMAT_VERSION:
+            if version > READABLE_FORMAT_VERSION:
                 raise CheckpointError(
                     f"The manifest {source!r} has format version {version}, newer than the"
-                    f" {FORMAT_VERSION} this version of lightning_sharded reads. Upgrade lightning_sharded to"
-                    " load this checkpoint."
+                    f" {READABLE_FORMAT_VERSION} this version of lightning_sharded reads. Upgrade"
+                    " lightning_sharded to load this checkpoint."
                 )
             files = [
                 FileEntry(str(e["path"]), int(e["size"]), str(e["checksum"]), int(e.get("rank", 0)))
@@ -201,6 +208,13 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
     Raises:
         CheckpointError: the manifest exists but cannot be parsed.
     """
+    if isinstance(directory, str) and "://" in directory:
+        from lightning_sharded.checkpoint import storage
+
+        if storage.is_url(directory):  # the manifest that publishes this version, on object storage
+            from lightning_sharded.checkpoint.object_store import manifest_for
+
+            return manifest_for(directory)
     path = Path(directory) / MANIFEST_NAME
     try:
         text = path.read_text(encoding="utf-8")

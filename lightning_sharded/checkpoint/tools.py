@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.atomic import commit_file
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
@@ -65,10 +66,10 @@ _VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 class _DcpReader:
     """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: storage.Location) -> None:
         self.root = root
         try:
-            with open(root / DCP_METADATA, "rb") as f:
+            with storage.open_file(storage.join(root, DCP_METADATA)) as f:
                 self.metadata: Any = pickle.load(f)
         except Exception as err:
             raise CheckpointError(
@@ -89,7 +90,6 @@ class _DcpReader:
     def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
         class Planner(DefaultLoadPlanner):
@@ -100,7 +100,7 @@ class _DcpReader:
 
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
         try:
-            _load_state_dict(state, FileSystemReader(self.root), planner=planner, no_dist=True)
+            _load_state_dict(state, storage.dcp_reader(self.root), planner=planner, no_dist=True)
         except (CheckpointException, Exception) as err:
             where = self.diagnose()
             raise CheckpointError(
@@ -126,7 +126,7 @@ class _DcpReader:
             m = SHARD_FILE.match(rel)
             who = f" (written by rank {m.group(1)})" if m else ""
             try:
-                with open(self.root / rel, "rb") as f:
+                with storage.open_file(storage.join(self.root, rel)) as f:
                     f.seek(int(info.offset))
                     data = f.read(int(info.length))
                 if len(data) != int(info.length):
@@ -158,10 +158,10 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {last[-1] if last else ''}"
 
 
-def _read_meta(root: Path, weights_only: bool) -> dict[str, Any]:
-    file = root / LIGHTNING_METADATA
+def _read_meta(root: storage.Location, weights_only: bool) -> dict[str, Any]:
+    file = storage.join(root, LIGHTNING_METADATA)
     try:
-        meta = torch.load(file, map_location="cpu", weights_only=weights_only)
+        meta = storage.torch_load(file, map_location="cpu", weights_only=weights_only)
     except FileNotFoundError:
         raise
     except Exception as err:
@@ -195,7 +195,7 @@ def _set(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     node[last] = value
 
 
-def _rekey_optimizer(state: Any, key: str, root: Path) -> Any:
+def _rekey_optimizer(state: Any, key: str, root: storage.Location) -> Any:
     """DCP's optimizer state, keyed by parameter name, to torch's, keyed by index."""
     if not isinstance(state, dict) or "param_groups" not in state:
         return state
@@ -218,7 +218,7 @@ def _rekey_optimizer(state: Any, key: str, root: Path) -> Any:
     }
 
 
-def _to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Path) -> dict[str, Any]:
+def _to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: storage.Location) -> dict[str, Any]:
     """DCP's top-level keys plus ``meta.pt`` to the dict of a full Lightning checkpoint."""
     checkpoint = dict(meta)
     model_key = next((k for k in MODEL_KEYS if k in nested), None)
@@ -241,7 +241,7 @@ def _to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Path) -> d
     return checkpoint
 
 
-def _open_sharded(path: Path, verify: bool) -> tuple[Path, _DcpReader]:
+def _open_sharded(path: storage.Location, verify: bool) -> tuple[storage.Location, _DcpReader]:
     manifest = read_manifest(path)
     if manifest is not None:
         check_files(path, manifest, verify=verify)
@@ -304,9 +304,9 @@ def load_checkpoint(
     return checkpoint
 
 
-def _load_full(file: Path, map_location: Any, weights_only: bool) -> dict[str, Any]:
+def _load_full(file: storage.Location, map_location: Any, weights_only: bool) -> dict[str, Any]:
     try:
-        checkpoint = torch.load(file, map_location=map_location, weights_only=weights_only)
+        checkpoint = storage.torch_load(file, map_location=map_location, weights_only=weights_only)
     except Exception as err:
         raise CheckpointError(
             f"The checkpoint file {str(file)!r} cannot be read ({type(err).__name__}: {_first_line(err)}):"
@@ -362,7 +362,7 @@ def consolidate_checkpoint(
     *,
     progress: bool | None = None,
     verify: bool = False,
-) -> Path:
+) -> storage.Location:
     """Convert a sharded checkpoint directory into one full checkpoint file, in one process.
 
     The output is what stock Lightning writes for a single device: plain :func:`torch.load` reads it,
@@ -377,7 +377,8 @@ def consolidate_checkpoint(
 
     Args:
         src: A sharded checkpoint directory.
-        dst: The output file (replaced atomically if it exists).
+        dst: The output file (replaced atomically if it exists), or an fsspec URL (``s3://...``: written
+            locally first, then uploaded as one object).
         progress: Show a progress bar; ``None`` shows one for checkpoints of 64 MB or more.
         verify: Compare every source file's checksum with the manifest first.
 
@@ -430,7 +431,7 @@ def consolidate_checkpoint(
             loaded = torch.load(tmp, mmap=True, weights_only=False, map_location="cpu")
         try:
             targets = {key: _get(loaded, path) for key, path in slots.items()}
-            with _progress_bar(total, show, f"consolidating {real.name}") as tick:
+            with _progress_bar(total, show, f"consolidating {storage.basename(real)}") as tick:
                 reader.read_tensors(targets, tick)
             for path, tensor in real_tensors.items():
                 _get(loaded, path).copy_(tensor)
@@ -440,8 +441,11 @@ def consolidate_checkpoint(
             gc.collect()
         _fix_zip_crcs(tmp)
 
-    out = Path(dst)
-    commit_file(out, write)
+    out = storage.location(dst)
+    if isinstance(out, str):  # written locally (memory-mapped while filled), then one upload
+        storage.call_with_local_file(out, write)
+    else:
+        commit_file(out, write)
     log.info(
         "Consolidated %s into %s (%.1f MB of tensors) in %.2fs",
         real,
@@ -604,14 +608,14 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     for key in reader.objects:
         entries.append(EntryInfo(key, None, "object", object_sizes.get(key, 0), chunks.get(key, 1)))
     entries.sort(key=lambda e: e.key)
-    files = [p for p in real.iterdir() if p.is_file()]
+    files = storage.list_files(real)
     info = CheckpointInfo(
         path=str(real),
         kind=kind.value,
         entries=entries,
         total_size=sum(e.size for e in entries),
         files=len(files),
-        disk_size=sum(p.stat().st_size for p in files),
+        disk_size=sum(files.values()),
     )
     manifest = read_manifest(real)
     if manifest is not None:
@@ -622,17 +626,17 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
             manifest.global_step,
         )
     else:
-        ranks = {int(m.group(1)) for p in files if (m := SHARD_FILE.match(p.name))}
+        ranks = {int(m.group(1)) for name in files if (m := SHARD_FILE.match(name))}
         info.world_size = max(ranks) + 1 if ranks else None
-    if info.epoch is None and (real / LIGHTNING_METADATA).is_file():
+    if info.epoch is None and LIGHTNING_METADATA in files:
         meta = _read_meta(real, weights_only=False)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
 
 
-def _inspect_full(file: Path) -> CheckpointInfo:
-    try:  # memory-mapped: the tensors are not read
-        checkpoint = torch.load(file, map_location="cpu", weights_only=False, mmap=True)
+def _inspect_full(file: storage.Location) -> CheckpointInfo:
+    try:  # memory-mapped: the tensors are not read (an object is read whole)
+        checkpoint = storage.torch_load(file, map_location="cpu", weights_only=False, mmap=True)
     except Exception:
         checkpoint = _load_full(file, "cpu", weights_only=False)
     if not isinstance(checkpoint, dict):
@@ -651,7 +655,7 @@ def _inspect_full(file: Path) -> CheckpointInfo:
         entries=entries,
         total_size=sum(e.size for e in entries),
         files=1,
-        disk_size=file.stat().st_size,
+        disk_size=storage.size(file),
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
     DCP_METADATA,
@@ -64,7 +65,7 @@ class VerifyReport:
         notes: What could not be checked, in words.
     """
 
-    path: Path
+    path: storage.Location
     kind: CheckpointKind
     files: int = 0
     bytes: int = 0
@@ -79,6 +80,10 @@ def _rank_of(name: str) -> int | None:
 
 def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
     """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
+    if storage.is_url(path):
+        from lightning_sharded.checkpoint import object_store
+
+        return object_store.find_problems(str(path), manifest, checksums=checksums)
     root = Path(path)
     problems: list[Problem] = []
     for entry in manifest.files:
@@ -108,7 +113,7 @@ def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums
     return problems
 
 
-def _raise(path: Path, problems: list[Problem]) -> None:
+def _raise(path: storage.Location, problems: list[Problem]) -> None:
     if not problems:
         return
     first, others = problems[0], problems[1:]
@@ -133,46 +138,46 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     """
     if manifest is None:
         return
-    _raise(Path(path), find_problems(path, manifest, checksums=verify))
+    _raise(storage.location(path), find_problems(path, manifest, checksums=verify))
 
 
-def _dcp_problems(root: Path) -> tuple[list[Problem], int]:
+def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
     """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
     try:
-        with open(root / DCP_METADATA, "rb") as f:
+        with storage.open_file(storage.join(root, DCP_METADATA)) as f:
             metadata: Any = pickle.load(f)
-        storage = dict(metadata.storage_data or {})
+        storage_data = dict(metadata.storage_data or {})
     except Exception as err:
         return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
     needed: dict[str, int] = {}
-    for info in storage.values():
+    for info in storage_data.values():
         rel = str(info.relative_path)
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     problems: list[Problem] = []
+    sizes = storage.list_files(root)
     for rel in sorted(needed):
-        try:
-            size = (root / rel).stat().st_size
-        except FileNotFoundError:
+        size = sizes.get(rel, -1)
+        if size < 0:
             problems.append(Problem(rel, "is missing (`.metadata` references it)", _rank_of(rel)))
             continue
         if size < needed[rel]:
             problems.append(
                 Problem(rel, f"is truncated: {size} bytes, `.metadata` needs {needed[rel]}", _rank_of(rel))
             )
-    if not (root / LIGHTNING_METADATA).is_file():
+    if LIGHTNING_METADATA not in sizes:
         problems.append(Problem(LIGHTNING_METADATA, "is missing"))
     return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
 
 
-def _full_file_problems(file: Path) -> list[Problem]:
+def _full_file_problems(file: storage.Location) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
     try:
-        with zipfile.ZipFile(file) as archive:
+        with storage.open_file(file) as f, zipfile.ZipFile(f) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return [
             Problem(
-                file.name,
+                storage.basename(file),
                 f"is not a complete torch.save archive ({err}): it is truncated or corrupt, or was written"
                 " by a"
                 " torch older than 1.6",
@@ -180,7 +185,10 @@ def _full_file_problems(file: Path) -> list[Problem]:
         ]
     if bad is not None:
         return [
-            Problem(file.name, f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored")
+            Problem(
+                storage.basename(file),
+                f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored",
+            )
         ]
     return []
 
@@ -209,7 +217,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(real, kind)
     if kind is CheckpointKind.FULL:
         _raise(real, _full_file_problems(real))
-        report.files, report.bytes = 1, real.stat().st_size
+        report.files, report.bytes = 1, storage.size(real)
         return report
     manifest = read_manifest(real)
     if manifest is None:
@@ -220,7 +228,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             " with; checked that `.metadata` reads and that every shard file it references is present and"
             " long enough"
         )
-        report.bytes = sum(p.stat().st_size for p in real.iterdir() if p.is_file())
+        report.bytes = sum(storage.list_files(real).values())
         return report
     problems = find_problems(real, manifest, checksums=True)
     listed = {e.path for e in manifest.files}

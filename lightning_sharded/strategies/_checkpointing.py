@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from lightning.fabric.utilities.types import _PATH
@@ -19,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sharded.checkpoint import io
+from lightning_sharded.checkpoint import io, storage
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
@@ -113,7 +112,7 @@ class ShardedCheckpointing(ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
                 f" `{type(self).__name__}` does not use the `CheckpointIO`."
             )
-        path = Path(self.broadcast(filepath))
+        path = storage.location(self.broadcast(filepath))
         start = time.perf_counter()
         if self.async_save and self._saves_sharded:
             if self._async_saver is None:
@@ -121,7 +120,7 @@ class ShardedCheckpointing(ParallelStrategy):
             state, metadata = io.split_sharded_checkpoint(checkpoint, self._model_key)
             rank = self.global_rank
 
-            def write(target: Path, staged: Any, group: Any) -> None:
+            def write(target: storage.Location, staged: Any, group: Any) -> None:
                 io.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
 
             self._async_saver.save(path, (state, metadata), write)
@@ -145,7 +144,7 @@ class ShardedCheckpointing(ParallelStrategy):
 
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
         """
-        path = Path(self.broadcast(checkpoint_path))
+        path = storage.location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
         assert self.model is not None
         module = self.lightning_module
@@ -169,9 +168,10 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
-        if self._async_saver is not None and self._async_saver.in_flight == Path(filepath):
+        path = storage.location(filepath)
+        if self._async_saver is not None and str(self._async_saver.in_flight) == str(path):
             self.wait_for_checkpoint()
-        io.remove_checkpoint(Path(filepath), rank=self.global_rank)
+        io.remove_checkpoint(path, rank=self.global_rank)
 
     @override
     def teardown(self) -> None:

@@ -22,8 +22,9 @@ SCENARIO = Path(__file__).with_name("scenario_resume.py")
 class Batch:
     """Jobs to run, grouped by world size; :meth:`run` launches each group once."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.env = env
         self.jobs: dict[int, list[list[str]]] = {}
         self.outs: dict[str, Path] = {}
 
@@ -37,12 +38,12 @@ class Batch:
             jobs_file = self.root / f"jobs-{world}-{len(self.outs)}.pt"
             torch.save(jobs, jobs_file)
             try:
-                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout)
+                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
             except AssertionError as ex:
                 # The free port can be taken by another process between choosing and binding it.
                 if not _port_taken(str(ex)):
                     raise
-                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout)
+                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
         self.jobs = {}
 
 

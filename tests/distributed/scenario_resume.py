@@ -182,11 +182,16 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, common: dict[str, A
     return {"type": None, "values": capture.values}
 
 
+def location(text: str) -> Any:
+    """A checkpoint path argument: an fsspec URL stays a string (``Path`` would mangle ``s3://``)."""
+    return text if "://" in text else Path(text)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["fit", "resume", "evaluate", "errors"])
     parser.add_argument("--strategy", required=True)
-    parser.add_argument("--ckpt", type=Path)
+    parser.add_argument("--ckpt", type=location)
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--state-dict-type", default="sharded")
@@ -197,7 +202,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=16)
     parser.add_argument("--extra", action="store_true", help="a buffer no checkpoint has")
     parser.add_argument("--model", default="plain")
-    parser.add_argument("--top-k", type=Path, help="fit with ModelCheckpoint(save_top_k=2) into this folder")
+    parser.add_argument(
+        "--top-k", type=location, help="fit with ModelCheckpoint(save_top_k=2) into this folder"
+    )
     parser.add_argument("--cases", type=Path, help="errors phase: a torch.save'd list of case dicts")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--overwrite", action="store_true", help="also save to --ckpt after the first step")

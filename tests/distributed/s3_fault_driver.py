@@ -1,0 +1,62 @@
+"""Single-process sharded saves to S3 killed at the commit's fault points, with real SIGKILLs.
+
+    s3_fault_driver.py crash|save URL_PREFIX OUT_JSON CASE...
+
+``crash``: for each case, saves version 1 at ``URL_PREFIX/<case>``, then version 2 with
+``LIGHTNING_SHARDED_FAULT=<case>`` (the process kills itself there). ``save``: saves version 3 at
+each case's URL, normally. Every save runs in a process forked from this one after the imports
+(fast, and never a fork of a process with threads such as pytest's). ``OUT_JSON`` gets each case's
+exit codes (negative: killed by that signal). The version ``v`` is ``{"model": {"w": full(4, v)}}``
+with global step ``v``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning_sharded.checkpoint import io
+from lightning_sharded.checkpoint.atomic import FAULT_ENV
+
+
+def save(url: str, version: int, fault: str = "") -> int:
+    """Fork a process that saves ``version`` at ``url`` with ``fault``; returns its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ[FAULT_ENV] = fault
+            state = {"model": {"w": torch.full((4,), float(version))}}
+            io.write_sharded_checkpoint(url, state, {"global_step": version}, rank=0)
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def main(argv: list[str]) -> None:
+    phase, prefix, out, cases = argv[0], argv[1], Path(argv[2]), argv[3:]
+    results: dict[str, list[int]] = {}
+    for case in cases:
+        url = f"{prefix}/{case}"
+        if phase == "crash":
+            results[case] = [save(url, 1), save(url, 2, case)]
+        else:
+            results[case] = [save(url, 3)]
+    out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
