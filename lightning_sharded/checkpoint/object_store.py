@@ -54,7 +54,7 @@ from lightning_sharded.checkpoint.atomic import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest
-from lightning_sharded.checkpoint.verify import Problem
+from lightning_sharded.checkpoint.verify import Problem, checksum_problem
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -218,16 +218,9 @@ def find_problems(data: str, manifest: Manifest, *, checksums: bool) -> list[Pro
         if checksums:
             key = storage.join(data, entry.path)
             assert isinstance(key, str)
-            _, checksum = storage.url_checksum(key)
-            if checksum != entry.checksum:
-                problems.append(
-                    Problem(
-                        entry.path,
-                        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says"
-                        f" {entry.checksum}",
-                        entry.rank,
-                    )
-                )
+            problem = checksum_problem(entry, manifest, storage.url_checksum(key)[1])
+            if problem is not None:
+                problems.append(problem)
     return problems
 
 

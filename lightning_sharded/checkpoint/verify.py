@@ -28,7 +28,7 @@ from lightning_sharded.checkpoint.layout import (
     CheckpointKind,
     checkpoint_kind,
 )
-from lightning_sharded.checkpoint.manifest import Manifest, file_checksum, read_manifest
+from lightning_sharded.checkpoint.manifest import FileEntry, Manifest, file_checksum, read_manifest
 
 __all__ = ["Problem", "VerifyReport", "check_files", "find_problems", "verify_checkpoint"]
 
@@ -100,17 +100,21 @@ def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums
             )
             continue
         if checksums:
-            _, checksum = file_checksum(file)
-            if checksum != entry.checksum:
-                problems.append(
-                    Problem(
-                        entry.path,
-                        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says"
-                        f" {entry.checksum}",
-                        entry.rank,
-                    )
-                )
+            problem = checksum_problem(entry, manifest, file_checksum(file)[1])
+            if problem is not None:
+                problems.append(problem)
     return problems
+
+
+def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Problem | None:
+    """The problem of a file whose computed ``checksum`` differs from its manifest entry, or ``None``."""
+    if checksum == entry.checksum:
+        return None
+    return Problem(
+        entry.path,
+        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says {entry.checksum}",
+        entry.rank,
+    )
 
 
 def _raise(path: storage.Location, problems: list[Problem]) -> None:
