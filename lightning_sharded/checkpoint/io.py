@@ -324,6 +324,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
+    verify: bool = False,
 ) -> Restored:
     """Load a sharded directory or a full file into ``model`` (and ``optimizers``) where they live.
 
@@ -338,6 +339,8 @@ def restore_checkpoint(
         strict: if ``True``, the checkpoint must have exactly the model's keys; if ``False``, the keys both
             have are loaded and the others left alone (reported with a warning by the caller).
         weights_only: passed to ``torch.load`` for the Lightning metadata.
+        verify: also compare every file's checksum with the manifest before reading (reads every byte
+            once more); presence and sizes are always checked against it.
 
     Returns:
         The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
@@ -349,26 +352,38 @@ def restore_checkpoint(
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
     """
     if storage.is_url(path):
-        return _restore_url(str(path), model, optimizers, strict=strict, weights_only=weights_only)
+        return _restore_url(
+            str(path), model, optimizers, strict=strict, weights_only=weights_only, verify=verify
+        )
     from lightning_sharded.checkpoint.atomic import resolve
 
     # A crash between the two renames of a fallback publish leaves the checkpoint under an "old" name.
     path = resolve(path)
     fmt = detect_format(path)
     if fmt is CheckpointFormat.SHARDED:
+        from lightning_sharded.checkpoint.manifest import read_manifest
+        from lightning_sharded.checkpoint.verify import check_files
+
+        check_files(path, read_manifest(path), verify=verify)  # a stock checkpoint has no manifest
         return _restore_sharded(path, model, optimizers, strict=strict, weights_only=weights_only)
     return _restore_full(path, model, optimizers, strict=strict, weights_only=weights_only)
 
 
 def _restore_url(
-    url: str, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+    url: str,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+    verify: bool,
 ) -> Restored:
     """Restore from an fsspec URL: the published version of a sharded checkpoint, or a full file."""
     from lightning_sharded.checkpoint import object_store
 
     located = object_store.locate(url)
     if located.kind is object_store.ObjectKind.SHARDED:
-        object_store.check_files(located, verify=False)
+        object_store.check_files(located, verify=verify)
         return _restore_sharded(located.data, model, optimizers, strict=strict, weights_only=weights_only)
     # Read memory-mapped, one tensor at a time, like a local file: downloaded first (by each rank).
     with storage.local_copy(url) as local:

@@ -50,6 +50,9 @@ class ShardedCheckpointing(ParallelStrategy):
     async_save: bool = False
     _async_saver: AsyncSaver | None = None
 
+    #: Compare every file's checksum with the manifest before a load (presence and sizes always are).
+    verify: bool = False
+
     def _init_async_save(self, async_save: bool) -> None:
         if async_save and not self._saves_sharded:
             raise ValueError(
@@ -154,7 +157,12 @@ class ShardedCheckpointing(ParallelStrategy):
         optimizers = list(self.optimizers) if fitting else []
         start = time.perf_counter()
         restored = io.restore_checkpoint(
-            path, self.model, optimizers, strict=module.strict_loading, weights_only=weights_only
+            path,
+            self.model,
+            optimizers,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            verify=self.verify,
         )
         if restored.keys:
             rank_zero_warn(

@@ -44,6 +44,9 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         state_dict_type: ``"sharded"`` (default) writes a directory of shards per checkpoint, readable by
             stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
             ``torch.load`` and a single-device Trainer read.
+        async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
+        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (reads the
+            checkpoint once more); presence and sizes are always checked.
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -61,12 +64,14 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         *args: Any,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
+        verify: bool = False,
         **kwargs: Any,
     ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
         super().__init__(*args, **kwargs)
         self._sharded_state_dict_type = state_dict_type
         self._init_async_save(async_save)
+        self.verify = verify
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the

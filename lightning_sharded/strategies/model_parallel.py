@@ -54,6 +54,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
             and atomic publish run in the background (sharded only); the next save, a load and the end
             of training wait for it and raise its error, if any.
+        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (reads the
+            checkpoint once more); presence and sizes are always checked.
 
     Example::
 
@@ -74,6 +76,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         state_dict_type: StateDictType | None = None,
         fully_shard_policy: FullyShardPolicy | None = None,
         async_save: bool = False,
+        verify: bool = False,
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -93,6 +96,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._sharded_state_dict_type = state_dict_type
         self._fully_shard_policy = fully_shard_policy
         self._init_async_save(async_save)
+        self.verify = verify
 
     @override
     def setup_environment(self) -> None:

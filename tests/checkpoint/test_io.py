@@ -81,3 +81,28 @@ def test_strict_restore_refuses_other_keys_before_touching_the_model(tmp_path: P
     report = io.restore_checkpoint(tmp_path / "ckpt", other, strict=False).keys
     assert report.missing == ["3.bias", "3.weight"] and not report.unexpected
     assert torch.equal(other[0].weight, model[0].weight)
+
+
+def test_sizes_always_and_checksums_on_request_are_checked_before_reading(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    path = tmp_path / "ckpt"
+    _save(path, model, optimizer, sharded=True)
+    shard = next(path.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: same size, another checksum
+    shard.write_bytes(bytes(data))
+    fresh, fresh_optimizer = _fresh()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*is corrupted"):
+        io.restore_checkpoint(path, fresh, [fresh_optimizer], verify=True)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing was read
+    shard.write_bytes(bytes(data[:-10]))  # cut short: caught without verify
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
+        io.restore_checkpoint(path, fresh, [fresh_optimizer])
+
+
+def test_strategies_take_verify() -> None:
+    from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy
+
+    assert ShardedFSDPStrategy(verify=True).verify and not ShardedFSDPStrategy().verify
+    assert ShardedModelParallelStrategy(verify=True).verify
