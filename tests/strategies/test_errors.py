@@ -25,7 +25,10 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         ["{root}/broken/no-meta", "'meta.pt'", "did not finish", "earlier checkpoint"],
     ),
     "no-index": ("CheckpointError", ["{root}/broken/no-index", "'.metadata'", "earlier checkpoint"]),
-    "truncated-shard": ("CheckpointError", ["{root}/broken/truncated-shard", "'__0_0.distcp' has 64 bytes"]),
+    "truncated-shard": (
+        "CheckpointError",
+        ["{root}/broken/truncated-shard", "'__0_0.distcp' (written by rank 0) is truncated: 64 bytes"],
+    ),
     "corrupt-entry": (
         "CheckpointError",
         ["{root}/broken/corrupt-entry", "failed on rank(s) [0, 1]", "rank 1:"],
