@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lightning_sharded._launch import free_port, rank_env
 
 __all__ = ["compare", "main"]
 
@@ -152,19 +153,13 @@ def _describe(path: Path) -> str:
     return f"{path.name} ({path.stat().st_size / 1024:.1f} KiB)"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry: bool = True) -> bool:
     """Start ``world`` rank processes of ``job`` and wait; on failure print their output, return False.
 
     A free port can be taken by another program between choosing and binding it; then the job runs
     once more on another port.
     """
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -180,18 +175,7 @@ def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry:
     ]
     procs = []
     for rank in range(world):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            NODE_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH", "")])),
-        )
+        env = rank_env(rank, world, port, _PACKAGE_ROOT)
         procs.append(
             subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )

@@ -11,37 +11,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from lightning_sharded._launch import free_port
+from lightning_sharded._launch import rank_env as _rank_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONUNBUFFERED="1",
-    )
+    """The package's rank environment with this repository first on ``PYTHONPATH``, plus ``extra``."""
+    env = _rank_env(rank, world_size, port, REPO)
     env.pop("PL_TRAINER_GPUS", None)
     if extra:
         env.update(extra)
