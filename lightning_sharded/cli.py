@@ -1,32 +1,34 @@
 """``lightning-sharded``: inspect, verify and consolidate checkpoints; run the demo.
 
 Every command works in one plain process, with no process group. Exit status: 0 when all went
-well, 1 when a checkpoint is damaged or invalid (the message names each bad file), 2 for usage
-errors and for a missing demo.
+well, 1 when a checkpoint is missing, invalid or damaged or a destination is refused (one line on
+stderr says what and where; ``--debug`` shows the traceback), 2 for usage errors and for a missing
+demo. ``-v`` and ``--debug`` may come before or after the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 __all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_BAD_CHECKPOINT = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+_PROG = "lightning-sharded"
 
 
 def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
+    from lightning_sharded.checkpoint.progress import format_size
+
+    return format_size(n)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -41,25 +43,31 @@ def _inspect(args: argparse.Namespace) -> int:
             e.key,
             "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")",
             e.dtype,
-            _size(e.size),
+            "-" if e.value is not None else _size(e.size),
             e.shards,
+            e.value or "",
         )
         for e in info.entries
     ]
-    headers = ("key", "shape", "dtype", "size", "shards")
+    headers = ("key", "shape", "dtype", "size", "shards", "value")
     widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(headers)]
-    line = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    print(line.format(*headers))
+    align = ("<", "<", "<", ">", ">", "<")
+    line = "  ".join(f"{{:{a}{w}}}" for a, w in zip(align, widths, strict=True))
+    print(line.format(*headers).rstrip())
     for row in rows:
-        print(line.format(*map(str, row)))
+        print(line.format(*map(str, row)).rstrip())
     print()
     print(f"path:        {info.path}")
     print(
         f"kind:        {info.kind}"
         + ("" if info.kind == "full" else " (manifest)" if info.has_manifest else " (no manifest)")
     )
-    print(f"entries:     {len(info.entries)}, {_size(info.total_size)}")
-    print(f"files:       {info.files}, {_size(info.disk_size)} on disk")
+    tensors = sum(e.value is None for e in info.entries)
+    print(
+        f"entries:     {len(info.entries)}: {tensors} tensors, {_size(info.total_size)};"
+        f" {len(info.entries) - tensors} values"
+    )
+    print(f"files:       {info.files}, {_size(info.disk_size)}")
     print(f"world size:  {info.world_size if info.world_size is not None else '-'}")
     print(f"epoch:       {info.epoch if info.epoch is not None else '-'}")
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
@@ -69,7 +77,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.verify import verify_checkpoint
 
-    report = verify_checkpoint(args.path)
+    report = verify_checkpoint(args.path, progress=False if args.no_progress else None)
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
     print(f"OK: {report.path} ({report.kind.value}, {files}, {_size(report.bytes)}; {what} match)")
@@ -82,7 +90,13 @@ def _consolidate(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint import storage
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
-    out = consolidate_checkpoint(args.src, args.dst, progress=None if not args.no_progress else False)
+    out = consolidate_checkpoint(
+        args.src,
+        args.dst,
+        overwrite=args.force,
+        verify=not args.no_verify,
+        progress=False if args.no_progress else None,
+    )
     print(
         f"Wrote {out} ({_size(storage.size(out))}): load it with torch.load, or resume from it with"
         " Lightning."
@@ -99,7 +113,7 @@ def _demo(argv: list[str]) -> int:
         if err.name != "lightning_sharded.demo":
             raise
         print(
-            "lightning-sharded demo: the demo is not part of this installation yet (no module"
+            f"{_PROG} demo: the demo is not part of this installation yet (no module"
             " lightning_sharded.demo). Update lightning_sharded to a version that ships it.",
             file=sys.stderr,
         )
@@ -107,31 +121,125 @@ def _demo(argv: list[str]) -> int:
     return int(demo.main(argv) or 0)
 
 
+def _common_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """``-v`` and ``--debug``, accepted before and after the command.
+
+    On the subcommands the defaults are suppressed, so an option given before the command is not
+    reset by the subcommand's parser.
+    """
+    default: object = False if top else argparse.SUPPRESS
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", default=default, help="log what is done, with timings"
+    )
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="on an error, show the traceback too"
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="lightning-sharded",
+        prog=_PROG,
         description="Inspect, verify and consolidate Lightning checkpoints (sharded directories or full"
         " files).",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what is done, with timings")
+    _common_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    path_help = "a sharded checkpoint directory or a full checkpoint file"
     inspect = commands.add_parser(
-        "inspect", help="list the entries of a checkpoint, its size, epoch and step"
+        "inspect",
+        help="list the entries of a checkpoint, its size, epoch and step",
+        description="List the entries of a checkpoint (tensors with shape, dtype and size; other values"
+        " as they are), its files, world size, epoch and step, after checking that every file is there"
+        " with its size. Reads no tensor data.",
     )
-    inspect.add_argument(
-        "path", metavar="PATH", help="a sharded checkpoint directory or a full checkpoint file"
-    )
+    inspect.add_argument("path", metavar="PATH", help=path_help)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
-    verify = commands.add_parser("verify", help="check every file of a checkpoint (presence, size, checksum)")
-    verify.add_argument(
-        "path", metavar="PATH", help="a sharded checkpoint directory or a full checkpoint file"
+    _common_options(inspect, top=False)
+    verify = commands.add_parser(
+        "verify",
+        help="check every file of a checkpoint (presence, size, checksum)",
+        description="Check every file of a checkpoint: presence, size and checksum (reads every byte).",
     )
-    consolidate = commands.add_parser("consolidate", help="convert a sharded directory into one full file")
+    verify.add_argument("path", metavar="PATH", help=path_help)
+    verify.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common_options(verify, top=False)
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="convert a sharded directory into one full file",
+        description="Convert a sharded checkpoint directory into one full checkpoint file that plain"
+        " torch.load and stock Lightning read. Verifies the source's checksums first, and never"
+        " replaces anything without --force.",
+    )
     consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory")
-    consolidate.add_argument("dst", metavar="DST", help="the full checkpoint file to write")
+    consolidate.add_argument(
+        "dst",
+        metavar="DST",
+        help="the full checkpoint file to write; ending with a slash (runs/): a file inside that directory,"
+        " named as SRC",
+    )
+    consolidate.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a file, an empty directory or a sharded checkpoint at DST (never SRC itself, never a"
+        " directory that is not a checkpoint)",
+    )
+    consolidate.add_argument(
+        "--no-verify", action="store_true", help="do not compare the source's checksums first"
+    )
     consolidate.add_argument("--no-progress", action="store_true", help="no progress bar")
-    commands.add_parser("demo", help="train, save and resume a sharded model on CPU (options: demo --help)")
+    _common_options(consolidate, top=False)
+    commands.add_parser(
+        "demo",
+        help="train, save and resume a sharded model on CPU (options: demo --help)",
+        add_help=False,
+    )
     return parser
+
+
+def _split_demo(args: list[str]) -> tuple[list[str], list[str]] | None:
+    """``[-v] [--debug] demo ARGS...``: the options before ``demo`` and ARGS; ``None`` for other commands."""
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            return (args[:i], args[i + 1 :]) if arg == "demo" else None
+    return None
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is logged (tests replace it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _logging(verbose: bool) -> Iterator[None]:
+    """The library's log messages on stderr while a command runs: info with ``-v``, else warnings only.
+
+    Set on the ``lightning_sharded`` logger, and undone afterwards (``main`` may run inside a program).
+    """
+    logger = logging.getLogger("lightning_sharded")
+    saved = logger.level, logger.propagate
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text or type(err).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -141,24 +249,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments, without the program name; ``sys.argv[1:]`` when ``None``.
 
     Returns:
-        The exit status: 0 on success, 1 for a missing, invalid or damaged checkpoint, 2 for usage errors.
+        The exit status: 0 on success; 1 for a missing, invalid or damaged checkpoint, a refused
+        destination or a failed write (one line on stderr; the traceback with ``--debug``); 2 for usage
+        errors.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["demo"]:
-        return _demo(args_list[1:])
     parser = _parser()
+    demo = _split_demo(args_list)
+    if demo is not None:
+        before, demo_args = demo
+        try:
+            options = parser.parse_args([*before, "demo"])
+        except SystemExit as exit_:
+            return int(exit_.code or 0)
+        with _logging(options.verbose):
+            return _demo(demo_args)
     try:
         args = parser.parse_args(args_list)
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    from lightning_sharded.checkpoint.errors import CheckpointError
-
+    verbose, debug = getattr(args, "verbose", False), getattr(args, "debug", False)
     handler = {"inspect": _inspect, "verify": _verify, "consolidate": _consolidate}[args.command]
+    where = f"{_PROG} {args.command}"
     try:
-        return handler(args)
-    except (CheckpointError, FileNotFoundError) as err:
-        print(f"lightning-sharded {args.command}: error: {err}", file=sys.stderr)
+        with _logging(verbose):
+            return handler(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{where}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if debug:
+            raise
+        # CheckpointError is a ValueError; refused destinations and failed writes are OSErrors.
+        if isinstance(err, (ValueError, OSError)):
+            print(f"{where}: error: {_one_line(err)}", file=sys.stderr)
+        else:
+            print(
+                f"{where}: unexpected error: {type(err).__name__}: {_one_line(err)} (this is a bug in"
+                " lightning_sharded: run again with --debug for the traceback, and report it)",
+                file=sys.stderr,
+            )
         return EXIT_BAD_CHECKPOINT
 
 

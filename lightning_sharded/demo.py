@@ -32,6 +32,10 @@ STEPS = 4
 VOCAB, DIM, HIDDEN = 16, 8, 32
 _PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 _STRATEGY_NAMES = {"fsdp": "ShardedFSDPStrategy", "model-parallel": "ShardedModelParallelStrategy"}
+#: The output folder, in the current directory, unless ``--output`` says otherwise.
+DEFAULT_OUTPUT = "lightning-sharded-demo"
+#: A file the demo leaves in its output folder: a folder with it is the demo's own, and is reused.
+MARKER = ".lightning-sharded-demo"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,12 +48,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--output",
         type=Path,
-        default=Path("lightning-sharded-demo"),
-        help="folder for checkpoint and results",
+        default=Path(DEFAULT_OUTPUT),
+        help=f"folder for the checkpoint and the compared values (default: ./{DEFAULT_OUTPUT}); a folder the"
+        " demo did not create must be empty",
     )
-    parser.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded")
-    parser.add_argument("--strategy", choices=sorted(_STRATEGY_NAMES), default="fsdp")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds each phase may take")
+    parser.add_argument(
+        "--state-dict-type",
+        choices=["sharded", "full"],
+        default="sharded",
+        help="sharded: a directory of shards written by every process (default); full: one file",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=sorted(_STRATEGY_NAMES),
+        default="fsdp",
+        help="fsdp: ShardedFSDPStrategy (FSDP1, default); model-parallel: ShardedModelParallelStrategy"
+        " (FSDP2, DTensor parameters)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds each phase may take (default: 600)"
+    )
     parser.add_argument("--rank-job", choices=["train", "resume"], help=argparse.SUPPRESS)
     return parser
 
@@ -70,7 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         print("--processes must be at least 1", file=sys.stderr)
         return 2
     output: Path = args.output.resolve()
+    if output.exists() and (
+        not output.is_dir() or (any(output.iterdir()) and not (output / MARKER).exists())
+    ):
+        what = "a file" if not output.is_dir() else "a folder the demo did not create, and not empty"
+        print(
+            f"lightning-sharded demo: {str(output)!r} is {what}: the demo writes only into its own folder."
+            " Choose another with --output.",
+            file=sys.stderr,
+        )
+        return 2
     output.mkdir(parents=True, exist_ok=True)
+    (output / MARKER).write_text(
+        "written by `lightning-sharded demo`; the demo replaces what is in this folder\n"
+    )
     checkpoint = output / ("checkpoint" if args.state_dict_type == "sharded" else "checkpoint.ckpt")
     print(
         f"lightning-sharded demo: {_STRATEGY_NAMES[args.strategy]}, {args.state_dict_type} checkpoint, CPU"

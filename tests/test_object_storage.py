@@ -244,7 +244,7 @@ def test_inspect_an_s3_checkpoint(fitted: Results, s3: S3Server, capsys: pytest.
     url = s3.url("fits/fsdp-sharded")
     code, out, _ = run_cli(capsys, "inspect", url)
     assert code == 0
-    assert out.splitlines()[0].split() == ["key", "shape", "dtype", "size", "shards"]
+    assert out.splitlines()[0].split() == ["key", "shape", "dtype", "size", "shards", "value"]
     assert "kind:        sharded (manifest)" in out and "world size:  2" in out
     assert f"global step: {fitted['fsdp-sharded']['global_step']}" in out
     assert f"path:        {url}/data-" in out

@@ -97,7 +97,10 @@ def test_consolidate_output_is_a_valid_archive_published_atomically(
     dst = tmp_path / "out" / "full.ckpt"
     dst.parent.mkdir()
     dst.write_text("previous")
-    out = consolidate_checkpoint(sharded_ckpt, dst, progress=False)
+    with pytest.raises(FileExistsError, match="exists"):
+        consolidate_checkpoint(sharded_ckpt, dst, progress=False)
+    assert dst.read_text() == "previous"
+    out = consolidate_checkpoint(sharded_ckpt, dst, progress=False, overwrite=True)
     assert out == dst
     with zipfile.ZipFile(dst) as archive:
         assert archive.testzip() is None  # every CRC-32 recomputed after the fill
@@ -213,7 +216,7 @@ def test_cli_inspect_table_and_json(sharded_ckpt: Path, capsys: pytest.CaptureFi
     code, out, _ = run_cli(capsys, "inspect", str(sharded_ckpt))
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["key", "shape", "dtype", "size", "shards"]
+    assert lines[0].split() == ["key", "shape", "dtype", "size", "shards", "value"]
     assert any(
         line.split() == ["state_dict.layer.weight", "(8,", "6)", "torch.float32", "192", "B", "2"]
         for line in lines
@@ -230,7 +233,10 @@ def test_cli_inspect_table_and_json(sharded_ckpt: Path, capsys: pytest.CaptureFi
         "dtype": "torch.float32",
         "size": 192,
         "shards": 2,
+        "value": None,
     }
+    lr = next(e for e in data["entries"] if e["key"] == "optimizer_0.param_groups.0.lr")
+    assert lr == {"key": lr["key"], "shape": None, "dtype": "float", "size": 0, "shards": 1, "value": "0.1"}
     assert data == inspect_checkpoint(sharded_ckpt).to_dict()
 
 

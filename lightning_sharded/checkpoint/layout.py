@@ -24,6 +24,7 @@ __all__ = [
     "MODEL_KEYS",
     "CheckpointKind",
     "checkpoint_kind",
+    "not_a_checkpoint",
 ]
 
 #: The file in which ``torch.distributed.checkpoint`` describes every entry and where its bytes are.
@@ -43,6 +44,35 @@ _WHAT_A_CHECKPOINT_IS = (
 )
 
 
+#: The first bytes of a ``torch.save`` file: a zip archive (torch >= 1.6), or the legacy pickle format.
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def not_a_checkpoint(path: str | os.PathLike[str], what: str, why: str) -> CheckpointError:
+    """The one error every command and function gives for a path that holds something else.
+
+    Args:
+        path: The path as the user gave it.
+        what: ``"file"`` or ``"directory"``.
+        why: What is there instead, in words (no final period).
+    """
+    return CheckpointError(f"The {what} {str(path)!r} is not a checkpoint: {why}. {_WHAT_A_CHECKPOINT_IS}")
+
+
+def _check_full_file(file: storage.Location, given: str | os.PathLike[str]) -> None:
+    """A full checkpoint is a ``torch.save`` file: refuse anything else by its first bytes (one read)."""
+    with storage.open_file(file) as f:
+        head = f.read(4)
+    if head.startswith(_ZIP_MAGIC) or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        return
+    why = (
+        "it is empty (0 bytes)"
+        if not head
+        else f"it is not a torch.save file (it starts with {head!r}, not a zip archive or a pickle)"
+    )
+    raise not_a_checkpoint(given, "file", why)
+
+
 class CheckpointKind(str, Enum):
     """The two kinds of checkpoints Lightning writes."""
 
@@ -53,7 +83,8 @@ class CheckpointKind(str, Enum):
 def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[storage.Location, CheckpointKind]:
     """Find the checkpoint at ``path`` (after the recovery rules of an interrupted save) and its kind.
 
-    Only looks at names, never at contents; changes nothing on disk.
+    Looks at names, and at the first bytes of a file (a full checkpoint is a ``torch.save`` file);
+    changes nothing on disk.
 
     Returns:
         The path to read (``path`` itself, or the previous version an interrupted save left) and its
@@ -61,14 +92,18 @@ def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[storage.Location, Che
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        CheckpointError: an empty directory, a directory that is not a checkpoint, or a sharded
-            directory without ``.metadata`` or ``meta.pt``.
+        CheckpointError: an empty directory, a directory or a file that is not a checkpoint (the
+            message of :func:`not_a_checkpoint`), or a sharded directory without ``.metadata`` or
+            ``meta.pt``.
     """
     if storage.is_url(path):  # object storage: the version the manifest publishes
         from lightning_sharded.checkpoint.object_store import locate
 
         located = locate(str(path))
-        return located.data, CheckpointKind(located.kind.value)
+        kind = CheckpointKind(located.kind.value)
+        if kind is CheckpointKind.FULL:
+            _check_full_file(located.data, path)
+        return located.data, kind
     given = Path(path)
     real = resolve(given)
     if not real.exists():
@@ -77,6 +112,7 @@ def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[storage.Location, Che
             f" paths start at {os.getcwd()!r}). {_WHAT_A_CHECKPOINT_IS}"
         )
     if real.is_file():
+        _check_full_file(real, given)
         return real, CheckpointKind.FULL
     names = set(os.listdir(real))
     if not names:
@@ -87,9 +123,11 @@ def checkpoint_kind(path: str | os.PathLike[str]) -> tuple[storage.Location, Che
     looks_sharded = bool(shards) or DCP_METADATA in names or MANIFEST_NAME in names
     if not looks_sharded:
         listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise CheckpointError(
-            f"The directory {str(given)!r} is not a checkpoint: it has no `.metadata`, no `__<rank>_0.distcp`"
-            f" shard file and no {MANIFEST_NAME} (it holds {listed}). {_WHAT_A_CHECKPOINT_IS}"
+        raise not_a_checkpoint(
+            given,
+            "directory",
+            f"it has no `.metadata`, no `__<rank>_0.distcp` shard file and no {MANIFEST_NAME} (it holds"
+            f" {listed})",
         )
     if DCP_METADATA not in names:
         raise CheckpointError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
@@ -50,12 +51,15 @@ CHECKSUM_ALGORITHM = "crc32"
 CHUNK_SIZE = 8 << 20
 
 
-def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple[int, str]:
+def file_checksum(
+    path: str | os.PathLike[str], *, fsync: bool = False, on_chunk: Callable[[int], None] | None = None
+) -> tuple[int, str]:
     """Size and CRC-32 of a file, read in chunks of :data:`CHUNK_SIZE` bytes.
 
     Args:
         path: The file.
         fsync: Also ``fsync`` the file, so its bytes are on disk before it is listed in a manifest.
+        on_chunk: Called with the size of every chunk read (a progress bar).
 
     Returns:
         ``(size in bytes, checksum)`` with the checksum as 8 lowercase hex digits.
@@ -71,6 +75,8 @@ def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple
                 break
             crc = zlib.crc32(view[:n], crc)
             size += n
+            if on_chunk is not None:
+                on_chunk(n)
         if fsync:
             os.fsync(f.fileno())
     return size, f"{crc & 0xFFFFFFFF:08x}"

@@ -11,7 +11,7 @@ Lightning kept in ``meta.pt`` (epoch, global step, loops, callbacks, hyperparame
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import functools
 import gc
 import itertools
@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import pickle
+import re
 import struct
 import time
 import zlib
@@ -31,6 +32,7 @@ import torch
 
 from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint.atomic import commit_file
+from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
     DCP_METADATA,
@@ -40,9 +42,11 @@ from lightning_sharded.checkpoint.layout import (
     SHARD_FILE,
     CheckpointKind,
     checkpoint_kind,
+    not_a_checkpoint,
 )
 from lightning_sharded.checkpoint.manifest import read_manifest
-from lightning_sharded.checkpoint.verify import _dcp_problems, _raise, check_files
+from lightning_sharded.checkpoint.progress import format_size, progress_bar
+from lightning_sharded.checkpoint.verify import check_files, check_presence
 
 __all__ = [
     "CheckpointInfo",
@@ -54,8 +58,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Consolidations of at least this many bytes show a progress bar when ``progress`` is ``None``.
-PROGRESS_MIN_BYTES = 64 << 20
+#: The output formats of :func:`consolidate_checkpoint`.
+FORMATS = ("lightning",)
 
 _VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 
@@ -242,12 +246,17 @@ def _to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: storage.Lo
 
 
 def _open_sharded(path: storage.Location, verify: bool) -> tuple[storage.Location, _DcpReader]:
-    manifest = read_manifest(path)
-    if manifest is not None:
-        check_files(path, manifest, verify=verify)
+    """Check presence and sizes (and, with ``verify``, checksums) first; then the reader."""
+    if verify and (manifest := read_manifest(path)) is not None:
+        check_files(path, manifest, verify=True)
     else:
-        problems, _ = _dcp_problems(path)
-        _raise(path, problems)
+        if verify:
+            log.warning(
+                "%s has no manifest (it was written without lightning_sharded): there are no checksums to"
+                " verify; checked presence and sizes only",
+                path,
+            )
+        check_presence(path)
     return path, _DcpReader(path)
 
 
@@ -315,9 +324,7 @@ def _load_full(file: storage.Location, map_location: Any, weights_only: bool) ->
             " checkpoint."
         ) from err
     if not isinstance(checkpoint, dict):
-        raise CheckpointError(
-            f"The file {str(file)!r} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict."
-        )
+        raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
 
 
@@ -360,8 +367,12 @@ def consolidate_checkpoint(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,
+    format: str = "lightning",
+    dtype: torch.dtype | None = None,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    verify: bool = True,
     progress: bool | None = None,
-    verify: bool = False,
 ) -> storage.Location:
     """Convert a sharded checkpoint directory into one full checkpoint file, in one process.
 
@@ -369,26 +380,50 @@ def consolidate_checkpoint(
     ``Trainer.fit(ckpt_path=dst)`` resumes from it (optimizer state in ``optimizer_states``) and
     ``LightningModule.load_from_checkpoint(dst)`` loads it, without this library.
 
+    Nothing is destroyed: the destination is checked first (see
+    :mod:`lightning_sharded.checkpoint.destination`): never the source or inside it, an existing file,
+    empty directory or sharded checkpoint only with ``overwrite=True``, never a directory of something
+    else; ``dst`` ending with ``/`` means inside that directory. Then, with ``verify`` (the default),
+    every source file's checksum is compared with the manifest, so a corrupted shard fails here, naming
+    the file, instead of being copied into a new file with fresh, matching checksums.
+
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
     is first written with every tensor's space reserved but empty (``torch.serialization.skip_data``),
     then memory-mapped (shared, so the page cache, not the process, holds it) and filled from the
     shards one chunk at a time; the CRC-32s of the archive's records are then recomputed, and the file
-    is published atomically with :func:`~lightning_sharded.checkpoint.atomic.commit_file`.
+    is published atomically with :func:`~lightning_sharded.checkpoint.atomic.commit_file`: a failed or
+    killed consolidation leaves the destination as it was.
 
     Args:
         src: A sharded checkpoint directory.
-        dst: The output file (replaced atomically if it exists), or an fsspec URL (``s3://...``: written
-            locally first, then uploaded as one object).
-        progress: Show a progress bar; ``None`` shows one for checkpoints of 64 MB or more.
-        verify: Compare every source file's checksum with the manifest first.
+        dst: The output file, or a directory to write it into (with a trailing ``/``: then the file
+            takes the source's name), or an fsspec URL (``s3://...``: written locally first, then
+            uploaded as one object).
+        format: ``"lightning"``, a full Lightning checkpoint file (the only format so far).
+        dtype: Not supported by the ``"lightning"`` format (it keeps every dtype); must be ``None``.
+        prefix: Not supported by the ``"lightning"`` format (it keeps every key); must be ``None``.
+        overwrite: Replace a file, an empty directory or a sharded checkpoint at the output.
+        verify: Compare every source file's checksum with the manifest first (reads the source twice).
+        progress: Show a progress bar on stderr; ``None`` shows one for checkpoints of 64 MiB or more.
 
     Returns:
         The path of the output file.
 
     Raises:
         FileNotFoundError: nothing at ``src``.
-        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged.
+        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged (names the file).
+        ValueError: an unknown ``format``, a ``dtype`` or ``prefix``, or ``dst`` is the source.
+        FileExistsError: something is at the output and ``overwrite`` is ``False``.
+        IsADirectoryError: the output is a directory that is not a checkpoint.
+        OSError: the output cannot be written (its message names it); nothing was written.
     """
+    if format not in FORMATS:
+        raise ValueError(f"Unknown format {format!r} for consolidate_checkpoint: use one of {list(FORMATS)}.")
+    if dtype is not None or prefix is not None:
+        raise ValueError(
+            "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
+            " its own dtype. Leave dtype and prefix at None."
+        )
     started = time.perf_counter()
     real, kind = checkpoint_kind(src)
     if kind is CheckpointKind.FULL:
@@ -396,6 +431,7 @@ def consolidate_checkpoint(
             f"{str(src)!r} is already a full checkpoint file: there is nothing to consolidate. Copy it"
             " instead."
         )
+    out = output_file(src, real, dst, overwrite=overwrite)
     real, reader = _open_sharded(real, verify)
     meta = _read_meta(real, weights_only=False)
     flat: dict[str, Any] = reader.read_objects()
@@ -422,16 +458,19 @@ def consolidate_checkpoint(
     total = sum(
         int(torch.Size(md.size).numel()) * fakes[key].element_size() for key, md in reader.tensors.items()
     )
-    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
 
     def write(tmp: Path) -> None:
-        with torch.serialization.skip_data(materialize_fake_tensors=True):
-            torch.save(skeleton, tmp)
+        try:
+            with torch.serialization.skip_data(materialize_fake_tensors=True):
+                torch.save(skeleton, tmp)
+        except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
+            raise _write_error(out, err) from err
+        _reserve(tmp)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             loaded = torch.load(tmp, mmap=True, weights_only=False, map_location="cpu")
         try:
             targets = {key: _get(loaded, path) for key, path in slots.items()}
-            with _progress_bar(total, show, f"consolidating {storage.basename(real)}") as tick:
+            with progress_bar(total, progress, f"consolidating {storage.basename(real)}") as tick:
                 reader.read_tensors(targets, tick)
             for path, tensor in real_tensors.items():
                 _get(loaded, path).copy_(tensor)
@@ -441,19 +480,52 @@ def consolidate_checkpoint(
             gc.collect()
         _fix_zip_crcs(tmp)
 
-    out = storage.location(dst)
-    if isinstance(out, str):  # written locally (memory-mapped while filled), then one upload
-        storage.call_with_local_file(out, write)
-    else:
-        commit_file(out, write)
+    try:
+        if isinstance(out, str):  # written locally (memory-mapped while filled), then one upload
+            storage.call_with_local_file(out, write)
+        else:
+            commit_file(out, write)
+    except OSError as err:
+        raise _write_error(out, err) from err
     log.info(
-        "Consolidated %s into %s (%.1f MB of tensors) in %.2fs",
+        "Consolidated %s into %s (%s of tensors) in %.2fs",
         real,
         out,
-        total / 1e6,
+        format_size(total),
         time.perf_counter() - started,
     )
     return out
+
+
+def _write_error(out: storage.Location, err: Exception) -> OSError:
+    """An error writing ``out``, as one ``OSError`` that names the destination, not a temporary file."""
+    if isinstance(err, OSError) and str(out) in str(err):
+        return err
+    if isinstance(err, OSError):
+        why = err.strerror or str(err)
+    else:  # "[enforce fail at inline_container.cc:747] . open file failed with strerror: ..."
+        why = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", _first_line(err).partition(": ")[2])
+    error = (type(err) if isinstance(err, OSError) else OSError)(
+        f"Cannot write the checkpoint file {str(out)!r}: {why}. Nothing was written there; check that its"
+        " directory is writable and has space."
+    )
+    error.errno = getattr(err, "errno", None)
+    return error
+
+
+def _reserve(file: Path) -> None:
+    """Allocate the file's blocks now, so a full disk fails here with ENOSPC, not later in the mmap fill.
+
+    (A write into a memory-mapped hole on a full disk kills the process with SIGBUS.)
+    """
+    fd = os.open(file, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _map_slots(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
@@ -464,17 +536,6 @@ def _map_slots(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_slots(v, fakes) for v in obj)
     return obj
-
-
-@contextlib.contextmanager
-def _progress_bar(total: int, show: bool, desc: str) -> Iterator[Callable[[int], None]]:
-    if not show:
-        yield lambda n: None
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
-        yield bar.update
 
 
 def _fix_zip_crcs(file: Path) -> None:
@@ -529,6 +590,9 @@ def _fix_zip_crcs(file: Path) -> None:
 
 # --------------------------------------------------------------------------------------- inspect
 
+#: Longest value representation ``inspect`` shows for a non-tensor entry.
+VALUE_WIDTH = 60
+
 
 @dataclass
 class EntryInfo:
@@ -536,10 +600,12 @@ class EntryInfo:
 
     Attributes:
         key: DCP's flattened key (``state_dict.layer.weight``) or, in a full file, the dotted path.
-        shape: Global shape, or ``None`` for a non-tensor object.
-        dtype: ``torch.float32``... or ``"object"``.
-        size: Bytes of the full tensor (or of the pickled object).
+        shape: Global shape, or ``None`` for a non-tensor value.
+        dtype: ``torch.float32``..., or the type of a non-tensor value (``float``, ``list``...).
+        size: Bytes of the full tensor; 0 for a non-tensor value.
         shards: Number of chunks stored (1 in a full file).
+        value: A non-tensor value, as ``repr`` shows it (cut at :data:`VALUE_WIDTH` characters);
+            ``None`` for a tensor.
     """
 
     key: str
@@ -547,6 +613,7 @@ class EntryInfo:
     dtype: str
     size: int
     shards: int
+    value: str | None = None
 
 
 @dataclass
@@ -557,8 +624,8 @@ class CheckpointInfo:
         path: The checkpoint read.
         kind: ``"sharded"`` or ``"full"``.
         entries: Every entry, sorted by key.
-        total_size: Bytes of all entries.
-        files: Files of the checkpoint (1 for a full file).
+        total_size: Bytes of all tensor entries.
+        files: Files of the checkpoint (1 for a full file), counted as ``verify`` counts them.
         disk_size: Bytes of those files.
         world_size: Ranks that wrote it (manifest, else the shard file names), ``None`` for a full file.
         epoch: Lightning epoch, when recorded.
@@ -582,21 +649,37 @@ class CheckpointInfo:
         return asdict(self)
 
 
+def _value_entry(key: str, value: Any, shards: int = 1) -> EntryInfo:
+    text = repr(value)
+    if len(text) > VALUE_WIDTH:
+        text = text[: VALUE_WIDTH - 3] + "..."
+    return EntryInfo(key, None, type(value).__name__, 0, shards, text)
+
+
 def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Describe a checkpoint without loading its tensors (sharded: ``.metadata`` and ``meta.pt`` only).
+    """Describe a checkpoint without reading its tensors, after checking that its files are whole.
+
+    Sharded: checks every file's presence and size (from the manifest, or from ``.metadata``), then
+    reads ``.metadata``, the manifest, ``meta.pt`` and the small non-tensor entries (the optimizers'
+    ``param_groups``), which are shown as values. Full: memory-mapped, so the tensors are not read.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        CheckpointError: not a checkpoint, or ``.metadata`` / ``meta.pt`` unreadable.
+        CheckpointError: not a checkpoint; a file missing or of another size (named, with its rank);
+            ``.metadata`` or ``meta.pt`` unreadable.
     """
+    started = time.perf_counter()
     real, kind = checkpoint_kind(path)
-    if kind is CheckpointKind.FULL:
-        return _inspect_full(real)
+    info = _inspect_full(real) if kind is CheckpointKind.FULL else _inspect_sharded(real, kind)
+    log.info("Inspected %s (%d entries) in %.2fs", real, len(info.entries), time.perf_counter() - started)
+    return info
+
+
+def _inspect_sharded(real: storage.Location, kind: CheckpointKind) -> CheckpointInfo:
+    files = check_presence(real)
     reader = _DcpReader(real)
-    object_sizes: dict[str, int] = {}
     chunks: dict[str, int] = {}
-    for index, info in (reader.metadata.storage_data or {}).items():
-        object_sizes[index.fqn] = object_sizes.get(index.fqn, 0) + int(info.length)
+    for index in reader.metadata.storage_data or {}:
         chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
     entries = []
     for key, md in reader.tensors.items():
@@ -605,10 +688,9 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
         entries.append(
             EntryInfo(key, list(md.size), str(md.properties.dtype), numel * itemsize, len(md.chunks))
         )
-    for key in reader.objects:
-        entries.append(EntryInfo(key, None, "object", object_sizes.get(key, 0), chunks.get(key, 1)))
+    for key, value in reader.read_objects().items():
+        entries.append(_value_entry(key, value, chunks.get(key, 1)))
     entries.sort(key=lambda e: e.key)
-    files = storage.list_files(real)
     info = CheckpointInfo(
         path=str(real),
         kind=kind.value,
@@ -634,20 +716,45 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
     return info
 
 
+def _model_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Like :func:`_leaves`, but a list or tuple of plain values (``params: [0, 1]``) is one leaf."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _model_leaves(v, (*path, k))
+    elif isinstance(obj, (list, tuple)) and any(
+        isinstance(v, (dict, list, tuple, torch.Tensor)) for v in obj
+    ):
+        for i, v in enumerate(obj):
+            yield from _model_leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
 def _inspect_full(file: storage.Location) -> CheckpointInfo:
     try:  # memory-mapped: the tensors are not read (an object is read whole)
         checkpoint = storage.torch_load(file, map_location="cpu", weights_only=False, mmap=True)
     except Exception:
         checkpoint = _load_full(file, "cpu", weights_only=False)
     if not isinstance(checkpoint, dict):
-        raise CheckpointError(
-            f"The file {str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict."
-        )
-    entries = [
-        EntryInfo(".".join(map(str, p)), list(t.shape), str(t.dtype), t.numel() * t.element_size(), 1)
-        for p, t in _leaves(checkpoint)
-        if isinstance(t, torch.Tensor)
-    ]
+        raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
+    entries = []
+    for key in ("state_dict", "optimizer_states"):  # what a sharded checkpoint keeps in DCP
+        for path, leaf in _model_leaves(checkpoint.get(key, {}), (key,)):
+            name = ".".join(map(str, path))
+            if isinstance(leaf, torch.Tensor):
+                entries.append(
+                    EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
+                )
+            else:
+                entries.append(_value_entry(name, leaf))
+    for path, leaf in _leaves(
+        {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    ):
+        if isinstance(leaf, torch.Tensor):  # e.g. a callback's best score
+            name = ".".join(map(str, path))
+            entries.append(
+                EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
+            )
     entries.sort(key=lambda e: e.key)
     return CheckpointInfo(
         path=str(file),

@@ -12,9 +12,12 @@ Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,21 @@ from lightning_sharded.checkpoint.layout import (
     checkpoint_kind,
 )
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest, file_checksum, read_manifest
+from lightning_sharded.checkpoint.progress import format_size, progress_bar
 
-__all__ = ["Problem", "VerifyReport", "check_files", "find_problems", "verify_checkpoint"]
+__all__ = [
+    "Problem",
+    "VerifyReport",
+    "check_files",
+    "check_presence",
+    "find_problems",
+    "verify_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+#: Bytes read at a time from a full file's records.
+_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -78,12 +94,24 @@ def _rank_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
-    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
+def find_problems(
+    path: str | os.PathLike[str],
+    manifest: Manifest,
+    *,
+    checksums: bool,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes.
+
+    ``on_bytes`` is called with the number of bytes checksummed as they are read (a progress bar).
+    """
     if storage.is_url(path):
         from lightning_sharded.checkpoint import object_store
 
-        return object_store.find_problems(str(path), manifest, checksums=checksums)
+        found = object_store.find_problems(str(path), manifest, checksums=checksums)
+        if on_bytes is not None and checksums:
+            on_bytes(manifest.total_size)
+        return found
     root = Path(path)
     problems: list[Problem] = []
     for entry in manifest.files:
@@ -100,7 +128,7 @@ def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums
             )
             continue
         if checksums:
-            problem = checksum_problem(entry, manifest, file_checksum(file)[1])
+            problem = checksum_problem(entry, manifest, file_checksum(file, on_chunk=on_bytes)[1])
             if problem is not None:
                 problems.append(problem)
     return problems
@@ -145,20 +173,47 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     _raise(storage.location(path), find_problems(path, manifest, checksums=verify))
 
 
-def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
-    """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
+def check_presence(path: storage.Location) -> dict[str, int]:
+    """Presence and size of every file of a sharded checkpoint (cheap: no file is read but `.metadata`).
+
+    With a manifest, every file it lists must be there with its size; without one (stock Lightning),
+    ``.metadata`` must read and every shard file it references must be there and long enough.
+
+    Returns:
+        The checkpoint's files and their sizes (what ``verify`` and ``inspect`` count): the manifest's
+        entries, or ``.metadata``, ``meta.pt`` and the shard files ``.metadata`` references.
+
+    Raises:
+        CheckpointError: a file is missing or has another size; names the first one, its rank and the
+            others.
+    """
+    manifest = read_manifest(path)
+    if manifest is not None:
+        _raise(path, find_problems(path, manifest, checksums=False))
+        return {entry.path: entry.size for entry in manifest.files}
+    problems, files = _dcp_problems(path)
+    _raise(path, problems)
+    return files
+
+
+def _dcp_problems(root: storage.Location) -> tuple[list[Problem], dict[str, int]]:
+    """Without a manifest: ``.metadata`` readable, every file it references present and long enough.
+
+    Returns the problems, and the files present among ``.metadata``, ``meta.pt`` and the referenced
+    shard files, with their sizes.
+    """
+    sizes = storage.list_files(root)
     try:
         with storage.open_file(storage.join(root, DCP_METADATA)) as f:
             metadata: Any = pickle.load(f)
         storage_data = dict(metadata.storage_data or {})
     except Exception as err:
-        return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
+        return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], {}
     needed: dict[str, int] = {}
     for info in storage_data.values():
         rel = str(info.relative_path)
         needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
     problems: list[Problem] = []
-    sizes = storage.list_files(root)
     for rel in sorted(needed):
         size = sizes.get(rel, -1)
         if size < 0:
@@ -170,14 +225,25 @@ def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
             )
     if LIGHTNING_METADATA not in sizes:
         problems.append(Problem(LIGHTNING_METADATA, "is missing"))
-    return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
+    files = {
+        name: sizes[name] for name in [DCP_METADATA, LIGHTNING_METADATA, *sorted(needed)] if name in sizes
+    }
+    return problems, files
 
 
-def _full_file_problems(file: storage.Location) -> list[Problem]:
+def _full_file_problems(file: storage.Location, on_bytes: Callable[[int], None]) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
+    bad: str | None = None
     try:
         with storage.open_file(file) as f, zipfile.ZipFile(f) as archive:
-            bad = archive.testzip()
+            for info in archive.infolist():
+                try:
+                    with archive.open(info) as record:  # checks the CRC-32 once read to the end
+                        while chunk := record.read(_CHUNK):
+                            on_bytes(len(chunk))
+                except zipfile.BadZipFile:
+                    bad = info.filename
+                    break
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return [
             Problem(
@@ -197,7 +263,7 @@ def _full_file_problems(file: storage.Location) -> list[Problem]:
     return []
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = None) -> VerifyReport:
     """Check every file of a checkpoint, checksums included; works in one plain process.
 
     - a sharded directory with a manifest: every listed file present, with its size and checksum;
@@ -208,37 +274,50 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
 
     Args:
         path: A sharded checkpoint directory or a full checkpoint file.
+        progress: Show a progress bar on stderr while reading; ``None`` shows one for checkpoints of
+            64 MiB or more.
 
     Returns:
-        What was checked.
+        What was checked: ``files`` and ``bytes`` count the checkpoint's files as ``inspect`` does.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: the path is not a checkpoint, or a file is missing, truncated or corrupted;
             the message names the first bad file, the rank that wrote it, and the others.
     """
+    started = time.perf_counter()
     real, kind = checkpoint_kind(path)
     report = VerifyReport(real, kind)
+    desc = f"verifying {storage.basename(real)}"
     if kind is CheckpointKind.FULL:
-        _raise(real, _full_file_problems(real))
         report.files, report.bytes = 1, storage.size(real)
-        return report
-    manifest = read_manifest(real)
-    if manifest is None:
-        problems, report.files = _dcp_problems(real)
-        _raise(real, problems)
-        report.notes.append(
-            "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
-            " with; checked that `.metadata` reads and that every shard file it references is present and"
-            " long enough"
-        )
-        report.bytes = sum(storage.list_files(real).values())
-        return report
-    problems = find_problems(real, manifest, checksums=True)
-    listed = {e.path for e in manifest.files}
-    if DCP_METADATA not in listed:
-        problems.append(Problem(DCP_METADATA, "is not listed in the manifest"))
-    _raise(real, problems)
-    report.has_manifest = True
-    report.files, report.bytes = len(manifest.files), manifest.total_size
+        with progress_bar(report.bytes, progress, desc) as tick:
+            _raise(real, _full_file_problems(real, tick))
+    else:
+        manifest = read_manifest(real)
+        if manifest is None:
+            problems, files = _dcp_problems(real)
+            _raise(real, problems)
+            report.notes.append(
+                "no manifest (a checkpoint written without lightning_sharded): there are no checksums to"
+                " compare with; checked that `.metadata` reads and that every shard file it references is"
+                " present and long enough"
+            )
+            report.files, report.bytes = len(files), sum(files.values())
+        else:
+            with progress_bar(manifest.total_size, progress, desc) as tick:
+                problems = find_problems(real, manifest, checksums=True, on_bytes=tick)
+            if DCP_METADATA not in {e.path for e in manifest.files}:
+                problems.append(Problem(DCP_METADATA, "is not listed in the manifest"))
+            _raise(real, problems)
+            report.has_manifest = True
+            report.files, report.bytes = len(manifest.files), manifest.total_size
+    log.info(
+        "Verified %s (%s, %d files, %s) in %.2fs",
+        real,
+        kind.value,
+        report.files,
+        format_size(report.bytes),
+        time.perf_counter() - started,
+    )
     return report

@@ -1,0 +1,127 @@
+"""Where an offline tool may write: the rules that keep it from destroying what it did not create.
+
+A tool that writes a new file from a checkpoint (``consolidate``) calls :func:`output_file` first:
+
+- ``DST`` ending with a slash (``runs/``) means *inside* that directory: the output is
+  ``runs/<name of the source>``; the directory is created if needed;
+- the output may never be the source, lie inside it, or hold it (a sharded source is a directory;
+  a symlink or an interrupted save's ``.old`` version that leads to the source counts as the source):
+  writing there would destroy the only copy;
+- anything already at the output (a file, an empty directory, another sharded checkpoint) is
+  replaced only with ``overwrite=True`` (``--force``); a directory that is not a checkpoint never is;
+- its folder must be a directory (or creatable).
+
+The write itself then goes through the atomic commit, so the output appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from lightning_sharded.checkpoint import storage
+from lightning_sharded.checkpoint.atomic import resolve
+from lightning_sharded.checkpoint.layout import DCP_METADATA, LIGHTNING_METADATA, SHARD_FILE
+from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
+
+__all__ = ["output_file"]
+
+_FORCE = "To replace it, pass --force (overwrite=True in Python), or choose another destination."
+
+
+def output_file(
+    src: str | os.PathLike[str], real_src: storage.Location, dst: str | os.PathLike[str], *, overwrite: bool
+) -> storage.Location:
+    """The file to write for destination ``dst``, after the rules above; changes nothing on disk.
+
+    Args:
+        src: The source checkpoint as the user gave it.
+        real_src: What is read for it (``src`` itself, or the version an interrupted save left).
+        dst: The destination as the user gave it; a trailing ``/`` means inside that directory.
+        overwrite: Replace a file, an empty directory or a sharded checkpoint already at the output.
+
+    Returns:
+        The output file.
+
+    Raises:
+        ValueError: the output is the source, inside it, or holds it.
+        FileExistsError: something is at the output and ``overwrite`` is ``False``.
+        IsADirectoryError: the output is a non-empty directory that is not a checkpoint.
+        NotADirectoryError: the output's folder is a file.
+    """
+    text = os.fspath(dst)
+    inside = text.endswith(("/", os.sep)) and text.rstrip("/" + os.sep) != ""
+    out = storage.location(text)
+    if inside:
+        out = storage.join(out, storage.basename(storage.location(os.fspath(src))))
+    if isinstance(out, str):
+        _check_url(out, src, real_src, overwrite)
+    else:
+        _check_local(out, Path(os.fspath(src)), real_src, overwrite)
+    return out
+
+
+def _same_or_nested(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same path, or one is inside the other, symlinks resolved."""
+    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
+    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
+
+
+def _check_local(out: Path, src: Path, real_src: storage.Location, overwrite: bool) -> None:
+    """``out``, ``src`` as the user spelled them (relative paths too); messages use those spellings."""
+    sources = {src, Path(real_src)} if isinstance(real_src, Path) else {src}
+    for source in sorted(sources, key=str):
+        if _same_or_nested(out, source):
+            raise ValueError(
+                f"The destination {str(out)!r} is the source checkpoint {str(source)!r}, lies inside it or"
+                " holds it: writing there would destroy the only copy. Choose a destination outside the"
+                " source."
+            )
+    parent = Path(os.path.abspath(out)).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(
+            f"Cannot write {str(out)!r}: {str(parent)!r} is a file, not a directory. Choose another"
+            " destination."
+        )
+    existing = resolve(out)  # an interrupted save's `.old` version counts as being there
+    if not os.path.lexists(existing):
+        return
+    if existing.is_dir() and not existing.is_symlink():
+        names = os.listdir(existing)
+        if names and not _looks_sharded(names):
+            listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise IsADirectoryError(
+                f"The destination {str(out)!r} is a directory that is not a checkpoint (it holds {listed}):"
+                f" it is never replaced. To write inside it, end the destination with a slash"
+                f" ({str(out) + os.sep!r}), or choose another destination."
+            )
+        what = "an empty directory" if not names else "a sharded checkpoint directory"
+    else:
+        what = "a file"
+    if not overwrite:
+        raise FileExistsError(f"The destination {str(out)!r} exists ({what}). {_FORCE}")
+
+
+def _looks_sharded(names: list[str]) -> bool:
+    return any(n in (MANIFEST_NAME, DCP_METADATA, LIGHTNING_METADATA) or SHARD_FILE.match(n) for n in names)
+
+
+def _check_url(out: str, src: str | os.PathLike[str], real_src: storage.Location, overwrite: bool) -> None:
+    for source in sorted({str(storage.location(os.fspath(src))), str(real_src)}):
+        if out == source or out.startswith(source + "/") or source.startswith(out + "/"):
+            raise ValueError(
+                f"The destination {out!r} is the source checkpoint {source!r}, lies inside it or holds it:"
+                " writing there would destroy the only copy. Choose a destination outside the source."
+            )
+    if not storage.exists(out):
+        return
+    if not storage.is_file(out):
+        raise IsADirectoryError(
+            f"The destination {out!r} is a prefix with objects under it (a sharded checkpoint, or other"
+            " data): it is never replaced by one object. To write inside it, end the destination with a"
+            " slash, or choose another destination."
+        )
+    if not overwrite:
+        raise FileExistsError(f"The destination {out!r} exists (an object). {_FORCE}")
