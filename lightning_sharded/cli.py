@@ -118,7 +118,10 @@ def _demo(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return int(demo.main(argv) or 0)
+    try:
+        return int(demo.main(argv) or 0)
+    except SystemExit as exit_:  # the demo's own argument parser: --help, or a usage error
+        return int(exit_.code or 0)
 
 
 def _common_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
