@@ -231,19 +231,22 @@ def _dcp_problems(root: storage.Location) -> tuple[list[Problem], dict[str, int]
     return problems, files
 
 
-def _full_file_problems(file: storage.Location, on_bytes: Callable[[int], None]) -> list[Problem]:
+def _full_file_problems(file: storage.Location, progress: bool | None) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
     bad: str | None = None
     try:
         with storage.open_file(file) as f, zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                try:
-                    with archive.open(info) as record:  # checks the CRC-32 once read to the end
-                        while chunk := record.read(_CHUNK):
-                            on_bytes(len(chunk))
-                except zipfile.BadZipFile:
-                    bad = info.filename
-                    break
+            records = archive.infolist()
+            total = sum(info.file_size for info in records)
+            with progress_bar(total, progress, f"verifying {storage.basename(file)}") as tick:
+                for info in records:
+                    try:
+                        with archive.open(info) as record:  # checks the CRC-32 once read to the end
+                            while chunk := record.read(_CHUNK):
+                                tick(len(chunk))
+                    except zipfile.BadZipFile:
+                        bad = info.filename
+                        break
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return [
             Problem(
@@ -291,8 +294,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = N
     desc = f"verifying {storage.basename(real)}"
     if kind is CheckpointKind.FULL:
         report.files, report.bytes = 1, storage.size(real)
-        with progress_bar(report.bytes, progress, desc) as tick:
-            _raise(real, _full_file_problems(real, tick))
+        _raise(real, _full_file_problems(real, progress))
     else:
         manifest = read_manifest(real)
         if manifest is None:
