@@ -1,6 +1,12 @@
 """Train under torchrun (one agent per node) or srun, checkpointing sharded to a path or an S3 URL.
 
-    torchrun --nnodes 1 --nproc-per-node 2 examples/cluster_train.py --ckpt s3://ckpts/run1/last.ckpt
+    torchrun --standalone --nproc-per-node 2 examples/cluster_train.py --ckpt runs/last.ckpt
+
+It prints ``resumed from step 0, saved step 5 to runs/last.ckpt``; run it again and it prints
+``resumed from step 5, saved step 10 to runs/last.ckpt``. (``--standalone``: one node, a free port on
+this machine.) ``--ckpt`` may be an S3 URL
+(``s3://ckpts/run1/last.ckpt``, credentials and endpoint from the usual AWS variables), and the
+multi-node commands are in ``docs/cluster.md``.
 
 Lightning sizes the job from the launcher's environment (``num_nodes`` from ``WORLD_SIZE`` and
 ``LOCAL_WORLD_SIZE``). Every run trains ``--steps`` more steps and saves sharded to ``--ckpt``,

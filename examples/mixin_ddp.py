@@ -5,11 +5,16 @@ cache or a running statistic would be). Without the mixin, ``state_dict()`` does
 resume silently starts from zeros; with it, the checkpoint holds the whole table (gathered from both
 ranks, since DDP writes one file) and the resume cuts each rank's rows back out.
 
-Run: ``python examples/mixin_ddp.py [OUT_DIR]`` (Lightning starts the second process itself).
+Run it (Lightning starts the second process itself)::
+
+    python examples/mixin_ddp.py
+
+It prints ``OK: table (10, 4) sharded over 2 ranks restored exactly (sum ...)``. It writes into a new temporary folder, or into ``OUT_DIR`` with ``python examples/mixin_ddp.py OUT_DIR``.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -85,5 +90,16 @@ def main(out: Path) -> None:
         print(f"OK: table {tuple(saved.shape)} sharded over 2 ranks restored exactly (sum {saved.sum():.3f})")
 
 
+def output_dir() -> Path:
+    """``OUT_DIR`` if given, else one new temporary folder, the same in every process.
+
+    Lightning runs this script again for the other rank, with this process's environment: the folder
+    made here travels in it (each process making its own would put rank 1 in another folder).
+    """
+    if len(sys.argv) > 1:
+        return Path(sys.argv[1])
+    return Path(os.environ.setdefault("MIXIN_DDP_OUT", tempfile.mkdtemp(prefix="mixin_ddp_")))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="mixin_ddp_")))
+    main(output_dir())

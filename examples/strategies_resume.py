@@ -1,8 +1,10 @@
 """Train with FSDP1 on CPU (2 processes), save a sharded checkpoint, resume it under FSDP2.
 
-    python examples/strategies_resume.py [OUTPUT_DIR]
+    python examples/strategies_resume.py
 
-Lightning starts the second process itself. The model has FSDP-sharded linear layers and a ``DTensor``
+It prints ``OK: FSDP1 checkpoint fsdp1.ckpt resumed under FSDP2, table (10, 4) exact``. Lightning starts
+the second process itself. It writes into a new temporary folder, or into
+``OUTPUT_DIR`` with ``python examples/strategies_resume.py OUTPUT_DIR``. The model has FSDP-sharded linear layers and a ``DTensor``
 table held as a plain attribute; both strategies register the sharded-state hooks, so the table is
 saved and restored with the weights. The resume runs under ``ShardedModelParallelStrategy`` (FSDP2),
 whose ``fully_shard_policy`` shards the same plain model, and checks that the table and the weights
@@ -11,6 +13,7 @@ came back exactly.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -83,5 +86,16 @@ def main(output: Path) -> None:
         print(f"OK: FSDP1 checkpoint {checkpoint.name} resumed under FSDP2, table {shape} exact")
 
 
+def output_dir() -> Path:
+    """``OUTPUT_DIR`` if given, else one new temporary folder, the same in every process.
+
+    Lightning runs this script again for the other rank, with this process's environment: the folder
+    made here travels in it (each process making its own would put rank 1 in another folder).
+    """
+    if len(sys.argv) > 1:
+        return Path(sys.argv[1])
+    return Path(os.environ.setdefault("STRATEGIES_RESUME_OUT", tempfile.mkdtemp(prefix="strategies_resume_")))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()))
+    main(output_dir())

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.launch import free_port
+from tests.distributed.launch import free_port, shell_env
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
@@ -57,3 +57,21 @@ def sharded_ckpt(fault_run: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path
     dst = tmp_path / "ckpt"
     shutil.copytree(fault_run[0] / "template" / "ckpt", dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The README's main job, ``lightning-sharded demo``, run once in an empty folder as a user runs it
+    (the console script, its defaults); the folder and what it printed."""
+    cwd = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        ["bash", "-c", "lightning-sharded demo"],
+        cwd=cwd,
+        env=shell_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return cwd, proc.stdout

@@ -2,33 +2,24 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from lightning_sharded.demo import compare
-from tests.distributed.launch import REPO
 
 
-def test_demo_resumes_in_one_and_two_processes(tmp_path: Path) -> None:
-    # The defaults (ShardedFSDPStrategy, sharded, 2 processes): what the README's first command runs.
-    # The model-parallel and "full" paths it also offers are covered by tests/strategies.
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_sharded.demo", "--output", str(tmp_path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    lines = result.stdout.splitlines()
+def test_demo_resumes_in_one_and_two_processes(demo_run: tuple[Path, str]) -> None:
+    # The defaults (ShardedFSDPStrategy, sharded, 2 processes): what the README's first command runs,
+    # run as it does (see the demo_run fixture). The model-parallel and "full" paths it also offers are
+    # covered by tests/strategies.
+    cwd, stdout = demo_run
+    lines = stdout.splitlines()
     for world in (1, 2):
         line = next(line for line in lines if f"resumed in {world} process(es)" in line)
         assert "weights 4/4 equal, table equal, optimizer state 12/12 equal, global step 4" in line
     assert lines[-1].startswith("OK:")
-    saved = torch.load(tmp_path / "saved.pt", weights_only=False)
+    saved = torch.load(cwd / "lightning-sharded-demo" / "saved.pt", weights_only=False)
     assert saved["global_step"] == 4 and len([k for k in saved if k.startswith("optimizer.")]) == 12
 
 

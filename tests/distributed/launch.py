@@ -93,6 +93,15 @@ def wait_all(procs: list[subprocess.Popen[str]], timeout: float, label: str, wha
 RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT")
 
 
+def shell_env() -> dict[str, str]:
+    """A user's shell for a command the docs show: this interpreter's scripts (lightning-sharded,
+    torchrun) first on ``PATH``, no rank variables, terminal width 80."""
+    env = launcher_env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["COLUMNS"] = "80"
+    return env
+
+
 def launcher_env() -> dict[str, str]:
     """This process's environment for a child that starts ranks itself (torchrun, Lightning's launcher)."""
     env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
