@@ -68,6 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds each phase may take (default: 600)"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into an --output folder the demo did not create (its checkpoint/, saved.pt and"
+        " restored-N.pt are replaced; nothing else is touched)",
+    )
     parser.add_argument("--rank-job", choices=["train", "resume"], help=argparse.SUPPRESS)
     return parser
 
@@ -88,13 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         print("--processes must be at least 1", file=sys.stderr)
         return 2
     output: Path = args.output.resolve()
-    if output.exists() and (
-        not output.is_dir() or (any(output.iterdir()) and not (output / MARKER).exists())
-    ):
+    foreign = output.is_dir() and any(output.iterdir()) and not (output / MARKER).exists()
+    if (output.exists() and not output.is_dir()) or (foreign and not args.force):
         what = "a file" if not output.is_dir() else "a folder the demo did not create, and not empty"
         print(
             f"lightning-sharded demo: {str(output)!r} is {what}: the demo writes only into its own folder."
-            " Choose another with --output.",
+            " Choose another with --output" + (", or pass --force to write into it." if foreign else "."),
             file=sys.stderr,
         )
         return 2

@@ -256,4 +256,5 @@ def test_demo_writes_only_into_its_own_folder(tmp_path: Path, capsys: pytest.Cap
     assert (
         "is a folder the demo did not create, and not empty: the demo writes only into its own folder" in err
     )
+    assert err.rstrip().endswith("Choose another with --output, or pass --force to write into it.")
     assert (tmp_path / "mine" / "saved.pt").read_text() == "someone's file"
