@@ -139,10 +139,39 @@ def test_readme(tmp_path: Path, demo_run: tuple[Path, str]) -> None:
     run_python_blocks(readme, workspace(tmp_path, demo_run))
 
 
-def test_quickstart(tmp_path: Path, demo_run: tuple[Path, str]) -> None:
+def quickstart() -> tuple[list[tuple[str, str]], int]:
+    """The quickstart's blocks, and where the part that loads in a plain process starts."""
     doc = blocks(REPO / "docs" / "quickstart.md")
     assert any(language == "python" and text.startswith("# quickstart.py\n") for language, text in doc)
-    run_python_blocks(doc, workspace(tmp_path, demo_run))
+    load = next(
+        i
+        for i, (lang, text) in enumerate(doc)
+        if lang == "python" and text.startswith("from quickstart import")
+    )
+    return doc, load
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory: pytest.TempPathFactory, demo_run: tuple[Path, str]) -> Path:
+    """The quickstart up to its plain-process load: the script trains, saves and resumes."""
+    doc, load = quickstart()
+    cwd = workspace(tmp_path_factory.mktemp("quickstart"), demo_run)
+    run_python_blocks(doc[:load], cwd)
+    return cwd
+
+
+def test_quickstart_trains_saves_and_resumes(quickstart_run: Path) -> None:
+    assert (quickstart_run / "quickstart.ckpt" / ".metadata").is_file()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs issue 10 (load_from_checkpoint(dir) in a plain process gives None sharded attributes the"
+    " full tensor); remove this mark when it is merged",
+)
+def test_quickstart_loads_in_a_plain_process(quickstart_run: Path) -> None:
+    doc, load = quickstart()
+    run_python_blocks(doc[load:], quickstart_run)
 
 
 def run_console_command(command: str, cwd: Path) -> tuple[int, str]:
