@@ -1,5 +1,6 @@
-"""Everything about checkpoint files: formats, loading and saving through
-``torch.distributed.checkpoint``, manifests, atomic commits and the single-process tools.
+"""Everything about checkpoint files: what is at a path (``detect``), the commit protocol over two
+backends (local paths, fsspec URLs), saving and loading through ``torch.distributed.checkpoint``,
+manifests, checks and the single-process tools. See ``docs/architecture.md`` for the layout.
 
 Only :class:`CheckpointError` is imported with the package; the rest loads on first access, so that
 ``import lightning_sharded`` does not import ``torch.distributed.checkpoint``.
@@ -13,8 +14,11 @@ from typing import TYPE_CHECKING, Any
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
-    from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.commit import commit_directory, commit_file, remove_checkpoint, resolve
+    from lightning_sharded.checkpoint.detect import read_manifest
+    from lightning_sharded.checkpoint.manifest import Manifest
+    from lightning_sharded.checkpoint.names import MANIFEST_NAME
     from lightning_sharded.checkpoint.tools import (
         CheckpointInfo,
         consolidate_checkpoint,
@@ -22,17 +26,16 @@ if TYPE_CHECKING:
         load_checkpoint,
     )
     from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
-    from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
 _LAZY = {
-    "MANIFEST_NAME": "manifest",
+    "MANIFEST_NAME": "names",
     "Manifest": "manifest",
-    "read_manifest": "manifest",
-    "commit_directory": "atomic",
-    "commit_file": "atomic",
-    "remove_checkpoint": "atomic",
-    "resolve": "atomic",
-    "ChecksummingWriter": "writer",
+    "read_manifest": "detect",
+    "commit_directory": "commit",
+    "commit_file": "commit",
+    "remove_checkpoint": "commit",
+    "resolve": "commit",
+    "ChecksummingWriter": "backends.dcp_writer",
     "CheckpointInfo": "tools",
     "consolidate_checkpoint": "tools",
     "inspect_checkpoint": "tools",

@@ -10,7 +10,7 @@
    allocates nothing), and deep-copies the small non-tensor rest; training may change the model as
    soon as this returns;
 3. hands the staged state to one background thread that runs the write: for a sharded directory the
-   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.atomic.commit_directory`:
+   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
    staging directory, checksums, manifest, one rename), with its collectives on a process group of its
    own (gloo), so they never interleave with training's.
 
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.storage import Location
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

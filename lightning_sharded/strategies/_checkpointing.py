@@ -1,6 +1,7 @@
 """The checkpoint half both strategies share: gather, save, restore after setup, remove.
 
-It holds no loading logic of its own; everything goes through :mod:`lightning_sharded.checkpoint.io`.
+It holds no checkpoint logic of its own: it calls :mod:`lightning_sharded.checkpoint.save` and
+:mod:`lightning_sharded.checkpoint.load` only.
 The strategies put it first in their bases, so its overrides replace the parent's.
 """
 
@@ -18,8 +19,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sharded.checkpoint import io, storage
+from lightning_sharded.checkpoint import load, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
+from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 StateDictType = Literal["sharded", "full"]
@@ -83,14 +85,14 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return io.model_state_dict(self.model, full=not self._saves_sharded)
+        return state_dicts.model_state_dict(self.model, full=not self._saves_sharded)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return io.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
+        return state_dicts.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -115,16 +117,16 @@ class ShardedCheckpointing(ParallelStrategy):
                 f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
                 f" `{type(self).__name__}` does not use the `CheckpointIO`."
             )
-        path = storage.location(self.broadcast(filepath))
+        path = location(self.broadcast(filepath))
         start = time.perf_counter()
         if self.async_save and self._saves_sharded:
             if self._async_saver is None:
                 self._async_saver = AsyncSaver(type(self).__name__)
-            state, metadata = io.split_sharded_checkpoint(checkpoint, self._model_key)
+            state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
             rank = self.global_rank
 
-            def write(target: storage.Location, staged: Any, group: Any) -> None:
-                io.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
+            def write(target: Location, staged: Any, group: Any) -> None:
+                save.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
 
             self._async_saver.save(path, (state, metadata), write)
             rank_zero_info(
@@ -133,7 +135,7 @@ class ShardedCheckpointing(ParallelStrategy):
             )
             return
         self.wait_for_checkpoint()  # saves publish in order
-        io.save_checkpoint(
+        save.save_checkpoint(
             path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
         )
         rank_zero_info(
@@ -147,7 +149,7 @@ class ShardedCheckpointing(ParallelStrategy):
 
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
         """
-        path = storage.location(self.broadcast(checkpoint_path))
+        path = location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
         assert self.model is not None
         module = self.lightning_module
@@ -156,7 +158,7 @@ class ShardedCheckpointing(ParallelStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []
         start = time.perf_counter()
-        restored = io.restore_checkpoint(
+        restored = load.restore_checkpoint(
             path,
             self.model,
             optimizers,
@@ -176,10 +178,10 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
-        path = storage.location(filepath)
+        path = location(filepath)
         if self._async_saver is not None and str(self._async_saver.in_flight) == str(path):
             self.wait_for_checkpoint()
-        io.remove_checkpoint(path, rank=self.global_rank)
+        save.remove_checkpoint(path, rank=self.global_rank)
 
     @override
     def teardown(self) -> None:

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.format import MODEL
+from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
     ShardedCheckpointing,
     StateDictType,
