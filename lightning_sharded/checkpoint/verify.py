@@ -186,13 +186,21 @@ def check_found(
         raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
     order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
     seen: dict[tuple[str, str], Problem] = {}
-    for problems, _ in reports:
+    seen_by: dict[tuple[str, str], list[int]] = {}
+    for r, (problems, _) in enumerate(reports):
         for problem in problems:
             seen.setdefault((problem.path, problem.what), problem)
+            seen_by.setdefault((problem.path, problem.what), []).append(r)
     merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
     error = damaged(data, merged)
-    if error is not None:
-        raise error
+    if error is None:
+        return
+    # Presence and sizes are checked by every rank: say so when only some saw a problem.
+    partial = sorted({r for key, rs in seen_by.items() if "corrupted" not in key[1] for r in rs})
+    if partial and any(0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]):
+        shown = ", ".join(map(str, partial))
+        raise CheckpointError(f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)")
+    raise error
 
 
 def _full_file_problems(backend: Backend, file: Location) -> list[Problem]:
