@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sharded.checkpoint import MANIFEST_NAME, read_manifest
 from lightning_sharded.checkpoint.commit import (
     FAULT_ENV,
     NO_EXCHANGE_ENV,
@@ -20,7 +21,6 @@ from lightning_sharded.checkpoint.commit import (
     resolve,
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint import MANIFEST_NAME, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -218,9 +218,9 @@ def test_checksums_computed_while_writing_match_and_skip_the_read_back(
     import torch.distributed.checkpoint as dcp
 
     from lightning_sharded.checkpoint.backends import local as atomic
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
     from lightning_sharded.checkpoint.checksum import file_checksum
     from lightning_sharded.checkpoint.verify import verify_checkpoint
-    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 
     read_back: list[str] = []
     original = atomic.file_checksum

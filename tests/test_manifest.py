@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,

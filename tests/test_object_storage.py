@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
-from lightning_sharded.checkpoint.detect import detect
-from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint import MANIFEST_NAME
+from lightning_sharded.checkpoint.commit import FAULT_ENV
+from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.cli import main as cli
 from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint import read_manifest
-from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.commit import commit_directory
 
 
 def _state() -> dict[str, torch.Tensor]:

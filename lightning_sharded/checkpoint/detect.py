@@ -77,7 +77,8 @@ def detect(path: str | os.PathLike[str]) -> Found:
     if manifest is not None and backend.manifest_is_stale(given, manifest):
         log.warning(
             "The manifest %s of %r is older than the checkpoint's `.metadata`: a save without"
-            " lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as that save left it.",
+            " lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as that save"
+            " left it.",
             names.MANIFEST_NAME,
             shown,
         )

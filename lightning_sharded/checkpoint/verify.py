@@ -197,9 +197,13 @@ def check_found(
         return
     # Presence and sizes are checked by every rank: say so when only some saw a problem.
     partial = sorted({r for key, rs in seen_by.items() if "corrupted" not in key[1] for r in rs})
-    if partial and any(0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]):
+    if partial and any(
+        0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]
+    ):
         shown = ", ".join(map(str, partial))
-        raise CheckpointError(f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)")
+        raise CheckpointError(
+            f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
+        )
     raise error
 
 

@@ -3,6 +3,7 @@ restores any checkpoint into the wrapped model, at any world size."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -141,3 +142,24 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             **self.kwargs,
         ):
             yield
+
+
+def _signature() -> inspect.Signature:
+    """``FSDPStrategy``'s parameters (``state_dict_type`` defaulting to ``"sharded"``), then ours."""
+    parent = inspect.signature(FSDPStrategy.__init__).parameters.values()
+    params = [
+        p.replace(default="sharded") if p.name == "state_dict_type" else p
+        for p in parent
+        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params += [
+        inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
+        inspect.Parameter("verify", keyword, default=False, annotation="bool"),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+    ]
+    return inspect.Signature(params, return_annotation=None)
+
+
+# `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the parent's parameters.
+ShardedFSDPStrategy.__signature__ = _signature()  # type: ignore[attr-defined]

@@ -87,7 +87,7 @@ class Backend(Protocol):
         ...
 
     def manifest_is_stale(self, target: Location, manifest: Manifest) -> bool:
-        """Whether a stock save wrote over the checkpoint after ``manifest`` (so it no longer describes it)."""
+        """Whether a stock save wrote over the checkpoint after ``manifest`` (which is then stale)."""
         ...
 
     def unpublished(self, target: Location) -> list[str]:

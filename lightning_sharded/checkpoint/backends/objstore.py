@@ -95,7 +95,7 @@ def _hashing_filesystem() -> Any:
                     yield stream
                 return
             with super().create_stream(path, mode) as raw:
-                stream = HashingStream(raw)
+                stream = HashingStream(raw)  # type: ignore[arg-type]
                 yield stream
                 figures = stream.result()
             with self._lock:

@@ -12,8 +12,8 @@ parameter groups, as ``Optimizer.state_dict()`` numbers them), and everything Li
 from __future__ import annotations
 
 import functools
-import os
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -201,7 +201,8 @@ def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -
     model_key = next((k for k in names.MODEL_KEYS if k in nested), None)
     if model_key is None:
         raise CheckpointError(
-            f"The sharded checkpoint {str(root)!r} has no model state: none of the keys {list(names.MODEL_KEYS)}"
+            f"The sharded checkpoint {str(root)!r} has no model state: none of the keys"
+            f" {list(names.MODEL_KEYS)}"
             " among"
             f" its top-level keys {sorted(nested)}. It was not written by a Lightning strategy."
         )
