@@ -21,7 +21,8 @@ Every decision is taken once and shared: a rank never raises alone while the oth
 collective. Guarantees (one save per target at a time): a crash of any rank at any moment, SIGKILL
 and power loss included, leaves at the target either the previous checkpoint, untouched, or the new
 one, complete with its manifest. An exception on any rank removes the staged data and raises on every
-rank, the previous checkpoint unchanged.
+rank, the previous checkpoint unchanged; a collective that fails (a rank died) leaves the staged data
+for the next save to remove, as a crash would.
 
 Fault injection (tests only): :data:`~lightning_sharded.checkpoint.faults.FAULT_ENV`, see
 :class:`~lightning_sharded.checkpoint.faults.FaultPoint`.
@@ -120,14 +121,12 @@ def commit_directory(
             prepared = (None, None, collective.describe(err))
     try:
         staging, previous, error = collective.broadcast(prepared, where)
-    except Exception as err:
-        if rank == 0 and prepared[0] is not None:
-            backend.discard(prepared[0])
-        raise _lost_rank(target, "before writing", err) from err
+    except Exception as err:  # a rank died: what was staged is left for the next save to remove
+        raise _lost_rank(target, "before writing", err, backend.place) from err
     if staging is None:
         raise CheckpointError(
-            f"Could not prepare the checkpoint {str(target)!r} on rank 0: {error}. Check that the location is"
-            " writable and has space; the previous checkpoint is unchanged."
+            f"Could not prepare the checkpoint {str(target)!r} on rank 0: {error}. Check that the"
+            f" {backend.place} is writable and has space; the previous checkpoint is unchanged."
         )
 
     # 2. every rank writes, then seals its own files.
@@ -145,10 +144,8 @@ def commit_directory(
     report = (entries, None if own_error is None else collective.describe(own_error))
     try:
         reports = collective.all_gather(report, where)
-    except Exception as err:
-        if rank == 0:
-            backend.discard(staging)
-        raise _lost_rank(target, "after writing, before publishing", err) from err
+    except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
+        raise _lost_rank(target, "after writing, before publishing", err, backend.place) from err
     failures = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
     if failures:
         if rank == 0:
@@ -159,7 +156,7 @@ def commit_directory(
         who = ", ".join(f"rank {r} ({msg})" for r, msg in failures)
         raise CheckpointError(
             f"Saving the checkpoint {str(target)!r} failed on {who}. The partial save was removed and the"
-            " previous checkpoint at that location, if any, is unchanged."
+            f" previous checkpoint at that {backend.place}, if any, is unchanged."
         )
 
     # 3. rank 0: the rest of the files, the manifest, the publish.
@@ -207,19 +204,19 @@ def commit_directory(
     try:
         outcome = collective.broadcast(outcome, where)
     except Exception as err:
-        raise _lost_rank(target, "while rank 0 published", err) from err
+        raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
     if outcome is not None:
         raise CheckpointError(
             f"Publishing the checkpoint {str(target)!r} failed on rank 0: {outcome}. The previous"
-            " checkpoint at that location, if any, is unchanged; check the storage and save again."
+            f" checkpoint at that {backend.place}, if any, is unchanged; check the storage and save again."
         )
 
 
-def _lost_rank(target: Location, stage: str, err: Exception) -> CheckpointError:
+def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return CheckpointError(
         f"Saving the checkpoint {str(target)!r} failed {stage}: a collective failed, most likely because"
-        f" another rank died ({type(err).__name__}: {first}). The location holds the previous checkpoint"
+        f" another rank died ({type(err).__name__}: {first}). The {place} holds the previous checkpoint"
         " or this one, whole, never a mix; check the other ranks' logs, then resume from it."
     )
 

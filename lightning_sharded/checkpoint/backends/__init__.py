@@ -72,6 +72,8 @@ class Backend(Protocol):
     noun: str
     #: What to check when nothing is at a location, for messages.
     hint: str
+    #: What a location is called in messages: "path" or "URL".
+    place: str
 
     # -- what is there ---------------------------------------------------------------------------
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:

@@ -219,6 +219,7 @@ class LocalBackend:
     """Local paths: plain file calls, torch's file-system DCP reader and writer, publish by rename."""
 
     noun = "directory"
+    place = "path"
     hint = "Check the path or `ckpt_path` (relative paths start at {cwd!r})."
 
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:

@@ -115,6 +115,7 @@ class ObjectStoreBackend:
     """fsspec URLs: versions under ``data-<token>``, published by writing the manifest last."""
 
     noun = "prefix"
+    place = "URL"
     hint = "Check the URL and the credentials/endpoint (AWS_* variables)."
 
     # -------------------------------------------------------------------------------- what is there
@@ -140,6 +141,8 @@ class ObjectStoreBackend:
 
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
         url = _url(target).rstrip("/")
+        if names.DATA_DIR.match(basename(url)):  # a version itself: only if its checkpoint publishes it
+            return url, self.manifest_at(url)
         manifest = self._manifest(url)
         return (self._data(url, manifest), manifest) if manifest is not None else (url, None)
 
