@@ -29,7 +29,6 @@ def test_meta_unreadable_on_rank_0_fails_every_rank_alike(reports: list[dict]) -
     assert first["message"] == second["message"]
     assert "Could not read the Lightning metadata" in first["message"]
     assert "Input/output error (injected)" in first["message"]
-    assert first["seconds"] < 60 and second["seconds"] < 60
 
 
 def test_meta_is_read_once_on_rank_0(reports: list[dict]) -> None:
