@@ -62,7 +62,7 @@ def test_a_save_fsyncs_every_directory_it_creates(tmp_path: Path, monkeypatch: p
 def test_a_crashed_stock_save_is_refused_by_loads_and_replaced_by_the_next_save(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     _stock(target, meta=False)  # stock crashed after the shards, before meta.pt
-    with pytest.raises(CheckpointError, match="has no `meta.pt`"):
+    with pytest.raises(CheckpointError, match=r"has no `meta\.pt`"):
         detect(target)
     _save(target, step=3)
     found = detect(target)
@@ -151,7 +151,7 @@ def test_published_callbacks_run_only_once_the_save_is_published(tmp_path: Path)
 
     saver.save(tmp_path / "b", {"w": torch.ones(2)}, failing)
     saver.on_published(lambda: seen.append("b"))
-    with pytest.raises(CheckpointError, match="background save of the checkpoint .* failed"):
+    with pytest.raises(CheckpointError, match=r"background save of the checkpoint .* failed"):
         saver.wait()
     assert seen == ["a"]  # a failed save is never announced
     saver.on_published(lambda: seen.append("now"))  # nothing in flight: at once

@@ -77,7 +77,7 @@ class ShardedCheckpointing(ParallelStrategy):
             self._async_saver.wait()
 
     def _custom_checkpoint_io(self) -> CheckpointIO | None:
-        """The ``CheckpointIO`` plugin the user gave (``Trainer(plugins=[...])``), or ``None`` for the default."""
+        """The ``CheckpointIO`` plugin given to the Trainer, or ``None`` for the default one."""
         plugin = self.checkpoint_io
         return None if type(plugin) is TorchCheckpointIO else plugin
 
