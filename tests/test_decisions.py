@@ -1,4 +1,4 @@
-"""Decisions taken once and shared across ranks (issue 12, items 2 and 3), at 2 processes.
+"""Decisions taken once and shared across ranks (issue 12, items 2, 3 and 7), at 2 processes.
 
 One launch runs every case of ``tests/distributed/decisions_script.py``; each rank reports what it
 raised. A hang would fail the launch at its timeout, so "none hangs" is checked too.
@@ -59,3 +59,13 @@ def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list
     assert first["type"] == second["type"] == "CheckpointError"
     assert first["message"] == second["message"]
     assert "Could not read the checkpoint file" in first["message"]
+
+
+def test_full_state_dicts_are_gathered_on_rank_0_only(reports: list[dict]) -> None:
+    keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
+    for kind in ("fsdp1", "fsdp2"):
+        zero, one = (r["full-gather"][kind] for r in reports)
+        assert zero[:2] == [keys, 4], kind
+        assert one == [[], 0, None], kind
+    # Both wrappers gathered the same full values (same seed, same step).
+    assert reports[0]["full-gather"]["fsdp1"][2] == reports[0]["full-gather"]["fsdp2"][2]

@@ -8,9 +8,9 @@ Only :class:`CheckpointError` is imported with the package; the rest loads on fi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -28,31 +28,25 @@ if TYPE_CHECKING:
     from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
 
 _LAZY = {
-    "MANIFEST_NAME": "names",
-    "Manifest": "manifest",
-    "read_manifest": "detect",
-    "commit_directory": "commit",
-    "commit_file": "commit",
-    "remove_checkpoint": "commit",
-    "resolve": "commit",
-    "ChecksummingWriter": "backends.dcp_writer",
-    "CheckpointInfo": "tools",
-    "consolidate_checkpoint": "tools",
-    "inspect_checkpoint": "tools",
-    "load_checkpoint": "tools",
-    "VerifyReport": "verify",
-    "check_files": "verify",
-    "verify_checkpoint": "verify",
+    "MANIFEST_NAME": "lightning_sharded.checkpoint.names",
+    "Manifest": "lightning_sharded.checkpoint.manifest",
+    "read_manifest": "lightning_sharded.checkpoint.detect",
+    "commit_directory": "lightning_sharded.checkpoint.commit",
+    "commit_file": "lightning_sharded.checkpoint.commit",
+    "remove_checkpoint": "lightning_sharded.checkpoint.commit",
+    "resolve": "lightning_sharded.checkpoint.commit",
+    "ChecksummingWriter": "lightning_sharded.checkpoint.backends.dcp_writer",
+    "CheckpointInfo": "lightning_sharded.checkpoint.tools",
+    "consolidate_checkpoint": "lightning_sharded.checkpoint.tools",
+    "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
+    "load_checkpoint": "lightning_sharded.checkpoint.tools",
+    "VerifyReport": "lightning_sharded.checkpoint.verify",
+    "check_files": "lightning_sharded.checkpoint.verify",
+    "verify_checkpoint": "lightning_sharded.checkpoint.verify",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "MANIFEST_NAME",

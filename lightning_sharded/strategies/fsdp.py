@@ -46,8 +46,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
             ``torch.load`` and a single-device Trainer read.
         async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
-        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (reads the
-            checkpoint once more); presence and sizes are always checked.
+        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (the files
+            are split across the ranks); presence and sizes are always checked.
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::

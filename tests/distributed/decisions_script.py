@@ -31,6 +31,34 @@ from lightning_sharded.checkpoint.backends import local
 from lightning_sharded.checkpoint.load import sharded
 
 
+def full_gathers() -> dict[str, list[Any]]:
+    """``"full"`` state dicts of FSDP1 and FSDP2 models: ``[model keys, optimizer states, a checksum]``
+    on this rank (rank 0 only should hold anything)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from lightning_sharded.checkpoint import state_dicts
+
+    found: dict[str, list[Any]] = {}
+    for kind in ("fsdp1", "fsdp2"):
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+        if kind == "fsdp1":
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(model[0], mesh=mesh)  # type: ignore[index]
+            fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 16)).sum().backward()
+        optimizer.step()
+        sd = state_dicts.model_state_dict(model, full=True)
+        osd = state_dicts.optimizer_state_dict(model, optimizer, full=True)
+        total = float(sum(v.sum() for v in sd.values())) if sd else None
+        found[kind] = [sorted(sd), len(osd.get("state", {})), total]
+    return found
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -96,6 +124,7 @@ def main(out: Path) -> None:
     results["checksummed"] = checksummed
     backend.checksum = real_checksum  # type: ignore[method-assign]
 
+    real_torch_load_fn = torch.load
     if rank == 1:
         real_load = torch.load
 
@@ -106,7 +135,9 @@ def main(out: Path) -> None:
 
         torch.load = broken_load  # type: ignore[assignment]
     case("full", path=full)
+    torch.load = real_torch_load_fn  # type: ignore[assignment]
     assert sharded  # imported for the monkeypatching targets above
+    results["full-gather"] = full_gathers()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
