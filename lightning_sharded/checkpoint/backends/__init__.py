@@ -20,44 +20,24 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
+from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
+from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location
+
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
-__all__ = ["Backend", "Location", "backend_for", "basename", "is_url", "join", "location"]
-
-#: A checkpoint location: a local path, or an fsspec URL kept as a string.
-Location = Path | str
-
-_LOCAL_PROTOCOLS = ("file", "local")
-
-
-def is_url(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a URL of a non-local fsspec filesystem (``s3://...``, ``memory://...``)."""
-    if not isinstance(path, str):
-        return False
-    protocol, sep, _ = path.partition("://")
-    return bool(sep) and protocol.isidentifier() and protocol not in _LOCAL_PROTOCOLS
-
-
-def location(path: str | os.PathLike[str]) -> Location:
-    """``path`` as a location: the URL string unchanged, or a local :class:`Path` (``file://`` stripped)."""
-    if is_url(path):
-        return str(path).rstrip("/")
-    if isinstance(path, str) and path.startswith("file://"):
-        return Path(path[len("file://") :])
-    return Path(path)
-
-
-def join(base: Location, *parts: str) -> Location:
-    """``base`` with ``parts`` appended, ``/``-separated for URLs."""
-    if isinstance(base, Path):
-        return base.joinpath(*parts)
-    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
-
-
-def basename(loc: Location) -> str:
-    """The last component of ``loc``."""
-    return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
+__all__ = [
+    "Backend",
+    "LocalBackend",
+    "Location",
+    "ObjectStoreBackend",
+    "backend_for",
+    "basename",
+    "is_url",
+    "join",
+    "location",
+]
 
 
 class Backend(Protocol):
@@ -208,9 +188,5 @@ def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:
     The only place that branches on path versus URL.
     """
     if isinstance(loc, str) and is_url(loc):
-        from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
-
         return ObjectStoreBackend()
-    from lightning_sharded.checkpoint.backends.local import LocalBackend
-
     return LocalBackend()

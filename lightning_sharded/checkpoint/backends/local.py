@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location
+from lightning_sharded.checkpoint.backends.paths import Location
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location, basename, join
+from lightning_sharded.checkpoint.backends.paths import Location, basename, join
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.faults import FaultPoint, fault

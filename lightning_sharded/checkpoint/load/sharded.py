@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -28,7 +28,6 @@ from lightning_sharded.checkpoint.load.checks import (
     set_optimizer_state,
     template_like,
 )
-from lightning_sharded.checkpoint.save import run_dcp
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
