@@ -90,7 +90,7 @@ CASES: list[tuple[str, list[str], Callable[[Path], None] | str | None, str]] = [
         "inspect",
         ["inspect", "ckpt"],
         "metadata",
-        "The checkpoint 'ckpt' is damaged: '.metadata' cannot be read (UnpicklingError",
+        "Could not read the DCP index 'ckpt/.metadata': the file `.metadata` of the sharded",
     ),
     (
         "verify",
@@ -102,7 +102,7 @@ CASES: list[tuple[str, list[str], Callable[[Path], None] | str | None, str]] = [
         "verify",
         ["verify", "ckpt"],
         "nonexistent",
-        "There is no checkpoint at 'ckpt': the path does not exist.",
+        "There is no checkpoint at 'ckpt': the path does not exist (no file, directory or object",
     ),
     (
         "consolidate",

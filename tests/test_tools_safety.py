@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
-from lightning_sharded.checkpoint.atomic import FAULT_ENV, leftovers
+from lightning_sharded.checkpoint.backends.local import leftovers
+from lightning_sharded.checkpoint.faults import FAULT_ENV
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from tests.distributed.fault_driver import expected

@@ -19,10 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lightning_sharded.checkpoint import storage
-from lightning_sharded.checkpoint.atomic import resolve
-from lightning_sharded.checkpoint.layout import DCP_METADATA, LIGHTNING_METADATA, SHARD_FILE
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Location, backend_for, basename, join, location
+from lightning_sharded.checkpoint.backends.local import resolve
 
 __all__ = ["output_file"]
 
@@ -30,8 +29,8 @@ _FORCE = "To replace it, pass --force (overwrite=True in Python), or choose anot
 
 
 def output_file(
-    src: str | os.PathLike[str], real_src: storage.Location, dst: str | os.PathLike[str], *, overwrite: bool
-) -> storage.Location:
+    src: str | os.PathLike[str], real_src: Location, dst: str | os.PathLike[str], *, overwrite: bool
+) -> Location:
     """The file to write for destination ``dst``, after the rules above; changes nothing on disk.
 
     Args:
@@ -51,9 +50,9 @@ def output_file(
     """
     text = os.fspath(dst)
     inside = text.endswith(("/", os.sep)) and text.rstrip("/" + os.sep) != ""
-    out = storage.location(text)
+    out = location(text)
     if inside:
-        out = storage.join(out, storage.basename(storage.location(os.fspath(src))))
+        out = join(out, basename(location(os.fspath(src))))
     if isinstance(out, str):
         _check_url(out, src, real_src, overwrite)
     else:
@@ -67,7 +66,7 @@ def _same_or_nested(a: Path, b: Path) -> bool:
     return a == b or a.is_relative_to(b) or b.is_relative_to(a)
 
 
-def _check_local(out: Path, src: Path, real_src: storage.Location, overwrite: bool) -> None:
+def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> None:
     """``out``, ``src`` as the user spelled them (relative paths too); messages use those spellings."""
     sources = {src, Path(real_src)} if isinstance(real_src, Path) else {src}
     for source in sorted(sources, key=str):
@@ -89,35 +88,36 @@ def _check_local(out: Path, src: Path, real_src: storage.Location, overwrite: bo
     if not os.path.lexists(existing):
         return
     if existing.is_dir() and not existing.is_symlink():
-        names = os.listdir(existing)
-        if names and not _looks_sharded(names):
-            listed = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        members = os.listdir(existing)
+        if members and not _looks_sharded(members):
+            listed = ", ".join(sorted(members)[:5]) + (", ..." if len(members) > 5 else "")
             raise IsADirectoryError(
                 f"The destination {str(out)!r} is a directory that is not a checkpoint (it holds {listed}):"
                 f" it is never replaced. To write inside it, end the destination with a slash"
                 f" ({str(out) + os.sep!r}), or choose another destination."
             )
-        what = "an empty directory" if not names else "a sharded checkpoint directory"
+        what = "an empty directory" if not members else "a sharded checkpoint directory"
     else:
         what = "a file"
     if not overwrite:
         raise FileExistsError(f"The destination {str(out)!r} exists ({what}). {_FORCE}")
 
 
-def _looks_sharded(names: list[str]) -> bool:
-    return any(n in (MANIFEST_NAME, DCP_METADATA, LIGHTNING_METADATA) or SHARD_FILE.match(n) for n in names)
+def _looks_sharded(members: list[str]) -> bool:
+    return any(names.is_checkpoint_member(n) for n in members)
 
 
-def _check_url(out: str, src: str | os.PathLike[str], real_src: storage.Location, overwrite: bool) -> None:
-    for source in sorted({str(storage.location(os.fspath(src))), str(real_src)}):
+def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwrite: bool) -> None:
+    for source in sorted({str(location(os.fspath(src))), str(real_src)}):
         if out == source or out.startswith(source + "/") or source.startswith(out + "/"):
             raise ValueError(
                 f"The destination {out!r} is the source checkpoint {source!r}, lies inside it or holds it:"
                 " writing there would destroy the only copy. Choose a destination outside the source."
             )
-    if not storage.exists(out):
+    backend = backend_for(out)
+    if not backend.exists(out):
         return
-    if not storage.is_file(out):
+    if not backend.is_file(out):
         raise IsADirectoryError(
             f"The destination {out!r} is a prefix with objects under it (a sharded checkpoint, or other"
             " data): it is never replaced by one object. To write inside it, end the destination with a"

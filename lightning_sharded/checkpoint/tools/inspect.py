@@ -1,0 +1,203 @@
+"""``inspect_checkpoint``: what a checkpoint holds, without reading its tensors, after checking its files."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
+from lightning_sharded.checkpoint.tools.reader import OfflineReader, leaves, load_full, read_meta
+from lightning_sharded.checkpoint.verify import check_found, checkpoint_files
+
+__all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+#: Longest value representation ``inspect`` shows for a non-tensor entry.
+VALUE_WIDTH = 60
+
+
+@dataclass
+class EntryInfo:
+    """One entry of a checkpoint.
+
+    Attributes:
+        key: DCP's flattened key (``state_dict.layer.weight``) or, in a full file, the dotted path.
+        shape: Global shape, or ``None`` for a non-tensor value.
+        dtype: ``torch.float32``..., or the type of a non-tensor value (``float``, ``list``...).
+        size: Bytes of the full tensor; 0 for a non-tensor value.
+        shards: Number of chunks stored (1 in a full file).
+        value: A non-tensor value, as ``repr`` shows it (cut at :data:`VALUE_WIDTH` characters);
+            ``None`` for a tensor.
+    """
+
+    key: str
+    shape: list[int] | None
+    dtype: str
+    size: int
+    shards: int
+    value: str | None = None
+
+
+@dataclass
+class CheckpointInfo:
+    """What :func:`inspect_checkpoint` found.
+
+    Attributes:
+        path: The checkpoint read.
+        kind: ``"sharded"`` or ``"full"``.
+        entries: Every entry, sorted by key.
+        total_size: Bytes of all tensor entries.
+        files: Files of the checkpoint (1 for a full file), counted as ``verify`` counts them.
+        disk_size: Bytes of those files.
+        world_size: Ranks that wrote it (manifest, else the shard file names), ``None`` for a full file.
+        epoch: Lightning epoch, when recorded.
+        global_step: Lightning global step, when recorded.
+        has_manifest: It has a lightning_sharded manifest.
+    """
+
+    path: str
+    kind: str
+    entries: list[EntryInfo] = field(default_factory=list)
+    total_size: int = 0
+    files: int = 0
+    disk_size: int = 0
+    world_size: int | None = None
+    epoch: int | None = None
+    global_step: int | None = None
+    has_manifest: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for ``lightning-sharded inspect --json``)."""
+        return asdict(self)
+
+
+def _value_entry(key: str, value: Any, shards: int = 1) -> EntryInfo:
+    text = repr(value)
+    if len(text) > VALUE_WIDTH:
+        text = text[: VALUE_WIDTH - 3] + "..."
+    return EntryInfo(key, None, type(value).__name__, 0, shards, text)
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Describe a checkpoint without reading its tensors, after checking that its files are whole.
+
+    Sharded: checks every file's presence and size (from the manifest, or from ``.metadata``), then
+    reads ``.metadata``, the manifest, ``meta.pt`` and the small non-tensor entries (the optimizers'
+    ``param_groups``), which are shown as values. Full: memory-mapped, so the tensors are not read.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: not a checkpoint; a file missing or of another size (named, with its rank);
+            ``.metadata`` or ``meta.pt`` unreadable.
+    """
+    started = time.perf_counter()
+    found = detect(path)
+    info = _inspect_full(found) if found.kind is CheckpointKind.FULL else _inspect_sharded(found)
+    log.info(
+        "Inspected %s (%d entries) in %.2fs", found.data, len(info.entries), time.perf_counter() - started
+    )
+    return info
+
+
+def _inspect_sharded(found: Found) -> CheckpointInfo:
+    backend, real, kind = found.backend, found.data, found.kind
+    check_found(found, alone=True)  # presence and sizes: cheap, no data read
+    files = checkpoint_files(found)
+    reader = OfflineReader(backend, real)
+    chunks: dict[str, int] = {}
+    for index in reader.metadata.storage_data or {}:
+        chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
+    entries = []
+    for key, md in reader.tensors.items():
+        numel = int(torch.Size(md.size).numel())
+        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
+        entries.append(
+            EntryInfo(key, list(md.size), str(md.properties.dtype), numel * itemsize, len(md.chunks))
+        )
+    for key, value in reader.read_objects().items():
+        entries.append(_value_entry(key, value, chunks.get(key, 1)))
+    entries.sort(key=lambda e: e.key)
+    info = CheckpointInfo(
+        path=str(real),
+        kind=kind.value,
+        entries=entries,
+        total_size=sum(e.size for e in entries),
+        files=len(files),
+        disk_size=sum(files.values()),
+    )
+    manifest = found.manifest
+    if manifest is not None:
+        info.has_manifest = True
+        info.world_size, info.epoch, info.global_step = (
+            manifest.world_size,
+            manifest.epoch,
+            manifest.global_step,
+        )
+    else:
+        ranks = {r for name in files if (r := names.shard_rank(name)) is not None}
+        info.world_size = max(ranks) + 1 if ranks else None
+    if info.epoch is None and names.LIGHTNING_METADATA in files:
+        meta = read_meta(backend, real, weights_only=False)
+        info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
+    return info
+
+
+def _model_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """As ``reader.leaves``, but a list or tuple of plain values (``params: [0, 1]``) is one leaf."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _model_leaves(v, (*path, k))
+    elif isinstance(obj, (list, tuple)) and any(
+        isinstance(v, (dict, list, tuple, torch.Tensor)) for v in obj
+    ):
+        for i, v in enumerate(obj):
+            yield from _model_leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def _inspect_full(found: Found) -> CheckpointInfo:
+    backend, file = found.backend, found.data
+    try:  # memory-mapped: the tensors are not read (an object is read whole)
+        checkpoint = backend.torch_load(file, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:
+        checkpoint = load_full(backend, file, "cpu", weights_only=False)
+    if not isinstance(checkpoint, dict):
+        raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
+    entries = []
+    for key in ("state_dict", "optimizer_states"):  # what a sharded checkpoint keeps in DCP
+        for path, leaf in _model_leaves(checkpoint.get(key, {}), (key,)):
+            name = ".".join(map(str, path))
+            if isinstance(leaf, torch.Tensor):
+                entries.append(
+                    EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
+                )
+            else:
+                entries.append(_value_entry(name, leaf))
+    for path, leaf in leaves(
+        {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    ):
+        if isinstance(leaf, torch.Tensor):  # e.g. a callback's best score
+            name = ".".join(map(str, path))
+            entries.append(
+                EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
+            )
+    entries.sort(key=lambda e: e.key)
+    return CheckpointInfo(
+        path=str(file),
+        kind=CheckpointKind.FULL.value,
+        entries=entries,
+        total_size=sum(e.size for e in entries),
+        files=1,
+        disk_size=backend.size(file),
+        epoch=checkpoint.get("epoch"),
+        global_step=checkpoint.get("global_step"),
+    )
