@@ -33,7 +33,10 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         "CheckpointError",
         ["{root}/broken/corrupt-entry", "failed on rank(s) [0, 1]", "rank 1:"],
     ),
-    "garbage-file": ("CheckpointError", ["{root}/broken/garbage.ckpt", "Could not read the checkpoint file"]),
+    "garbage-file": (
+        "CheckpointError",
+        ["{root}/broken/garbage.ckpt", "is not a checkpoint: it is not a torch.save file"],
+    ),
     "not-lightning-file": (
         "CheckpointError",
         ["{root}/broken/not-lightning.ckpt", "no 'state_dict'", "weights"],
