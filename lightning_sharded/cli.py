@@ -32,7 +32,7 @@ def _size(n: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.tools import inspect_checkpoint
 
-    info = inspect_checkpoint(args.path)
+    info = inspect_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     if args.json:
         print(json.dumps(info.to_dict(), indent=1))
         return EXIT_OK
@@ -69,7 +69,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.verify import verify_checkpoint
 
-    report = verify_checkpoint(args.path)
+    report = verify_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
     print(f"OK: {report.path} ({report.kind.value}, {files}, {_size(report.bytes)}; {what} match)")
@@ -82,7 +82,12 @@ def _consolidate(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint import storage
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
-    out = consolidate_checkpoint(args.src, args.dst, progress=None if not args.no_progress else False)
+    out = consolidate_checkpoint(
+        args.src,
+        args.dst,
+        progress=None if not args.no_progress else False,
+        weights_only=not args.unsafe_unpickle,
+    )
     print(
         f"Wrote {out} ({_size(storage.size(out))}): load it with torch.load, or resume from it with"
         " Lightning."
@@ -107,6 +112,15 @@ def _demo(argv: list[str]) -> int:
     return int(demo.main(argv) or 0)
 
 
+def _unsafe_unpickle_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--unsafe-unpickle",
+        action="store_true",
+        help="unpickle whatever the checkpoint holds, running its code: only for a file you trust (by"
+        " default only tensors, plain data and what Lightning writes are unpickled)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-sharded",
@@ -122,14 +136,17 @@ def _parser() -> argparse.ArgumentParser:
         "path", metavar="PATH", help="a sharded checkpoint directory or a full checkpoint file"
     )
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _unsafe_unpickle_flag(inspect)
     verify = commands.add_parser("verify", help="check every file of a checkpoint (presence, size, checksum)")
     verify.add_argument(
         "path", metavar="PATH", help="a sharded checkpoint directory or a full checkpoint file"
     )
+    _unsafe_unpickle_flag(verify)
     consolidate = commands.add_parser("consolidate", help="convert a sharded directory into one full file")
     consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory")
     consolidate.add_argument("dst", metavar="DST", help="the full checkpoint file to write")
     consolidate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _unsafe_unpickle_flag(consolidate)
     commands.add_parser("demo", help="train, save and resume a sharded model on CPU (options: demo --help)")
     return parser
 

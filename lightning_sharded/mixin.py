@@ -82,10 +82,15 @@ class ShardedStateMixin:
         hyperparameters, ``load_state_dict`` with ``strict``. Meant for inference on one machine: the
         whole model is loaded into memory. A file is loaded exactly as Lightning does.
 
+        ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
+        read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
+        see :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code
+        from the checkpoint: only for a checkpoint you trust.
+
         Raises:
             FileNotFoundError: nothing at ``checkpoint_path``.
             CheckpointError: the directory is not a checkpoint or is damaged, or its keys or shapes do
-                not fit the model (the message lists them).
+                not fit the model (the message lists them), or it holds a type a safe load refuses.
         """
         from lightning.pytorch import LightningModule
 
@@ -98,7 +103,7 @@ class ShardedStateMixin:
         from lightning_sharded.checkpoint.tools import load_checkpoint
 
         location = map_location if isinstance(map_location, (str, torch.device)) else None
-        checkpoint = load_checkpoint(checkpoint_path, location or "cpu", weights_only=bool(weights_only))
+        checkpoint = load_checkpoint(checkpoint_path, location or "cpu", weights_only=weights_only)
         assert issubclass(cls, LightningModule)
         try:
             with _preloaded(checkpoint_path, checkpoint):

@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import io
 import itertools
 import logging
 import mmap
 import os
-import pickle
 import struct
 import time
 import zlib
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_sharded.checkpoint import storage
+from lightning_sharded.checkpoint import storage, unpickling
 from lightning_sharded.checkpoint.atomic import commit_file
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
@@ -64,13 +64,23 @@ _VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 
 
 class _DcpReader:
-    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets."""
+    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets.
 
-    def __init__(self, root: storage.Location) -> None:
+    Every pickle (``.metadata``, the non-tensor entries) is read safely unless ``weights_only`` is
+    ``False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
+    """
+
+    def __init__(self, root: storage.Location, weights_only: bool | None = True) -> None:
         self.root = root
+        self.weights_only = weights_only
+        file = storage.join(root, DCP_METADATA)
         try:
-            with storage.open_file(storage.join(root, DCP_METADATA)) as f:
-                self.metadata: Any = pickle.load(f)
+            with storage.open_file(file) as f:
+                self.metadata: Any = unpickling.load_pickle(
+                    f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only
+                )
+        except CheckpointError:
+            raise
         except Exception as err:
             raise CheckpointError(
                 f"The file `.metadata` of the sharded checkpoint {str(root)!r} cannot be read"
@@ -87,10 +97,23 @@ class _DcpReader:
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
 
+    def what(self, fqn: str, relative_path: str | None = None) -> str:
+        """An entry in words, for :func:`unpickling.refused`."""
+        m = SHARD_FILE.match(relative_path or "")
+        where = (
+            f" (in {relative_path!r}" + (f", written by rank {m.group(1)})" if m else ")")
+            if relative_path
+            else ""
+        )
+        return f"The entry {fqn!r} of the sharded checkpoint {str(self.root)!r}{where}"
+
     def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        refusals: list[CheckpointError] = []
+        outer = self
 
         class Planner(DefaultLoadPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
@@ -98,10 +121,27 @@ class _DcpReader:
                 if on_tensor is not None:
                     on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
 
+            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+                # DCP's own load_bytes unpickles with weights_only=False.
+                fqn = read_item.dest_index.fqn
+                info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
+                what = outer.what(fqn, str(info.relative_path) if info is not None else None)
+                try:
+                    self.state_dict[fqn] = unpickling.safe_load(
+                        value, what=what, weights_only=outer.weights_only
+                    )
+                except CheckpointError as err:
+                    refusals.append(err)
+                    raise
+
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        reader = storage.dcp_reader(self.root)
+        reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
         try:
-            _load_state_dict(state, storage.dcp_reader(self.root), planner=planner, no_dist=True)
+            _load_state_dict(state, reader, planner=planner, no_dist=True)
         except (CheckpointException, Exception) as err:
+            if refusals:
+                raise refusals[0] from None
             where = self.diagnose()
             raise CheckpointError(
                 f"Reading the sharded checkpoint {str(self.root)!r} failed"
@@ -115,8 +155,6 @@ class _DcpReader:
 
         Reads one item at a time (memory bounded by the largest chunk).
         """
-        import io
-
         items = sorted(
             (self.metadata.storage_data or {}).items(),
             key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
@@ -131,7 +169,14 @@ class _DcpReader:
                     data = f.read(int(info.length))
                 if len(data) != int(info.length):
                     raise EOFError(f"{len(data)} of {int(info.length)} bytes")
-                torch.load(io.BytesIO(data), map_location="cpu", weights_only=index.fqn in self.tensors)
+                unpickling.safe_load(
+                    io.BytesIO(data),
+                    what=self.what(index.fqn, rel),
+                    weights_only=True if index.fqn in self.tensors else self.weights_only,
+                    map_location="cpu",
+                )
+            except CheckpointError as err:
+                return str(err)
             except Exception as err:
                 return (
                     f"{rel!r}{who} is corrupted: its entry {index.fqn!r} at byte {int(info.offset)} cannot be"
@@ -158,11 +203,17 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {last[-1] if last else ''}"
 
 
-def _read_meta(root: storage.Location, weights_only: bool) -> dict[str, Any]:
+def _read_meta(root: storage.Location, weights_only: bool | None) -> dict[str, Any]:
     file = storage.join(root, LIGHTNING_METADATA)
     try:
-        meta = storage.torch_load(file, map_location="cpu", weights_only=weights_only)
-    except FileNotFoundError:
+        meta = unpickling.safe_load(
+            file,
+            what=f"The Lightning metadata {str(file)!r}",
+            weights_only=weights_only,
+            load=storage.torch_load,
+            map_location="cpu",
+        )
+    except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:
         raise CheckpointError(
@@ -241,14 +292,16 @@ def _to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: storage.Lo
     return checkpoint
 
 
-def _open_sharded(path: storage.Location, verify: bool) -> tuple[storage.Location, _DcpReader]:
+def _open_sharded(
+    path: storage.Location, verify: bool, weights_only: bool | None = True
+) -> tuple[storage.Location, _DcpReader]:
     manifest = read_manifest(path)
     if manifest is not None:
         check_files(path, manifest, verify=verify)
     else:
-        problems, _ = _dcp_problems(path)
+        problems, _ = _dcp_problems(path, weights_only)
         _raise(path, problems)
-    return path, _DcpReader(path)
+    return path, _DcpReader(path, weights_only)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -259,7 +312,7 @@ def load_checkpoint(
     map_location: str | torch.device | None = "cpu",
     *,
     verify: bool = False,
-    weights_only: bool = False,
+    weights_only: bool | None = True,
 ) -> dict[str, Any]:
     """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
 
@@ -272,8 +325,11 @@ def load_checkpoint(
         path: A sharded checkpoint directory or a full checkpoint file.
         map_location: Where to put the tensors (a device or device string).
         verify: Also compare every file's checksum with the manifest before reading.
-        weights_only: Passed to :func:`torch.load`; ``False`` unpickles arbitrary objects (hyperparameters),
-            so only load checkpoints you trust.
+        weights_only: ``True`` (or ``None``, torch's default): every pickle of the checkpoint is read
+            as ``torch.load(weights_only=True)`` reads, with what Lightning writes allowed
+            (:data:`~lightning_sharded.checkpoint.unpickling.LIGHTNING_SAFE_GLOBALS`), so no code from
+            the file runs. ``False`` unpickles anything, running the file's code: only for files you
+            trust.
 
     Returns:
         The checkpoint dict.
@@ -281,12 +337,13 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint, or a file missing, truncated or (with ``verify``) corrupted;
-            the message names the file and the rank that wrote it.
+            the message names the file and the rank that wrote it. Also, with ``weights_only``, a
+            checkpoint that holds a type that is not allowed; the message names it.
     """
     real, kind = checkpoint_kind(path)
     if kind is CheckpointKind.FULL:
         return _load_full(real, map_location, weights_only)
-    real, reader = _open_sharded(real, verify)
+    real, reader = _open_sharded(real, verify, weights_only)
     meta = _read_meta(real, weights_only)
     flat: dict[str, Any] = reader.read_objects()
     targets = {
@@ -304,9 +361,17 @@ def load_checkpoint(
     return checkpoint
 
 
-def _load_full(file: storage.Location, map_location: Any, weights_only: bool) -> dict[str, Any]:
+def _load_full(file: storage.Location, map_location: Any, weights_only: bool | None) -> dict[str, Any]:
     try:
-        checkpoint = storage.torch_load(file, map_location=map_location, weights_only=weights_only)
+        checkpoint = unpickling.safe_load(
+            file,
+            what=f"The checkpoint file {str(file)!r}",
+            weights_only=weights_only,
+            load=storage.torch_load,
+            map_location=map_location,
+        )
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(
             f"The checkpoint file {str(file)!r} cannot be read ({type(err).__name__}: {_first_line(err)}):"
@@ -362,6 +427,7 @@ def consolidate_checkpoint(
     *,
     progress: bool | None = None,
     verify: bool = False,
+    weights_only: bool | None = True,
 ) -> storage.Location:
     """Convert a sharded checkpoint directory into one full checkpoint file, in one process.
 
@@ -381,13 +447,16 @@ def consolidate_checkpoint(
             locally first, then uploaded as one object).
         progress: Show a progress bar; ``None`` shows one for checkpoints of 64 MB or more.
         verify: Compare every source file's checksum with the manifest first.
+        weights_only: ``True`` (or ``None``): the source's pickles are read safely, as in
+            :func:`load_checkpoint`; ``False`` unpickles anything, running the file's code.
 
     Returns:
         The path of the output file.
 
     Raises:
         FileNotFoundError: nothing at ``src``.
-        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged.
+        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged, or (with ``weights_only``)
+            holds a type that is not allowed.
     """
     started = time.perf_counter()
     real, kind = checkpoint_kind(src)
@@ -396,8 +465,8 @@ def consolidate_checkpoint(
             f"{str(src)!r} is already a full checkpoint file: there is nothing to consolidate. Copy it"
             " instead."
         )
-    real, reader = _open_sharded(real, verify)
-    meta = _read_meta(real, weights_only=False)
+    real, reader = _open_sharded(real, verify, weights_only)
+    meta = _read_meta(real, weights_only)
     flat: dict[str, Any] = reader.read_objects()
     flat.update({key: _Slot(key) for key in reader.tensors})
     nested: dict[str, Any] = {}
@@ -428,7 +497,13 @@ def consolidate_checkpoint(
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(skeleton, tmp)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            loaded = torch.load(tmp, mmap=True, weights_only=False, map_location="cpu")
+            loaded = unpickling.safe_load(
+                tmp,
+                what=f"The consolidated file {str(tmp)!r}",
+                weights_only=weights_only,
+                mmap=True,
+                map_location="cpu",
+            )
         try:
             targets = {key: _get(loaded, path) for key, path in slots.items()}
             with _progress_bar(total, show, f"consolidating {storage.basename(real)}") as tick:
@@ -582,17 +657,23 @@ class CheckpointInfo:
         return asdict(self)
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = True) -> CheckpointInfo:
     """Describe a checkpoint without loading its tensors (sharded: ``.metadata`` and ``meta.pt`` only).
+
+    Args:
+        path: A sharded checkpoint directory or a full checkpoint file.
+        weights_only: ``True`` (or ``None``): pickles are read safely, as in :func:`load_checkpoint`;
+            ``False`` unpickles anything, running the file's code.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        CheckpointError: not a checkpoint, or ``.metadata`` / ``meta.pt`` unreadable.
+        CheckpointError: not a checkpoint, or ``.metadata`` / ``meta.pt`` unreadable, or (with
+            ``weights_only``) a pickle it reads holds a type that is not allowed.
     """
     real, kind = checkpoint_kind(path)
     if kind is CheckpointKind.FULL:
-        return _inspect_full(real)
-    reader = _DcpReader(real)
+        return _inspect_full(real, weights_only)
+    reader = _DcpReader(real, weights_only)
     object_sizes: dict[str, int] = {}
     chunks: dict[str, int] = {}
     for index, info in (reader.metadata.storage_data or {}).items():
@@ -629,16 +710,21 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
         ranks = {int(m.group(1)) for name in files if (m := SHARD_FILE.match(name))}
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and LIGHTNING_METADATA in files:
-        meta = _read_meta(real, weights_only=False)
+        meta = _read_meta(real, weights_only)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
 
 
-def _inspect_full(file: storage.Location) -> CheckpointInfo:
+def _inspect_full(file: storage.Location, weights_only: bool | None) -> CheckpointInfo:
+    what = f"The checkpoint file {str(file)!r}"
     try:  # memory-mapped: the tensors are not read (an object is read whole)
-        checkpoint = storage.torch_load(file, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = unpickling.safe_load(
+            file, what=what, weights_only=weights_only, load=storage.torch_load, map_location="cpu", mmap=True
+        )
+    except CheckpointError:
+        raise
     except Exception:
-        checkpoint = _load_full(file, "cpu", weights_only=False)
+        checkpoint = _load_full(file, "cpu", weights_only)
     if not isinstance(checkpoint, dict):
         raise CheckpointError(
             f"The file {str(file)!r} holds a {type(checkpoint).__name__}, not a checkpoint dict."

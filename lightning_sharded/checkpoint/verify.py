@@ -5,21 +5,23 @@
 - :func:`verify_checkpoint`: everything that can be checked at a path, checksums included; for a
   sharded directory without a manifest (stock Lightning), what can be checked without one: that
   ``.metadata`` reads and that every shard file it references is there and long enough; for a full
-  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive.
+  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive. It also checks,
+  without unpickling anything, that every pickle of the checkpoint holds only what a safe load
+  allows (:mod:`~lightning_sharded.checkpoint.unpickling`).
 
 Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
 """
 
 from __future__ import annotations
 
+import io
 import os
-import pickle
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_sharded.checkpoint import storage
+from lightning_sharded.checkpoint import storage, unpickling
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
     DCP_METADATA,
@@ -145,12 +147,20 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     _raise(storage.location(path), find_problems(path, manifest, checksums=verify))
 
 
-def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
+def read_dcp_metadata(root: storage.Location, weights_only: bool | None = True) -> Any:
+    """DCP's ``.metadata`` of ``root``, unpickled safely unless ``weights_only`` is ``False``."""
+    file = storage.join(root, DCP_METADATA)
+    with storage.open_file(file) as f:
+        return unpickling.load_pickle(f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only)
+
+
+def _dcp_problems(root: storage.Location, weights_only: bool | None = True) -> tuple[list[Problem], int]:
     """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
     try:
-        with storage.open_file(storage.join(root, DCP_METADATA)) as f:
-            metadata: Any = pickle.load(f)
+        metadata = read_dcp_metadata(root, weights_only)
         storage_data = dict(metadata.storage_data or {})
+    except CheckpointError:
+        raise
     except Exception as err:
         return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
     needed: dict[str, int] = {}
@@ -197,17 +207,82 @@ def _full_file_problems(file: storage.Location) -> list[Problem]:
     return []
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
+def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple[str, str]]:
+    """Each pickle of a checkpoint that a safe load would refuse, as ``(what, names)``; runs nothing.
+
+    ``torch.save`` archives (a full file, ``meta.pt``, DCP's non-tensor entries) are read statically;
+    ``.metadata`` with the restricted unpickler, which refuses before building anything else.
+    """
+    if kind is CheckpointKind.FULL:
+        if isinstance(root, Path):
+            names = unpickling.unsafe_globals(root)
+        else:
+            with storage.open_file(root) as f:
+                names = unpickling.unsafe_globals(io.BytesIO(f.read()))
+        return [(f"The checkpoint file {str(root)!r}", ", ".join(names))] if names else []
+    found: list[tuple[str, str]] = []
+    try:
+        metadata = read_dcp_metadata(root)
+    except unpickling.RefusedPickleError as err:
+        return [(err.what, err.name)]
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    items = sorted(
+        ((index.fqn, info) for index, info in (metadata.storage_data or {}).items() if index.fqn in objects),
+        key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
+    )
+    for fqn, info in items:
+        rel = str(info.relative_path)
+        if info.transform_descriptors:
+            continue  # stored transformed (compressed...): read only by DCP's load, safely
+        with storage.open_file(storage.join(root, rel)) as f:
+            f.seek(int(info.offset))
+            names = unpickling.unsafe_globals(f.read(int(info.length)))
+        if names:
+            who = f", written by rank {_rank_of(rel)}" if _rank_of(rel) is not None else ""
+            found.append(
+                (
+                    f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})",
+                    ", ".join(names),
+                )
+            )
+    meta = storage.join(root, LIGHTNING_METADATA)
+    if storage.exists(meta):
+        with storage.open_file(meta) as f:
+            names = unpickling.unsafe_globals(io.BytesIO(f.read()))
+        if names:
+            found.append((f"The Lightning metadata {str(meta)!r}", ", ".join(names)))
+    return found
+
+
+def _check_pickles(report: VerifyReport, weights_only: bool | None) -> None:
+    found = _refused_pickles(report.path, report.kind)
+    if found and unpickling.resolve_weights_only(weights_only):
+        raise unpickling.refused(*found[0])
+    for what, names in found:
+        report.notes.append(
+            f"{what} holds {names}, which a safe load refuses: it opens only with {unpickling.UNSAFE_FLAG}"
+            " (weights_only=False), running code from the file"
+        )
+
+
+def verify_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = True) -> VerifyReport:
     """Check every file of a checkpoint, checksums included; works in one plain process.
 
     - a sharded directory with a manifest: every listed file present, with its size and checksum;
     - a sharded directory without one (stock Lightning): nothing to compare checksums with, so it
       checks that ``.metadata`` reads and that every file it references is there and long enough
       (the report's ``notes`` say so);
-    - a full file: the CRC-32 of every record of the ``torch.save`` archive.
+    - a full file: the CRC-32 of every record of the ``torch.save`` archive;
+    - then, without unpickling anything, every pickle (the full file; ``.metadata``, ``meta.pt`` and
+      DCP's non-tensor entries): a type that a safe load would refuse fails the check, or, with
+      ``weights_only=False``, is named in the report's ``notes``.
 
     Args:
         path: A sharded checkpoint directory or a full checkpoint file.
+        weights_only: ``True`` (or ``None``): a checkpoint that :func:`load_checkpoint` would refuse
+            fails; ``False`` (for a file you trust): it passes, with a note.
 
     Returns:
         What was checked.
@@ -215,17 +290,19 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: the path is not a checkpoint, or a file is missing, truncated or corrupted;
-            the message names the first bad file, the rank that wrote it, and the others.
+            the message names the first bad file, the rank that wrote it, and the others. With
+            ``weights_only``, also a pickle that holds a type that is not allowed (the message names it).
     """
     real, kind = checkpoint_kind(path)
     report = VerifyReport(real, kind)
     if kind is CheckpointKind.FULL:
         _raise(real, _full_file_problems(real))
         report.files, report.bytes = 1, storage.size(real)
+        _check_pickles(report, weights_only)
         return report
     manifest = read_manifest(real)
     if manifest is None:
-        problems, report.files = _dcp_problems(real)
+        problems, report.files = _dcp_problems(real, weights_only)
         _raise(real, problems)
         report.notes.append(
             "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
@@ -233,6 +310,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
             " long enough"
         )
         report.bytes = sum(storage.list_files(real).values())
+        _check_pickles(report, weights_only)
         return report
     problems = find_problems(real, manifest, checksums=True)
     listed = {e.path for e in manifest.files}
@@ -241,4 +319,5 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
     _raise(real, problems)
     report.has_manifest = True
     report.files, report.bytes = len(manifest.files), manifest.total_size
+    _check_pickles(report, weights_only)
     return report
