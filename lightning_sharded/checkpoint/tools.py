@@ -33,7 +33,6 @@ from lightning_sharded.checkpoint import storage, unpickling
 from lightning_sharded.checkpoint.atomic import commit_file
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.layout import (
-    DCP_METADATA,
     LIGHTNING_METADATA,
     MODEL_KEYS,
     OPTIMIZER_KEY,
@@ -42,7 +41,7 @@ from lightning_sharded.checkpoint.layout import (
     checkpoint_kind,
 )
 from lightning_sharded.checkpoint.manifest import read_manifest
-from lightning_sharded.checkpoint.verify import _dcp_problems, _raise, check_files
+from lightning_sharded.checkpoint.verify import _dcp_problems, _raise, check_files, read_dcp_metadata
 
 __all__ = [
     "CheckpointInfo",
@@ -73,12 +72,8 @@ class _DcpReader:
     def __init__(self, root: storage.Location, weights_only: bool | None = True) -> None:
         self.root = root
         self.weights_only = weights_only
-        file = storage.join(root, DCP_METADATA)
         try:
-            with storage.open_file(file) as f:
-                self.metadata: Any = unpickling.load_pickle(
-                    f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only
-                )
+            self.metadata: Any = read_dcp_metadata(root, weights_only)
         except CheckpointError:
             raise
         except Exception as err:

@@ -149,9 +149,19 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
 
 def read_dcp_metadata(root: storage.Location, weights_only: bool | None = True) -> Any:
     """DCP's ``.metadata`` of ``root``, unpickled safely unless ``weights_only`` is ``False``."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     file = storage.join(root, DCP_METADATA)
     with storage.open_file(file) as f:
-        return unpickling.load_pickle(f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only)
+        metadata = unpickling.load_pickle(
+            f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only
+        )
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"The DCP metadata {str(file)!r} holds a {type(metadata).__name__}, not DCP's Metadata: this is"
+            " not a sharded checkpoint. Restore the directory from a copy, or load an earlier checkpoint."
+        )
+    return metadata
 
 
 def _dcp_problems(root: storage.Location, weights_only: bool | None = True) -> tuple[list[Problem], int]:
