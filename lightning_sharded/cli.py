@@ -63,6 +63,16 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"world size:  {info.world_size if info.world_size is not None else '-'}")
     print(f"epoch:       {info.epoch if info.epoch is not None else '-'}")
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
+    if info.not_unpickled:
+        from lightning_sharded.checkpoint.unpickling import UNSAFE_FLAG
+
+        print()
+        for key, name in sorted(info.not_unpickled.items()):
+            print(f"not unpickled: {key} holds {name}")
+        print(
+            "These entries hold types that a safe load refuses (unpickling them could run code from the"
+            f" file); nothing of them was unpickled. If you trust the file, use {UNSAFE_FLAG}."
+        )
     return EXIT_OK
 
 

@@ -634,6 +634,9 @@ class CheckpointInfo:
         epoch: Lightning epoch, when recorded.
         global_step: Lightning global step, when recorded.
         has_manifest: It has a lightning_sharded manifest.
+        not_unpickled: Entries that hold a type a safe load refuses, by key (dotted path in the
+            Lightning checkpoint dict), with that type; they are listed in ``entries`` with dtype
+            ``"not unpickled"`` and nothing of them was unpickled. Empty when everything opened.
     """
 
     path: str
@@ -646,6 +649,7 @@ class CheckpointInfo:
     epoch: int | None = None
     global_step: int | None = None
     has_manifest: bool = False
+    not_unpickled: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for ``lightning-sharded inspect --json``)."""
@@ -660,10 +664,14 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
         weights_only: ``True`` (or ``None``): pickles are read safely, as in :func:`load_checkpoint`;
             ``False`` unpickles anything, running the file's code.
 
+    A ``meta.pt`` or full file that holds a type a safe load refuses is still described: it is read
+    again with every refused object left as a placeholder (no code runs), and those entries are
+    listed in ``not_unpickled``.
+
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint, or ``.metadata`` / ``meta.pt`` unreadable, or (with
-            ``weights_only``) a pickle it reads holds a type that is not allowed.
+            ``weights_only``) ``.metadata`` holds a type that is not allowed.
     """
     real, kind = checkpoint_kind(path)
     if kind is CheckpointKind.FULL:
@@ -705,17 +713,37 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
         ranks = {int(m.group(1)) for name in files if (m := SHARD_FILE.match(name))}
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and LIGHTNING_METADATA in files:
-        meta = _read_meta(real, weights_only)
+        try:
+            meta = _read_meta(real, weights_only)
+        except unpickling.RefusedPickleError:
+            meta = unpickling.inert_load(
+                storage.join(real, LIGHTNING_METADATA), load=storage.torch_load, map_location="cpu"
+            )
+            _mark_not_unpickled(info, meta)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
 
 
+def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
+    """List the placeholders of an :func:`unpickling.inert_load` result in ``info``."""
+    for p, leaf in _leaves(checkpoint):
+        if isinstance(leaf, unpickling.NotUnpickled):
+            key = ".".join(map(str, p))
+            info.not_unpickled[key] = leaf.name
+            info.entries.append(EntryInfo(key, None, "not unpickled", 0, 1))
+    info.entries.sort(key=lambda e: e.key)
+
+
 def _inspect_full(file: storage.Location, weights_only: bool | None) -> CheckpointInfo:
     what = f"The checkpoint file {str(file)!r}"
+    refused = False
     try:  # memory-mapped: the tensors are not read (an object is read whole)
         checkpoint = unpickling.safe_load(
             file, what=what, weights_only=weights_only, load=storage.torch_load, map_location="cpu", mmap=True
         )
+    except unpickling.RefusedPickleError:
+        refused = True
+        checkpoint = unpickling.inert_load(file, load=storage.torch_load, map_location="cpu", mmap=True)
     except CheckpointError:
         raise
     except Exception:
@@ -730,7 +758,7 @@ def _inspect_full(file: storage.Location, weights_only: bool | None) -> Checkpoi
         if isinstance(t, torch.Tensor)
     ]
     entries.sort(key=lambda e: e.key)
-    return CheckpointInfo(
+    info = CheckpointInfo(
         path=str(file),
         kind=CheckpointKind.FULL.value,
         entries=entries,
@@ -740,3 +768,6 @@ def _inspect_full(file: storage.Location, weights_only: bool | None) -> Checkpoi
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
     )
+    if refused:
+        _mark_not_unpickled(info, checkpoint)
+    return info

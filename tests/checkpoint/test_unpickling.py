@@ -137,13 +137,23 @@ def test_hostile_full_file(
     hostile_file: Path, marker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     expected = message(f"The checkpoint file {str(hostile_file)!r}")
-    for tool in (load_checkpoint, inspect_checkpoint, verify_checkpoint):
+    for tool in (load_checkpoint, verify_checkpoint):
         with pytest.raises(CheckpointError) as info:
             tool(hostile_file)
         assert str(info.value) == expected, tool
-    for command in ("inspect", "verify"):
-        code, out, err = cli(capsys, command, str(hostile_file))
-        assert (code, out) == (1, "") and expected in err, command
+    code, out, err = cli(capsys, "verify", str(hostile_file))
+    assert (code, out) == (1, "") and expected in err
+    # inspect lists the rest and marks what it did not unpickle
+    info = inspect_checkpoint(hostile_file)
+    assert info.not_unpickled == {"hyper_parameters.notes": HOSTILE_NAME}
+    assert [(e.key, e.dtype) for e in info.entries] == [
+        ("hyper_parameters.notes", "not unpickled"),
+        ("state_dict.net.0.weight", "torch.float32"),
+    ]
+    assert (info.epoch, info.global_step) == (0, 1)
+    code, out, _ = cli(capsys, "inspect", str(hostile_file))
+    assert code == 0 and f"not unpickled: hyper_parameters.notes holds {HOSTILE_NAME}" in out
+    assert "If you trust the file, use --unsafe-unpickle." in out
     code, _, err = cli(capsys, "consolidate", str(hostile_file), str(tmp_path / "out.ckpt"))
     assert code == 1 and "already a full checkpoint file" in err
     with pytest.raises(pickle.UnpicklingError, match=HOSTILE_NAME):  # a file: stock Lightning's torch.load
@@ -156,7 +166,7 @@ def test_hostile_full_file(
     assert code == 0 and f"holds {HOSTILE_NAME}, which a safe load refuses" in out
     assert not marker.exists()  # verify reads pickles statically, even with the flag
     code, out, _ = cli(capsys, "inspect", str(hostile_file), "--unsafe-unpickle")
-    assert code == 0 and "global step: 1" in out and marker.exists()
+    assert code == 0 and "global step: 1" in out and "not unpickled" not in out and marker.exists()
     marker.unlink()
     assert load_checkpoint(hostile_file, weights_only=False)["global_step"] == 1 and marker.exists()
 
@@ -180,7 +190,12 @@ def test_hostile_meta_pt_with_a_matching_manifest(
         assert code == 1 and expected in err, argv
     # inspect takes epoch and step from the manifest: it does not unpickle meta.pt at all
     code, out, _ = cli(capsys, "inspect", str(hostile_meta))
-    assert code == 0 and "global step: 10" in out
+    assert code == 0 and "global step: 10" in out and "not unpickled" not in out
+    # without a manifest it reads meta.pt, and marks what it did not unpickle
+    bare = tmp_path / "bare.ckpt"
+    shutil.copytree(hostile_meta, bare, ignore=shutil.ignore_patterns(MANIFEST_NAME))
+    info = inspect_checkpoint(bare)
+    assert info.not_unpickled == {"callbacks.Notes.text": HOSTILE_NAME} and info.global_step == 10
     assert not marker.exists() and not out_file.exists()
 
     report = verify_checkpoint(hostile_meta, weights_only=False)
@@ -358,6 +373,9 @@ def test_refusals_name_the_type(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"^The pickle holds posix\.system, which"):
         unpickling.load_pickle(io.BytesIO(pickle.dumps(System())), what="The pickle")
     assert unpickling.unsafe_globals(buffer.getvalue()) == ["posix.system"]
+    buffer.seek(0)
+    inert = unpickling.inert_load(buffer)
+    assert isinstance(inert["x"], unpickling.NotUnpickled) and inert["x"].name == "posix.system"
 
 
 def test_weights_only_none_follows_torch(monkeypatch: pytest.MonkeyPatch) -> None:
