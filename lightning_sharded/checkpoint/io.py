@@ -796,8 +796,18 @@ def _run_dcp(call: Any, what: str) -> None:
 
 
 def _load_meta(path: Location, weights_only: bool | None) -> dict[str, Any]:
+    import pickle
+
     try:
         metadata = storage.torch_load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as ex:  # Lightning's rule: torch.load's weights_only, as given to fit()
+        from lightning_sharded.checkpoint.unpickling import refused_name
+
+        raise CheckpointError(
+            f"The Lightning metadata {str(path)!r} holds {refused_name(ex)}, which torch.load refuses with"
+            f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
+            " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
+        ) from None
     except Exception as ex:
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"

@@ -46,6 +46,7 @@ __all__ = [
     "inert_load",
     "load_pickle",
     "refused",
+    "refused_name",
     "resolve_weights_only",
     "safe_globals",
     "safe_load",
@@ -148,7 +149,8 @@ _NAME_PATTERNS = (
 )
 
 
-def _refused_name(err: BaseException) -> str:
+def refused_name(err: BaseException) -> str:
+    """The type or function named by an ``UnpicklingError`` of torch's safe unpickler (or ours)."""
     text = str(err)
     for pattern in _NAME_PATTERNS:
         m = pattern.search(text)
@@ -294,7 +296,7 @@ def safe_load(
         try:
             obj = load(source, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
-            raise refused(what, _refused_name(err)) from None
+            raise refused(what, refused_name(err)) from None
         made = _recorded.stack[-1]
     return _restore_attribute_dicts(obj, made)
 
@@ -348,7 +350,7 @@ def load_pickle(
     try:
         return _RestrictedUnpickler(file, _allowed_objects(allowed)).load()
     except pickle.UnpicklingError as err:
-        raise refused(what, _refused_name(err)) from None
+        raise refused(what, refused_name(err)) from None
 
 
 def unsafe_globals(source: str | os.PathLike[str] | IO[bytes] | bytes) -> list[str]:

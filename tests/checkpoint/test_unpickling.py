@@ -402,3 +402,23 @@ def test_a_copy_of_a_hostile_directory_is_still_refused_after_a_clean_load(
         not isinstance(g, tuple) for g in torch.serialization.get_safe_globals()
     )
     assert not marker.exists()
+
+
+def test_the_strategies_resume_keeps_lightnings_rule(pickles_run: Path, process_group: None) -> None:
+    """Resuming passes fit()'s weights_only to torch.load as stock Lightning does; None is torch's default."""
+    from lightning_sharded.checkpoint.io import restore_checkpoint
+
+    (ckpt,) = (pickles_run / "mp").glob("*.ckpt")
+    model = PickleModel(**HPARAMS)
+    with pytest.raises(CheckpointError) as info:
+        restore_checkpoint(ckpt, model)
+    assert str(info.value) == (
+        f"The Lightning metadata {str(ckpt / 'meta.pt')!r} holds"
+        " lightning.fabric.utilities.data.AttributeDict, which torch.load refuses with weights_only=None"
+        " (the default is torch's, True). If you trust the checkpoint (your own run),"
+        " resume with trainer.fit(..., weights_only=False), as with stock Lightning."
+    )
+    restored = restore_checkpoint(ckpt, model, weights_only=False)
+    check_hparams(restored.metadata["hyper_parameters"])
+    for key, value in load_checkpoint(ckpt)["state_dict"].items():
+        assert torch.equal(model.state_dict()[key], value), key
