@@ -14,7 +14,6 @@ Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file
 
 from __future__ import annotations
 
-import io
 import os
 import zipfile
 from dataclasses import dataclass, field
@@ -220,17 +219,14 @@ def _full_file_problems(file: storage.Location) -> list[Problem]:
 def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple[str, str]]:
     """Each pickle of a checkpoint that a safe load would refuse, as ``(what, names)``; runs nothing.
 
-    ``torch.save`` archives (a full file, ``meta.pt``, DCP's non-tensor entries) are read statically;
-    ``.metadata`` with the restricted unpickler, which refuses before building anything else.
+    ``torch.save`` archives (a full file, ``meta.pt``, DCP's non-tensor entries) are read statically
+    (only their ``data.pkl``); ``.metadata`` with the restricted unpickler, which refuses before
+    building anything else. Each shard file is opened once.
     """
     if kind is CheckpointKind.FULL:
-        if isinstance(root, Path):
-            names = unpickling.unsafe_globals(root)
-        else:
-            with storage.open_file(root) as f:
-                names = unpickling.unsafe_globals(io.BytesIO(f.read()))
+        with storage.open_file(root) as f:
+            names = unpickling.unsafe_globals(f)
         return [(f"The checkpoint file {str(root)!r}", ", ".join(names))] if names else []
-    found: list[tuple[str, str]] = []
     try:
         metadata = read_dcp_metadata(root)
     except unpickling.RefusedPickleError as err:
@@ -238,29 +234,28 @@ def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    items = sorted(
-        ((index.fqn, info) for index, info in (metadata.storage_data or {}).items() if index.fqn in objects),
-        key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
-    )
-    for fqn, info in items:
-        rel = str(info.relative_path)
-        if info.transform_descriptors:
-            continue  # stored transformed (compressed...): read only by DCP's load, safely
-        with storage.open_file(storage.join(root, rel)) as f:
-            f.seek(int(info.offset))
-            names = unpickling.unsafe_globals(f.read(int(info.length)))
-        if names:
-            who = f", written by rank {_rank_of(rel)}" if _rank_of(rel) is not None else ""
-            found.append(
-                (
-                    f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})",
-                    ", ".join(names),
-                )
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        # An item stored transformed (compressed...) is read only by DCP's load, which reads it safely.
+        if index.fqn in objects and not info.transform_descriptors:
+            by_file.setdefault(str(info.relative_path), []).append(
+                (int(info.offset), int(info.length), index.fqn)
             )
+    found: list[tuple[str, str]] = []
+    for rel in sorted(by_file):
+        rank = _rank_of(rel)
+        who = f", written by rank {rank}" if rank is not None else ""
+        with storage.open_file(storage.join(root, rel)) as f:
+            for offset, length, fqn in sorted(by_file[rel]):
+                f.seek(offset)
+                names = unpickling.unsafe_globals(f.read(length))
+                if names:
+                    what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
+                    found.append((what, ", ".join(names)))
     meta = storage.join(root, LIGHTNING_METADATA)
     if storage.exists(meta):
         with storage.open_file(meta) as f:
-            names = unpickling.unsafe_globals(io.BytesIO(f.read()))
+            names = unpickling.unsafe_globals(f)
         if names:
             found.append((f"The Lightning metadata {str(meta)!r}", ", ".join(names)))
     return found

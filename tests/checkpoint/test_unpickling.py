@@ -422,3 +422,17 @@ def test_the_strategies_resume_keeps_lightnings_rule(pickles_run: Path, process_
     check_hparams(restored.metadata["hyper_parameters"])
     for key, value in load_checkpoint(ckpt)["state_dict"].items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_hostile_file_at_a_url(hostile_file: Path, marker: Path) -> None:
+    import fsspec
+
+    url = f"memory://hostile-{marker.parent.name}/sent.ckpt"
+    fsspec.filesystem("memory").pipe(url.removeprefix("memory://"), hostile_file.read_bytes())
+    expected = message(f"The checkpoint file {url!r}")
+    for tool in (load_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError) as info:
+            tool(url)
+        assert str(info.value) == expected, tool
+    assert inspect_checkpoint(url).not_unpickled == {"hyper_parameters.notes": HOSTILE_NAME}
+    assert not marker.exists()
