@@ -225,7 +225,7 @@ def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple
     """
     if kind is CheckpointKind.FULL:
         with storage.open_file(root) as f:
-            names = unpickling.unsafe_globals(f)
+            names = _globals_or_raise(root, f, storage.basename(root), "its pickle")
         return [(f"The checkpoint file {str(root)!r}", ", ".join(names))] if names else []
     try:
         metadata = read_dcp_metadata(root)
@@ -248,17 +248,34 @@ def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple
         with storage.open_file(storage.join(root, rel)) as f:
             for offset, length, fqn in sorted(by_file[rel]):
                 f.seek(offset)
-                names = unpickling.unsafe_globals(f.read(length))
+                names = _globals_or_raise(
+                    root, f.read(length), rel, f"its entry {fqn!r} at byte {offset}", rank
+                )
                 if names:
                     what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
                     found.append((what, ", ".join(names)))
     meta = storage.join(root, LIGHTNING_METADATA)
     if storage.exists(meta):
         with storage.open_file(meta) as f:
-            names = unpickling.unsafe_globals(f)
+            names = _globals_or_raise(root, f, LIGHTNING_METADATA, "its pickle")
         if names:
             found.append((f"The Lightning metadata {str(meta)!r}", ", ".join(names)))
     return found
+
+
+def _globals_or_raise(
+    root: storage.Location, source: Any, rel: str, part: str, rank: int | None = None
+) -> list[str]:
+    """:func:`unpickling.unsafe_globals` of ``source``; a pickle that cannot be read is damage."""
+    try:
+        return unpickling.unsafe_globals(source)
+    except Exception as err:  # not a torch.save archive, cut short...
+        detail = str(err).splitlines()[0] if str(err) else ""
+        _raise(
+            root,
+            [Problem(rel, f"is corrupted: {part} cannot be read ({type(err).__name__}: {detail})", rank)],
+        )
+        raise  # unreachable: _raise raised
 
 
 def _check_pickles(report: VerifyReport, weights_only: bool | None) -> None:

@@ -436,3 +436,22 @@ def test_hostile_file_at_a_url(hostile_file: Path, marker: Path) -> None:
         assert str(info.value) == expected, tool
     assert inspect_checkpoint(url).not_unpickled == {"hyper_parameters.notes": HOSTILE_NAME}
     assert not marker.exists()
+
+
+def test_verify_reports_an_object_entry_it_cannot_read(hostile_item: Path, marker: Path) -> None:
+    """Without a manifest (stock Lightning) nothing else catches a damaged non-tensor entry."""
+    from lightning_sharded.checkpoint.verify import read_dcp_metadata
+
+    (hostile_item / MANIFEST_NAME).unlink()
+    metadata = read_dcp_metadata(hostile_item)
+    (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == ITEM[1:-1]]
+    with open(hostile_item / "__0_0.distcp", "r+b") as f:
+        f.seek(int(info.offset))
+        f.write(b"\0\0\0\0")
+    with pytest.raises(CheckpointError) as err:
+        verify_checkpoint(hostile_item)
+    assert str(err.value).startswith(
+        f"The checkpoint {str(hostile_item)!r} is damaged: '__0_0.distcp' (written by rank 0) is corrupted:"
+        f" its entry {ITEM} at byte {int(info.offset)} cannot be read (ValueError: "
+    )
+    assert not marker.exists()
