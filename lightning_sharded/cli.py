@@ -89,7 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from lightning_sharded.checkpoint import storage
+    from lightning_sharded.checkpoint.backends import backend_for
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
     out = consolidate_checkpoint(
@@ -99,7 +99,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         weights_only=not args.unsafe_unpickle,
     )
     print(
-        f"Wrote {out} ({_size(storage.size(out))}): load it with torch.load, or resume from it with"
+        f"Wrote {out} ({_size(backend_for(out).size(out))}): load it with torch.load, or resume from it with"
         " Lightning."
     )
     return EXIT_OK

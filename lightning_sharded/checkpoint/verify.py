@@ -1,13 +1,16 @@
 """Checks of checkpoint files: presence and sizes on every load, checksums on request.
 
-- :func:`check_files`: a sharded directory against its manifest; presence and sizes always (cheap:
-  one ``stat`` per file), checksums with ``verify=True`` (reads every byte).
-- :func:`verify_checkpoint`: everything that can be checked at a path, checksums included; for a
-  sharded directory without a manifest (stock Lightning), what can be checked without one: that
-  ``.metadata`` reads and that every shard file it references is there and long enough; for a full
+- :func:`check_found` (collective when a process group is up): a sharded checkpoint against its
+  manifest before a load; presence and sizes always (one listing), checksums with ``verify=True``,
+  each file read by one rank only (the files are split across the ranks by size) and the findings
+  gathered, so every rank raises the same error or none does. Without a manifest, the shard files
+  are checked against the DCP index.
+- :func:`verify_checkpoint` (one process): everything that can be checked at a path, checksums
+  included; for a sharded directory without a manifest (stock Lightning), what can be checked
+  without one (``.metadata`` reads, every file it references is there and long enough); for a full
   file, the CRC-32 that ``torch.save`` stores for every record of its zip archive. It also checks,
   without unpickling anything, that every pickle of the checkpoint holds only what a safe load
-  allows (:mod:`~lightning_sharded.checkpoint.unpickling`).
+  allows (:mod:`~lightning_sharded.checkpoint.pickles`).
 
 Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
 """
@@ -17,40 +20,30 @@ from __future__ import annotations
 import os
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from lightning_sharded.checkpoint import storage, unpickling
+from lightning_sharded.checkpoint import collective, names, unpickling
+from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, basename, join, location
+from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.layout import (
-    DCP_METADATA,
-    LIGHTNING_METADATA,
-    SHARD_FILE,
-    CheckpointKind,
-    checkpoint_kind,
-)
-from lightning_sharded.checkpoint.manifest import FileEntry, Manifest, file_checksum, read_manifest
+from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.pickles import check_pickles
+from lightning_sharded.checkpoint.problems import Problem, damaged
 
-__all__ = ["Problem", "VerifyReport", "check_files", "find_problems", "verify_checkpoint"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad file of a checkpoint.
-
-    Attributes:
-        path: The file, relative to the checkpoint directory (the file name for a full checkpoint).
-        what: What is wrong with it, in words.
-        rank: The rank that wrote it, when known.
-    """
-
-    path: str
-    what: str
-    rank: int | None = None
-
-    def __str__(self) -> str:
-        who = f" (written by rank {self.rank})" if self.rank is not None else ""
-        return f"{self.path!r}{who} {self.what}"
+__all__ = [
+    "Problem",
+    "VerifyReport",
+    "check_files",
+    "check_found",
+    "checksum_problem",
+    "find_problems",
+    "split_by_size",
+    "verify_checkpoint",
+]
 
 
 @dataclass
@@ -66,45 +59,12 @@ class VerifyReport:
         notes: What could not be checked, in words.
     """
 
-    path: storage.Location
+    path: Location
     kind: CheckpointKind
     files: int = 0
     bytes: int = 0
     has_manifest: bool = False
     notes: list[str] = field(default_factory=list)
-
-
-def _rank_of(name: str) -> int | None:
-    m = SHARD_FILE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
-    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
-    if storage.is_url(path):
-        from lightning_sharded.checkpoint import object_store
-
-        return object_store.find_problems(str(path), manifest, checksums=checksums)
-    root = Path(path)
-    problems: list[Problem] = []
-    for entry in manifest.files:
-        file = root / entry.path
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            problems.append(Problem(entry.path, "is missing", entry.rank))
-            continue
-        if size != entry.size:
-            how = "truncated" if size < entry.size else "longer than written"
-            problems.append(
-                Problem(entry.path, f"is {how}: {size} bytes, the manifest says {entry.size}", entry.rank)
-            )
-            continue
-        if checksums:
-            problem = checksum_problem(entry, manifest, file_checksum(file)[1])
-            if problem is not None:
-                problems.append(problem)
-    return problems
 
 
 def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Problem | None:
@@ -118,22 +78,68 @@ def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Pro
     )
 
 
-def _raise(path: storage.Location, problems: list[Problem]) -> None:
-    if not problems:
-        return
-    first, others = problems[0], problems[1:]
-    also = f" Also: {'; '.join(map(str, others))}." if others else ""
-    raise CheckpointError(
-        f"The checkpoint {str(path)!r} is damaged: {first}.{also} Restore it from a copy, or load an earlier"
-        " checkpoint."
-    )
+def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
+    present = backend.list_files(data)
+    problems: list[Problem] = []
+    for entry in manifest.files:
+        found = present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path)
+        if found is None:
+            problems.append(Problem(entry.path, "is missing", entry.rank))
+        elif found != entry.size:
+            how = "truncated" if found < entry.size else "longer than written"
+            what = f"is {how}: {found} bytes, the manifest says {entry.size}"
+            problems.append(Problem(entry.path, what, entry.rank, found, entry.size))
+    return problems
+
+
+def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
+    try:
+        return backend.size(join(base, rel))
+    except FileNotFoundError:
+        return None
+
+
+def _checksum_problems(
+    backend: Backend, data: Location, manifest: Manifest, entries: list[FileEntry]
+) -> list[Problem]:
+    problems = []
+    for entry in entries:
+        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
+    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
+    data = location(path)
+    backend = backend_for(data)
+    problems = _size_problems(backend, data, manifest)
+    if checksums:
+        bad = {p.path for p in problems}
+        problems += _checksum_problems(
+            backend, data, manifest, [e for e in manifest.files if e.path not in bad]
+        )
+    return problems
+
+
+def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
+    """``entries`` in ``parts`` lists of about equal bytes (largest first to the least loaded); the same
+    split on every rank."""
+    loads = [0] * parts
+    split: list[list[FileEntry]] = [[] for _ in range(parts)]
+    for entry in sorted(entries, key=lambda e: (-e.size, e.path)):
+        least = min(range(parts), key=lambda i: (loads[i], i))
+        split[least].append(entry)
+        loads[least] += entry.size
+    return split
 
 
 def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
-    """Check a sharded directory against its manifest before loading it.
+    """Check a sharded directory against its manifest before loading it, in this process.
 
     Args:
-        path: The sharded checkpoint directory.
+        path: The sharded checkpoint directory (where its files are).
         manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
         verify: Also compare every file's checksum (reads every byte).
 
@@ -143,150 +149,102 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     """
     if manifest is None:
         return
-    _raise(storage.location(path), find_problems(path, manifest, checksums=verify))
+    error = damaged(location(path), find_problems(path, manifest, checksums=verify))
+    if error is not None:
+        raise error
 
 
-def read_dcp_metadata(root: storage.Location, weights_only: bool | None = True) -> Any:
-    """DCP's ``.metadata`` of ``root``, unpickled safely unless ``weights_only`` is ``False``."""
-    from torch.distributed.checkpoint.metadata import Metadata
+def check_found(
+    found: Found,
+    *,
+    verify: bool = False,
+    group: ProcessGroup | None = None,
+    alone: bool = False,
+    weights_only: bool | None = False,
+) -> None:
+    """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
 
-    file = storage.join(root, DCP_METADATA)
-    with storage.open_file(file) as f:
-        metadata = unpickling.load_pickle(
-            f, what=f"The DCP metadata {str(file)!r}", weights_only=weights_only
-        )
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(
-            f"The DCP metadata {str(file)!r} holds a {type(metadata).__name__}, not DCP's Metadata: this is"
-            " not a sharded checkpoint. Restore the directory from a copy, or load an earlier checkpoint."
-        )
-    return metadata
+    With a manifest: every rank checks presence and sizes (one listing); with ``verify`` each file's
+    checksum is computed by one rank only. Without one: the shard files against the DCP index. The
+    findings of all ranks are gathered, so every rank raises the same error, or none does. With
+    ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
+    ``weights_only`` is how a checkpoint without a manifest has its ``.metadata`` read
+    (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
+    resume reads it; ``True`` / ``None`` (the tools) safely.
 
-
-def _dcp_problems(root: storage.Location, weights_only: bool | None = True) -> tuple[list[Problem], int]:
-    """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
+    Raises:
+        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
+            names the first one, its rank and the others.
+    """
+    where = collective.Ranks(0, 1, 0, None) if alone else collective.ranks(group)
+    backend, data, manifest = found.backend, found.data, found.manifest
     try:
-        metadata = read_dcp_metadata(root, weights_only)
-        storage_data = dict(metadata.storage_data or {})
-    except CheckpointError:
-        raise
-    except Exception as err:
-        return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
-    needed: dict[str, int] = {}
-    for info in storage_data.values():
-        rel = str(info.relative_path)
-        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    problems: list[Problem] = []
-    sizes = storage.list_files(root)
-    for rel in sorted(needed):
-        size = sizes.get(rel, -1)
-        if size < 0:
-            problems.append(Problem(rel, "is missing (`.metadata` references it)", _rank_of(rel)))
-            continue
-        if size < needed[rel]:
-            problems.append(
-                Problem(rel, f"is truncated: {size} bytes, `.metadata` needs {needed[rel]}", _rank_of(rel))
-            )
-    if LIGHTNING_METADATA not in sizes:
-        problems.append(Problem(LIGHTNING_METADATA, "is missing"))
-    return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
+        if manifest is None:
+            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
+            mine = index_problems(backend, data, index) if index is not None else []
+        else:
+            mine = _size_problems(backend, data, manifest)
+            if verify:
+                bad = {p.path for p in mine}
+                share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
+                mine += _checksum_problems(backend, data, manifest, share[where.rank])
+        report: tuple[list[Problem], str | None] = (mine, None)
+    except CheckpointError as err:
+        report = ([], str(err))
+    reports = collective.all_gather(report, where)
+    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
+    if errors:
+        rank, message = errors[0]
+        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
+    order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
+    seen: dict[tuple[str, str], Problem] = {}
+    seen_by: dict[tuple[str, str], list[int]] = {}
+    for r, (problems, _) in enumerate(reports):
+        for problem in problems:
+            seen.setdefault((problem.path, problem.what), problem)
+            seen_by.setdefault((problem.path, problem.what), []).append(r)
+    merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
+    error = damaged(data, merged)
+    if error is None:
+        return
+    # Presence and sizes are checked by every rank: say so when only some saw a problem.
+    partial = sorted({r for key, rs in seen_by.items() if "corrupted" not in key[1] for r in rs})
+    if partial and any(
+        0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]
+    ):
+        shown = ", ".join(map(str, partial))
+        raise CheckpointError(
+            f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
+        )
+    raise error
 
 
-def _full_file_problems(file: storage.Location) -> list[Problem]:
+def _full_file_problems(backend: Backend, file: Location) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
     try:
-        with storage.open_file(file) as f, zipfile.ZipFile(f) as archive:
+        with backend.open_file(file) as f, zipfile.ZipFile(f) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return [
             Problem(
-                storage.basename(file),
+                basename(file),
                 f"is not a complete torch.save archive ({err}): it is truncated or corrupt, or was written"
-                " by a"
-                " torch older than 1.6",
+                " by a torch older than 1.6",
             )
         ]
     if bad is not None:
         return [
             Problem(
-                storage.basename(file),
-                f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored",
+                basename(file), f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored"
             )
         ]
     return []
 
 
-def _refused_pickles(root: storage.Location, kind: CheckpointKind) -> list[tuple[str, str]]:
-    """Each pickle of a checkpoint that a safe load would refuse, as ``(what, names)``; runs nothing.
-
-    ``torch.save`` archives (a full file, ``meta.pt``, DCP's non-tensor entries) are read statically
-    (only their ``data.pkl``); ``.metadata`` with the restricted unpickler, which refuses before
-    building anything else. Each shard file is opened once.
-    """
-    if kind is CheckpointKind.FULL:
-        with storage.open_file(root) as f:
-            names = _globals_or_raise(root, f, storage.basename(root), "its pickle")
-        return [(f"The checkpoint file {str(root)!r}", ", ".join(names))] if names else []
-    try:
-        metadata = read_dcp_metadata(root)
-    except unpickling.RefusedPickleError as err:
-        return [(err.what, err.name)]
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        # An item stored transformed (compressed...) is read only by DCP's load, which reads it safely.
-        if index.fqn in objects and not info.transform_descriptors:
-            by_file.setdefault(str(info.relative_path), []).append(
-                (int(info.offset), int(info.length), index.fqn)
-            )
-    found: list[tuple[str, str]] = []
-    for rel in sorted(by_file):
-        rank = _rank_of(rel)
-        who = f", written by rank {rank}" if rank is not None else ""
-        with storage.open_file(storage.join(root, rel)) as f:
-            for offset, length, fqn in sorted(by_file[rel]):
-                f.seek(offset)
-                names = _globals_or_raise(
-                    root, f.read(length), rel, f"its entry {fqn!r} at byte {offset}", rank
-                )
-                if names:
-                    what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
-                    found.append((what, ", ".join(names)))
-    meta = storage.join(root, LIGHTNING_METADATA)
-    if storage.exists(meta):
-        with storage.open_file(meta) as f:
-            names = _globals_or_raise(root, f, LIGHTNING_METADATA, "its pickle")
-        if names:
-            found.append((f"The Lightning metadata {str(meta)!r}", ", ".join(names)))
-    return found
-
-
-def _globals_or_raise(
-    root: storage.Location, source: Any, rel: str, part: str, rank: int | None = None
-) -> list[str]:
-    """:func:`unpickling.unsafe_globals` of ``source``; a pickle that cannot be read is damage."""
-    try:
-        return unpickling.unsafe_globals(source)
-    except Exception as err:  # not a torch.save archive, cut short...
-        detail = str(err).splitlines()[0] if str(err) else ""
-        _raise(
-            root,
-            [Problem(rel, f"is corrupted: {part} cannot be read ({type(err).__name__}: {detail})", rank)],
-        )
-        raise  # unreachable: _raise raised
-
-
-def _check_pickles(report: VerifyReport, weights_only: bool | None) -> None:
-    found = _refused_pickles(report.path, report.kind)
-    if found and unpickling.resolve_weights_only(weights_only):
-        raise unpickling.refused(*found[0])
-    for what, names in found:
-        report.notes.append(
-            f"{what} holds {names}, which a safe load refuses: it opens only with {unpickling.UNSAFE_FLAG}"
-            " (weights_only=False), running code from the file"
-        )
+def _raise(path: Location, problems: list[Problem]) -> None:
+    error = damaged(path, problems)
+    if error is not None:
+        raise error
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = True) -> VerifyReport:
@@ -303,8 +261,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None
 
     Args:
         path: A sharded checkpoint directory or a full checkpoint file.
-        weights_only: ``True`` (or ``None``): a checkpoint that :func:`load_checkpoint` would refuse
-            fails; ``False`` (for a file you trust): it passes, with a note.
+        weights_only: ``True`` (or ``None``): a checkpoint that ``load_checkpoint`` would refuse
+            fails; ``False`` (for a file you trust): it passes, with a note. Nothing is unpickled either way.
 
     Returns:
         What was checked.
@@ -315,31 +273,41 @@ def verify_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None
             the message names the first bad file, the rank that wrote it, and the others. With
             ``weights_only``, also a pickle that holds a type that is not allowed (the message names it).
     """
-    real, kind = checkpoint_kind(path)
-    report = VerifyReport(real, kind)
-    if kind is CheckpointKind.FULL:
-        _raise(real, _full_file_problems(real))
-        report.files, report.bytes = 1, storage.size(real)
-        _check_pickles(report, weights_only)
+    found = detect(path)
+    backend, real = found.backend, found.data
+    report = VerifyReport(real, found.kind)
+    if found.kind is CheckpointKind.FULL:
+        _raise(real, _full_file_problems(backend, real))
+        report.files, report.bytes = 1, backend.size(real)
+        report.notes += check_pickles(backend, real, found.kind, weights_only)
         return report
-    manifest = read_manifest(real)
+    manifest = found.manifest
     if manifest is None:
-        problems, report.files = _dcp_problems(real, weights_only)
+        try:  # read safely, flag or not: verify never unpickles
+            problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
+        except unpickling.RefusedPickleError:
+            problems = []  # the pickle check below refuses it, or notes it with the flag
+            report.notes.append(
+                "the shard files were not checked against `.metadata`: reading it would run code from it"
+            )
+        except CheckpointError as err:
+            detail = repr(err.__cause__) if err.__cause__ is not None else str(err)
+            problems = [Problem(names.DCP_METADATA, f"cannot be read ({detail})")]
         _raise(real, problems)
+        report.files = len({p for p in backend.list_files(real) if names.SHARD_FILE.match(p)}) + 2
         report.notes.append(
             "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
             " with; checked that `.metadata` reads and that every shard file it references is present and"
             " long enough"
         )
-        report.bytes = sum(storage.list_files(real).values())
-        _check_pickles(report, weights_only)
+        report.bytes = sum(backend.list_files(real).values())
+        report.notes += check_pickles(backend, real, found.kind, weights_only)
         return report
     problems = find_problems(real, manifest, checksums=True)
-    listed = {e.path for e in manifest.files}
-    if DCP_METADATA not in listed:
-        problems.append(Problem(DCP_METADATA, "is not listed in the manifest"))
+    if names.DCP_METADATA not in {e.path for e in manifest.files}:
+        problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
     _raise(real, problems)
     report.has_manifest = True
     report.files, report.bytes = len(manifest.files), manifest.total_size
-    _check_pickles(report, weights_only)
+    report.notes += check_pickles(backend, real, found.kind, weights_only)
     return report

@@ -33,8 +33,9 @@ from lightning_sharded import (
     verify_checkpoint,
 )
 from lightning_sharded.checkpoint import unpickling
-from lightning_sharded.checkpoint.atomic import commit_directory
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, file_checksum
+from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.commit import commit_directory
+from lightning_sharded.checkpoint.names import MANIFEST_NAME
 from lightning_sharded.cli import main
 from tests.distributed.launch import run_ranks
 from tests.distributed.lightning_pickles import HPARAMS, PickleModel, callbacks
@@ -252,6 +253,30 @@ def test_hostile_dcp_metadata(
     assert marker.exists()
 
 
+def test_hostile_dcp_metadata_without_a_manifest(
+    hostile_metadata: Path, marker: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a manifest the file checks read `.metadata` first (against it): safely too."""
+    (hostile_metadata / MANIFEST_NAME).unlink()
+    expected = message(f"The DCP metadata {str(hostile_metadata / '.metadata')!r}")
+    out_file = tmp_path / "out.ckpt"
+    for call in (
+        lambda: load_checkpoint(hostile_metadata),
+        lambda: inspect_checkpoint(hostile_metadata),
+        lambda: verify_checkpoint(hostile_metadata),
+        lambda: consolidate_checkpoint(hostile_metadata, out_file, progress=False),
+        lambda: TinyShardedModel.load_from_checkpoint(hostile_metadata),
+    ):
+        with pytest.raises(CheckpointError) as info:
+            call()
+        assert str(info.value) == expected
+    code, out, _ = cli(capsys, "verify", str(hostile_metadata), "--unsafe-unpickle")
+    what = f"The DCP metadata {str(hostile_metadata / '.metadata')!r}"
+    assert code == 0 and f"note: {what} holds {HOSTILE_NAME}, which a safe load refuses" in out
+    assert "note: the shard files were not checked against `.metadata`: reading it would run code" in out
+    assert not marker.exists() and not out_file.exists()
+
+
 # ------------------------------------------------------------------- what Lightning writes opens
 
 
@@ -406,7 +431,7 @@ def test_a_copy_of_a_hostile_directory_is_still_refused_after_a_clean_load(
 
 def test_the_strategies_resume_keeps_lightnings_rule(pickles_run: Path, process_group: None) -> None:
     """Resuming passes fit()'s weights_only to torch.load as stock Lightning does; None is torch's default."""
-    from lightning_sharded.checkpoint.io import restore_checkpoint
+    from lightning_sharded.checkpoint.load import restore_checkpoint
 
     (ckpt,) = (pickles_run / "mp").glob("*.ckpt")
     model = PickleModel(**HPARAMS)
@@ -440,10 +465,11 @@ def test_hostile_file_at_a_url(hostile_file: Path, marker: Path) -> None:
 
 def test_verify_reports_an_object_entry_it_cannot_read(hostile_item: Path, marker: Path) -> None:
     """Without a manifest (stock Lightning) nothing else catches a damaged non-tensor entry."""
-    from lightning_sharded.checkpoint.verify import read_dcp_metadata
+    from lightning_sharded.checkpoint.backends import backend_for
+    from lightning_sharded.checkpoint.dcp_index import read_index
 
     (hostile_item / MANIFEST_NAME).unlink()
-    metadata = read_dcp_metadata(hostile_item)
+    metadata = read_index(backend_for(hostile_item), hostile_item, weights_only=True)
     (info,) = [v for k, v in metadata.storage_data.items() if k.fqn == ITEM[1:-1]]
     with open(hostile_item / "__0_0.distcp", "r+b") as f:
         f.seek(int(info.offset))
