@@ -180,14 +180,48 @@ def test_assign_true_assigns_the_sharded_value() -> None:
     assert target.inner.table is value
 
 
-def test_sharded_value_without_attribute_is_assigned() -> None:
-    source, target = model(), model()
+def test_strict_load_refuses_a_sharded_value_the_model_does_not_have() -> None:
+    source = model()
+    source.head.new_table = dt(torch.ones(3))  # a renamed or stale attribute: the target has none
+    source.cache = dt(torch.ones(2))  # the target's cache is None
+    state = source.state_dict()
+    target = model()
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "cache", "head.new_table"'):
+        target.load_state_dict(state)
+    assert target.cache is None and "new_table" not in vars(target.head)
+
+
+def test_non_strict_load_assigns_where_torch_would() -> None:
+    # strict=False: as torch's own ShardedTensor hook, only to an attribute the module already has.
+    source = model()
     source.head.new_table = dt(torch.ones(3))
     source.cache = dt(torch.ones(2))
-    result = target.load_state_dict(source.state_dict())  # strict: nothing unexpected
-    assert not result.unexpected_keys
-    assert target.head.new_table is not None and torch.equal(full(target.head.new_table), torch.ones(3))
+    target = model()
+    result = target.load_state_dict(source.state_dict(), strict=False)
+    assert result.unexpected_keys == ["head.new_table"]
+    assert "new_table" not in vars(target.head)
     assert torch.equal(full(target.cache), torch.ones(2))
+
+
+def test_assign_true_assigns_a_sharded_value_the_model_does_not_have() -> None:
+    source = model()
+    source.head.new_table = dt(torch.ones(3))
+    state = source.state_dict()
+    target = model()
+    assert str(target.load_state_dict(state, assign=True)) == "<All keys matched successfully>"
+    assert target.head.new_table is state["head.new_table"]
+
+
+def test_a_sharded_value_never_replaces_a_submodule_or_buffer() -> None:
+    state = model().state_dict()
+    state["inner"] = dt(torch.ones(2))  # a submodule's name
+    target = model()
+    target.head.register_buffer("stats", torch.zeros(2))
+    state["head.stats"] = torch.zeros(2)
+    state["head.stats.x"] = dt(torch.ones(2))  # below a buffer: no module there
+    result = target.load_state_dict(state, strict=False, assign=True)
+    assert sorted(result.unexpected_keys) == ["head.stats.x", "inner"]
+    assert isinstance(target.inner, nn.Module)
 
 
 def test_full_tensor_without_attribute_stays_unexpected() -> None:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import storage
 from lightning_sharded.checkpoint._pages import FileMapping
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -480,8 +481,12 @@ def _has_fsdp1(model: nn.Module) -> bool:
 
 
 def _named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """``(name, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``."""
-    names = {id(param): name for name, param in model.named_parameters()}
+    """``(clean FQN, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``.
+
+    Names are those of ``get_optimizer_state_dict`` (no ``_orig_mod.``, ``_checkpoint_wrapped_module.``...),
+    so a checkpoint saved through one wrapping loads into another.
+    """
+    names = parameter_names(model)
     return [(names[id(param)], param) for group in optimizer.param_groups for param in group[_PARAMS]]
 
 
