@@ -49,9 +49,7 @@ _WRAPPERS = (
 )  # fmt: skip
 
 #: Path parts that only wrappers add; a prefix handed to a hook may contain them (see :func:`clean_prefix`).
-WRAPPER_PARTS = frozenset(
-    {w.inner for w in _WRAPPERS} | {part for w in _WRAPPERS for part in w.skip}
-)
+WRAPPER_PARTS = frozenset({w.inner for w in _WRAPPERS} | {part for w in _WRAPPERS for part in w.skip})
 
 
 @dataclass(frozen=True)

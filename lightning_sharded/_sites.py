@@ -188,4 +188,3 @@ def _walk_unregistered(root: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
             if MARKER not in vars(child)
         ]
         stack.extend(reversed(children))
-

@@ -44,7 +44,9 @@ _LOAD_CODE = nn.Module.load_state_dict.__code__
 _STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
 #: Set by :func:`receiving_full_values`: attributes that are ``None`` or absent take full tensors.
-_FULL_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_sharded_full_values", default=False)
+_FULL_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lightning_sharded_full_values", default=False
+)
 
 _OK, _MISSING, _INVALID, _FAILED = 1, 2, 3, 4
 
@@ -106,19 +108,20 @@ class _StateDictHook:
             destination[key] = value
 
 
-def _load_call(frame: FrameType | None) -> tuple[bool, bool]:
-    """``(strict, assign)`` of the ``nn.Module.load_state_dict`` call this hook runs in.
+def _load_call(frame: FrameType | None) -> tuple[bool, bool, Any]:
+    """``(strict, assign, state_dict)`` of the ``nn.Module.load_state_dict`` call this hook runs in.
 
     torch passes ``strict=True`` to every load pre-hook whatever the caller asked, so the hook reads the
-    caller's arguments; without such a call on the stack (``_load_from_state_dict`` called directly),
-    ``(True, False)``: nothing is assigned that strict loading would refuse.
+    caller's arguments (and its whole state dict, for keys spelled without the prefix's wrapper parts);
+    without such a call on the stack (``_load_from_state_dict`` called directly), ``(True, False,
+    None)``: nothing is assigned that strict loading would refuse.
     """
     while frame is not None:
         if frame.f_code is _LOAD_CODE:
             local = frame.f_locals
-            return bool(local.get("strict", True)), bool(local.get("assign", False))
+            return bool(local.get("strict", True)), bool(local.get("assign", False)), local.get("state_dict")
         frame = frame.f_back
-    return True, False
+    return True, False, None
 
 
 class _LoadPreHook:
@@ -145,20 +148,30 @@ class _LoadPreHook:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        strict, assign = _load_call(sys._getframe(1))
+        strict, assign, whole = _load_call(sys._getframe(1))
         assign = assign or bool(local_metadata.get("assign_to_params_buffers", False))
-        prefixes = [prefix] if clean_prefix(prefix) == prefix else [prefix, clean_prefix(prefix)]
+        # A wrapper above the root (torch.compile, DDP) puts its part in `prefix`, but torch's
+        # set_model_state_dict hands sharded attributes over under their clean FQN: such a key is
+        # only in the caller's whole state dict, already reported unexpected by the wrapper.
+        outer = clean_prefix(prefix)
         stopped = False
         for site in self.shared.index.find(module):
-            key = _key_of(state_dict, site.key, site.clean_key, prefixes)
+            source = state_dict
+            key = _key_of(state_dict, prefix, site.key, site.clean_key)
+            if key is None and outer != prefix and isinstance(whole, dict):
+                key = _key_of(whole, outer, site.key, site.clean_key)
+                if key is not None:
+                    source = whole
+                    with contextlib.suppress(ValueError):
+                        unexpected_keys.remove(key)
             if stopped:  # a copy failed on some rank: every rank stops loading, keys are still consumed
                 if key is not None:
-                    state_dict.pop(key)
+                    source.pop(key)
                 continue
-            if not self._load_site(site.module, site.name, prefix + site.key, key, state_dict, assign,
+            if not self._load_site(site.module, site.name, prefix + site.key, key, source, assign,
                                    missing_keys, error_msgs):  # fmt: skip
                 stopped = True
-        self._assign_unclaimed(module, state_dict, prefixes, strict=strict, assign=assign)
+        self._assign_unclaimed(module, state_dict, prefix, strict=strict, assign=assign)
 
     @staticmethod
     def _load_site(
@@ -185,14 +198,14 @@ class _LoadPreHook:
         invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
         missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
         if invalid:
-            error_msgs.append(error or f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
-                              " (see their error); no rank loaded it.")  # fmt: skip
+            elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
+            error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
             return True
         if missing:
             if len(missing) < len(codes):
                 error_msgs.append(
-                    f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on rank(s)'
-                    f" {missing}); no rank loaded it. Every rank must load the same keys."
+                    f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
+                    f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
                 )
             return True
         failure = None
@@ -203,17 +216,22 @@ class _LoadPreHook:
                 f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an exception'
                 f" occurred: {ex!r}."
             )
-        failed = sorted(rank for rank, c in agree(target, _FAILED if failure else _OK).items() if c == _FAILED)
+        outcome = agree(target, _FAILED if failure else _OK)
+        failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
         if failed:
+            if failure is None:
+                failure = (
+                    f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).'
+                )
             error_msgs.append(
-                (failure or f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).')
+                failure
                 + " Every rank stopped loading sharded attributes there, before any further collective."
             )
             return False
         return True
 
     def _assign_unclaimed(
-        self, module: nn.Module, state_dict: dict[str, Any], prefixes: list[str], *, strict: bool, assign: bool
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *, strict: bool, assign: bool
     ) -> None:
         full_values = _FULL_VALUES.get()
         if strict and not assign and not full_values:
@@ -221,12 +239,13 @@ class _LoadPreHook:
         for key in list(state_dict):
             value = state_dict[key]
             sharded = adapter_for(value) is not None
-            if not (sharded and (assign or not strict)) and not (full_values and isinstance(value, torch.Tensor)):
+            if not (sharded and (assign or not strict)) and not (
+                full_values and isinstance(value, torch.Tensor)
+            ):
                 continue
-            start = next((p for p in prefixes if key.startswith(p)), None)
-            if start is None:
+            if not key.startswith(prefix):
                 continue
-            target = self.shared.index.owner(module, key[len(start) :])
+            target = self.shared.index.owner(module, key[len(prefix) :])
             if target is None:
                 continue
             owner, name = target
@@ -238,24 +257,22 @@ class _LoadPreHook:
                 or hasattr(type(owner), name)
             ):
                 continue
-            exists = name in owner.__dict__
-            if sharded and assign:
-                pass
-            elif full_values and owner.__dict__.get(name) is None:
-                pass
-            elif sharded and not strict and exists:
-                pass
-            else:
+            empty = owner.__dict__.get(name) is None  # not set, or None
+            allowed = (
+                (sharded and assign)  # assign=True assigns
+                or (full_values and empty)  # a plain-process load_from_checkpoint
+                or (sharded and not strict and name in owner.__dict__)  # where torch's own hook would
+            )
+            if not allowed:
                 continue
             setattr(owner, name, state_dict.pop(key))
 
 
-def _key_of(state_dict: dict[str, Any], raw: str, clean: str, prefixes: list[str]) -> str | None:
-    """The first spelling of a site's key present in ``state_dict``: raw, then clean FQN, under each prefix."""
-    for prefix in prefixes:
-        for relative in (raw, clean):
-            if prefix + relative in state_dict:
-                return prefix + relative
+def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
+    """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
+    for relative in (raw, clean):
+        if prefix + relative in state_dict:
+            return prefix + relative
     return None
 
 
@@ -277,7 +294,7 @@ class _Shared:
         self.keep_vars: list[tuple[int, bool]] = []  # (id of the state_dict frame, keep_vars)
 
     def pop_keep_vars(self, frame_id: int) -> bool:
-        """The ``keep_vars`` the pre-hook saw in this call; entries of calls nested in it that raised go too."""
+        """The ``keep_vars`` the pre-hook saw in this call; entries of nested calls that raised go too."""
         stack = self.keep_vars
         for index in range(len(stack) - 1, -1, -1):
             if stack[index][0] == frame_id:

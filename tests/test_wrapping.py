@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import Results, run_batch
+from tests.distributed.launch import launcher_env
 from tests.distributed.wrap_models import WRAPPINGS
 
 pytestmark = pytest.mark.slow
@@ -41,10 +42,14 @@ LLAMA_LAYOUTS = {"1x2": 2, "fsdp1": 2, "1x1": 1}
 
 #: The model's keys in every checkpoint and in get_model_state_dict, whatever the wrapping.
 MODEL_KEYS = sorted(
-    f"{place}{name}"
-    for place in ("", "enc.block.", "enc.block.sub.")
-    for name in ("table", "cache", *(() if not place else ("lin.weight", "lin.bias")))
-) + ["enc.proj.bias", "enc.proj.weight", "head.bias", "head.weight"]
+    [
+        "table",
+        "cache",
+        *(f"{place}{name}" for place in ("enc.block.", "enc.block.sub.") for name in ("table", "cache")),
+        *(f"{place}lin.{name}" for place in ("enc.block.", "enc.block.sub.") for name in ("weight", "bias")),
+        *("enc.proj.bias", "enc.proj.weight", "head.bias", "head.weight"),
+    ]
+)
 WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod", "_flat_param")
 
 
@@ -66,7 +71,13 @@ class WrappingRuns:
         for wrapping in WRAPPINGS:
             add(wrapping, 2, kind="fit", wrapping=wrapping, ckpt=str(root / wrapping))
         for ckpt, wrapping, world in RESUMES:
-            add(resume_name(ckpt, wrapping, world), world, kind="resume", wrapping=wrapping, ckpt=str(root / ckpt))
+            add(
+                resume_name(ckpt, wrapping, world),
+                world,
+                kind="resume",
+                wrapping=wrapping,
+                ckpt=str(root / ckpt),
+            )
         for layout, world in LLAMA_LAYOUTS.items():
             add(f"llama>{layout}", world, kind="llama-resume", layout=layout, ckpt=str(root / "llama"))
         add("agree", 2, kind="agree")
@@ -104,12 +115,16 @@ def checkpoint_keys(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(("ckpt", "wrapping", "world"), RESUMES, ids=[resume_name(*r) for r in RESUMES])
-def test_resume_restores_every_value_exactly(runs: WrappingRuns, ckpt: str, wrapping: str, world: int) -> None:
+def test_resume_restores_every_value_exactly(
+    runs: WrappingRuns, ckpt: str, wrapping: str, world: int
+) -> None:
     assert_restored(runs[ckpt], runs[resume_name(ckpt, wrapping, world)])
 
 
 @pytest.mark.parametrize("wrapping", WRAPPINGS)
-def test_keys_are_clean_fqns_in_the_checkpoint_and_in_torch_helpers(runs: WrappingRuns, wrapping: str) -> None:
+def test_keys_are_clean_fqns_in_the_checkpoint_and_in_torch_helpers(
+    runs: WrappingRuns, wrapping: str
+) -> None:
     saved = runs[wrapping]
     assert saved["keys"] == sorted(MODEL_KEYS)  # get_model_state_dict on the wrapped model
     stored = checkpoint_keys(runs.root / wrapping)
@@ -162,7 +177,10 @@ def test_a_copy_failing_on_one_rank_fails_on_every_rank(runs: WrappingRuns) -> N
     records = [r["copy-fails"] for r in runs["agree"]]
     for rank, record in enumerate(records):
         assert record["error"] is not None, f"rank {rank} did not raise"
-        assert "Every rank stopped loading sharded attributes there, before any further collective" in record["error"]
+        assert (
+            "Every rank stopped loading sharded attributes there, before any further collective"
+            in record["error"]
+        )
         # `a` came first; `b` and `c` were not loaded on any rank
         assert torch.equal(record["values"]["b"], torch.zeros(4, 2))
         assert torch.equal(record["values"]["c"], torch.zeros(4, 2))
@@ -174,8 +192,9 @@ def test_a_copy_failing_on_one_rank_fails_on_every_rank(runs: WrappingRuns) -> N
 def test_an_invalid_value_on_one_rank_is_an_error_on_every_rank(runs: WrappingRuns) -> None:
     records = [r["invalid"] for r in runs["agree"]]
     assert "size mismatch for a: copying a param with shape torch.Size([5, 2])" in records[1]["error"]
-    assert 'The sharded attribute "a" could not be loaded on rank(s) [1] (see their error); no rank loaded it.' in (
-        records[0]["error"]
+    assert (
+        'The sharded attribute "a" could not be loaded on rank(s) [1] (see their error); no rank loaded it.'
+        in (records[0]["error"])
     )
     for record in records:
         assert torch.equal(record["values"]["a"], torch.zeros(4, 2))  # no rank loaded it
@@ -186,9 +205,41 @@ def test_an_invalid_value_on_one_rank_is_an_error_on_every_rank(runs: WrappingRu
 
 def test_a_key_missing_on_one_rank_is_an_error_on_every_rank(runs: WrappingRuns) -> None:
     for record in [r["missing"] for r in runs["agree"]]:
-        assert 'The state dict has the sharded attribute "b" on some ranks only (missing on rank(s) [1])' in (
-            record["error"]
+        assert (
+            'The state dict has the sharded attribute "b" on some ranks only (missing on rank(s) [1])'
+            in (record["error"])
         )
         assert torch.equal(record["values"]["b"], torch.zeros(4, 2))
         assert torch.equal(record["values"]["a"], torch.full((4, 2), 3.0))
         assert record["recovered"]
+
+
+@pytest.mark.parametrize("wrapping", ["mp-compile", "fsdp-ac"])
+def test_load_from_checkpoint_in_one_plain_process(runs: WrappingRuns, wrapping: str, tmp_path: Path) -> None:
+    # No process group: configure_model leaves every sharded attribute None; each receives its full tensor,
+    # under strict loading, and only the model state and meta.pt are read (no optimizer state).
+    import subprocess
+    import sys
+
+    out = tmp_path / "loaded.pt"
+    script = Path(__file__).parent / "distributed" / "plain_load.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(runs.root / wrapping), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=launcher_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    loaded = torch.load(out, weights_only=False)
+    saved = runs[wrapping]
+    assert loaded["wrapping"] == wrapping  # hyperparameters from meta.pt
+    assert loaded["read"] == ["model" if wrapping.startswith("fsdp") else "state_dict"]
+    assert "optimizer_states" not in loaded["handed"] and "hyper_parameters" in loaded["handed"]
+    values = loaded["values"]
+    for place in ("root", "block", "sub"):
+        for name in ("table", "cache"):
+            assert values[f"type.{place}.{name}"] == "Tensor"
+            assert torch.equal(values[f"attr.{place}.{name}"], saved[f"attr.{place}.{name}"])
+    params = [k for k in saved if k.startswith("model.")]
+    assert params and all(torch.equal(values[k], saved[k]) for k in params)

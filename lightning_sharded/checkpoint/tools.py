@@ -87,6 +87,11 @@ class _DcpReader:
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
 
+    def skip(self, top_level: Callable[[Any], bool]) -> None:
+        """Read none of the entries whose top-level key (``"optimizer_0"``...) ``top_level`` picks."""
+        self.tensors = {k: v for k, v in self.tensors.items() if not top_level(self.path_of(k)[0])}
+        self.objects = [k for k in self.objects if not top_level(self.path_of(k)[0])]
+
     def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -260,6 +265,7 @@ def load_checkpoint(
     *,
     verify: bool = False,
     weights_only: bool = False,
+    optimizer_states: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
 
@@ -274,6 +280,9 @@ def load_checkpoint(
         verify: Also compare every file's checksum with the manifest before reading.
         weights_only: Passed to :func:`torch.load`; ``False`` unpickles arbitrary objects (hyperparameters),
             so only load checkpoints you trust.
+        optimizer_states: ``False`` skips the optimizer states of a sharded directory (nothing of them is
+            read; the dict has no ``optimizer_states``): the model state and ``meta.pt`` only, as inference
+            needs.
 
     Returns:
         The checkpoint dict.
@@ -288,6 +297,8 @@ def load_checkpoint(
         return _load_full(real, map_location, weights_only)
     real, reader = _open_sharded(real, verify)
     meta = _read_meta(real, weights_only)
+    if not optimizer_states:
+        reader.skip(lambda top: OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()
     targets = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()

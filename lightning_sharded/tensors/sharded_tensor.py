@@ -77,7 +77,6 @@ class ShardedTensorAdapter:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return full
 
-
     def groups(self, value: Any) -> list[Any]:
         group = value._process_group
         if not dist.is_initialized() or dist.get_world_size(group) <= 1:

@@ -84,6 +84,7 @@ def _initial(place: str, rows: int, cols: int) -> torch.Tensor:
 class WrapModel(ShardedStateMixin, L.LightningModule):
     def __init__(self, wrapping: str = "mp") -> None:
         super().__init__()
+        self.save_hyperparameters()
         self.wrapping = wrapping
         torch.manual_seed(0)
         self.enc = Encoder()
@@ -98,6 +99,8 @@ class WrapModel(ShardedStateMixin, L.LightningModule):
         return {"root": self, "block": block, "sub": sub}
 
     def configure_model(self) -> None:
+        if not dist.is_initialized():
+            return  # one plain process (load_from_checkpoint): the sharded attributes stay None
         world = dist.get_world_size()
         for place, holder in self.holders().items():
             if holder.table is None:
@@ -105,7 +108,9 @@ class WrapModel(ShardedStateMixin, L.LightningModule):
                 from torch.distributed.tensor import Shard, distribute_tensor
 
                 mesh = init_device_mesh("cpu", (world,))
-                holder.table = distribute_tensor(_initial(place, 4, DIM), mesh, [Shard(0)], src_data_rank=None)
+                holder.table = distribute_tensor(
+                    _initial(place, 4, DIM), mesh, [Shard(0)], src_data_rank=None
+                )
             if holder.cache is None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)

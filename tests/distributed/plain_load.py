@@ -1,0 +1,58 @@
+"""``WrapModel.load_from_checkpoint(DIR)`` in one plain process (no process group), as for inference.
+
+    plain_load.py CHECKPOINT_DIR OUT_FILE
+
+Writes the loaded model's values (parameters by name, each sharded attribute by place), the keys the
+checkpoint dict handed to Lightning had, and the top-level keys of every entry read from the directory.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_sharded.checkpoint import tools  # noqa: E402
+from tests.distributed.wrap_models import WrapModel  # noqa: E402
+
+
+def main(ckpt: str, out: str) -> None:
+    read: list[Any] = []
+    handed: list[str] = []
+    reader_cls = tools._DcpReader
+    original_read, original_load = reader_cls.read_tensors, tools.load_checkpoint
+
+    def read_tensors(self: Any, targets: dict[str, torch.Tensor], on_tensor: Any) -> None:
+        read.extend(self.path_of(key)[0] for key in targets)
+        original_read(self, targets, on_tensor)
+
+    def load_checkpoint(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = original_load(*args, **kwargs)
+        handed.extend(sorted(checkpoint))
+        return checkpoint
+
+    reader_cls.read_tensors = read_tensors  # type: ignore[method-assign]
+    tools.load_checkpoint = load_checkpoint  # type: ignore[assignment]
+    model = WrapModel.load_from_checkpoint(ckpt)
+    assert not dist.is_initialized()
+    values = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for place, holder in model.holders().items():
+        for name in ("table", "cache"):
+            value = getattr(holder, name)
+            values[f"attr.{place}.{name}"] = value
+            values[f"type.{place}.{name}"] = type(value).__name__
+    torch.save(
+        {"values": values, "read": sorted(set(read)), "handed": handed, "wrapping": model.hparams.wrapping},
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
