@@ -1,6 +1,6 @@
 """State-dict hooks that save and restore the sharded attributes of a module tree.
 
-``register_sharded_state_hooks(module)`` registers three hooks on ``module`` (the *root*), through
+``register_sharded_state_hooks(module)`` registers four hooks on ``module`` (the *root*), through
 ``nn.Module``'s public hook APIs:
 
 - a state-dict pre-hook, which only remembers ``keep_vars`` (the post-hook is not given it);
@@ -10,8 +10,10 @@
 - a load pre-hook, which pops each sharded attribute's key (either spelling: the raw one, or the clean
   FQN that ``get_model_state_dict`` gives) and copies the value into the attribute, resharding as
   needed; errors go to ``error_msgs`` like torch's own, absent keys to ``missing_keys``. Popping means
-  the key can never be reported as unexpected. A sharded value that no attribute consumes stays
-  unexpected unless ``strict=False`` or ``assign=True`` allow assigning it (see :class:`_LoadPreHook`).
+  the key can never be reported as unexpected;
+- a load post-hook, which assigns sharded values that torch reported unexpected, only where
+  ``strict=False`` or ``assign=True`` allow it (see :class:`_LoadPostHook`); under ``strict=True``
+  they stay unexpected.
 
 Loading is collective when values are resharded: the ranks holding an attribute agree on each
 attribute's outcome before its copy and after it, so a failure on one rank is an error on all of them
@@ -27,7 +29,7 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -40,6 +42,8 @@ from lightning_sharded.tensors import adapter_for, agree
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
 
 _LOAD_CODE = nn.Module.load_state_dict.__code__
+# The recursion inside load_state_dict (`def load(module, local_state_dict, prefix="")`).
+_LOAD_INNER = next((c for c in _LOAD_CODE.co_consts if isinstance(c, CodeType) and c.co_name == "load"), None)
 # Every nn.Module has these in its __dict__; a checkpoint key never assigns one of them.
 _STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
@@ -124,15 +128,28 @@ def _load_call(frame: FrameType | None) -> tuple[bool, bool, Any]:
     return True, False, None
 
 
-class _LoadPreHook:
-    """Loads every sharded attribute from the state dict; assigns unclaimed sharded values where allowed.
+def _running_load(module: nn.Module, frame: FrameType | None) -> tuple[str, bool, bool, Any] | None:
+    """``(prefix, strict, assign, state_dict)`` of the ``load_state_dict`` call loading ``module`` now.
 
-    A sharded value under a key no attribute has is assigned to the submodule the key names (found by
-    module identity) when ``assign=True``, or when ``strict=False`` and the submodule already has an
-    attribute of that name (``self.table = None``), as torch's own ShardedTensor hook does; never under
-    ``strict=True``: there it stays an unexpected key. Keys of parameters, buffers and submodules are
-    never assigned.
+    ``prefix`` is ``module``'s (from torch's recursion), the rest the caller's; ``None`` if torch's
+    recursion is not on the stack (then nothing is assigned).
     """
+    prefix = None
+    while frame is not None:
+        if prefix is None and frame.f_code is _LOAD_INNER and frame.f_locals.get("module") is module:
+            prefix = frame.f_locals.get("prefix")
+        elif frame.f_code is _LOAD_CODE:
+            local = frame.f_locals
+            whole = local.get("state_dict")
+            if not isinstance(prefix, str) or not isinstance(whole, dict):
+                return None
+            return prefix, bool(local.get("strict", True)), bool(local.get("assign", False)), whole
+        frame = frame.f_back
+    return None
+
+
+class _LoadPreHook:
+    """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
 
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
@@ -148,7 +165,7 @@ class _LoadPreHook:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        strict, assign, whole = _load_call(sys._getframe(1))
+        _, assign, whole = _load_call(sys._getframe(1))
         assign = assign or bool(local_metadata.get("assign_to_params_buffers", False))
         # A wrapper above the root (torch.compile, DDP) puts its part in `prefix`, but torch's
         # set_model_state_dict hands sharded attributes over under their clean FQN: such a key is
@@ -171,7 +188,6 @@ class _LoadPreHook:
             if not self._load_site(site.module, site.name, prefix + site.key, key, source, assign,
                                    missing_keys, error_msgs):  # fmt: skip
                 stopped = True
-        self._assign_unclaimed(module, state_dict, prefix, strict=strict, assign=assign)
 
     @staticmethod
     def _load_site(
@@ -230,20 +246,49 @@ class _LoadPreHook:
             return False
         return True
 
-    def _assign_unclaimed(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *, strict: bool, assign: bool
-    ) -> None:
+
+def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
+    """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
+    for relative in (raw, clean):
+        if prefix + relative in state_dict:
+            return prefix + relative
+    return None
+
+
+class _LoadPostHook:
+    """Assigns the sharded values torch reported unexpected, where the strictness rule allows.
+
+    It runs after torch and every submodule's hooks (FSDP's included) took their keys, so only keys no
+    one claimed are candidates. A sharded value is assigned to the submodule the key names (found by
+    module identity) when ``assign=True``, or when ``strict=False`` and the submodule already has an
+    attribute of that name (``self.table = None``), as torch's own ShardedTensor hook does; never under
+    ``strict=True``: there it stays an unexpected key. Within :func:`receiving_full_values`, a tensor
+    for an attribute that is ``None`` or not set is assigned, strict or not. Keys of parameters,
+    buffers and submodules are never assigned. Everything it needs comes from the running
+    ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
+    """
+
+    def __init__(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
+        unexpected: list[str] = incompatible_keys.unexpected_keys
+        if not unexpected:
+            return
+        call = _running_load(module, sys._getframe(1))
+        if call is None:
+            return
+        prefix, strict, assign, whole = call
         full_values = _FULL_VALUES.get()
         if strict and not assign and not full_values:
             return
-        for key in list(state_dict):
-            value = state_dict[key]
+        assigned = set()
+        for key in sorted(k for k in unexpected if k.startswith(prefix)):
+            value = whole.get(key)
             sharded = adapter_for(value) is not None
             if not (sharded and (assign or not strict)) and not (
                 full_values and isinstance(value, torch.Tensor)
             ):
-                continue
-            if not key.startswith(prefix):
                 continue
             target = self.shared.index.owner(module, key[len(prefix) :])
             if target is None:
@@ -263,27 +308,11 @@ class _LoadPreHook:
                 or (full_values and empty)  # a plain-process load_from_checkpoint
                 or (sharded and not strict and name in owner.__dict__)  # where torch's own hook would
             )
-            if not allowed:
-                continue
-            setattr(owner, name, state_dict.pop(key))
-
-
-def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
-    """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
-    for relative in (raw, clean):
-        if prefix + relative in state_dict:
-            return prefix + relative
-    return None
-
-
-class _LoadPostHook:
-    """Kept so that modules pickled by an earlier version unpickle; does nothing."""
-
-    def __init__(self, shared: Any = None) -> None:
-        self.shared = shared
-
-    def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
-        return None
+            if allowed:
+                setattr(owner, name, value)
+                assigned.add(key)
+        if assigned:
+            unexpected[:] = [key for key in unexpected if key not in assigned]
 
 
 class _Shared:
@@ -383,6 +412,7 @@ def register_sharded_state_hooks(module: nn.Module) -> nn.Module:
     module.register_state_dict_pre_hook(_StateDictPreHook(shared))
     module.register_state_dict_post_hook(_StateDictHook(shared))
     module.register_load_state_dict_pre_hook(_LoadPreHook(shared))
+    module.register_load_state_dict_post_hook(_LoadPostHook(shared))
     # object.__setattr__: a plain marker, invisible to nn.Module's parameter/module bookkeeping.
     object.__setattr__(module, MARKER, True)
     return module
