@@ -214,24 +214,32 @@ def test_a_key_missing_on_one_rank_is_an_error_on_every_rank(runs: WrappingRuns)
         assert record["recovered"]
 
 
-@pytest.mark.parametrize("wrapping", ["mp-compile", "fsdp-ac"])
-def test_load_from_checkpoint_in_one_plain_process(runs: WrappingRuns, wrapping: str, tmp_path: Path) -> None:
-    # No process group: configure_model leaves every sharded attribute None; each receives its full tensor,
-    # under strict loading, and only the model state and meta.pt are read (no optimizer state).
+PLAIN_LOADS = ("mp-compile", "fsdp-ac")
+
+
+@pytest.fixture(scope="module")
+def plain_loads(runs: WrappingRuns) -> dict[str, Any]:
+    """``WrapModel.load_from_checkpoint(dir)`` of each checkpoint in one plain process (one launch)."""
     import subprocess
     import sys
 
-    out = tmp_path / "loaded.pt"
     script = Path(__file__).parent / "distributed" / "plain_load.py"
+    outs = {w: runs.root / f"plain-{w}.pt" for w in PLAIN_LOADS}
+    pairs = [str(part) for w in PLAIN_LOADS for part in (runs.root / w, outs[w])]
     proc = subprocess.run(
-        [sys.executable, str(script), str(runs.root / wrapping), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=launcher_env(),
+        [sys.executable, str(script), *pairs], capture_output=True, text=True, timeout=300, env=launcher_env()
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    loaded = torch.load(out, weights_only=False)
+    return {w: torch.load(out, weights_only=False) for w, out in outs.items()}
+
+
+@pytest.mark.parametrize("wrapping", PLAIN_LOADS)
+def test_load_from_checkpoint_in_one_plain_process(
+    runs: WrappingRuns, plain_loads: dict[str, Any], wrapping: str
+) -> None:
+    # No process group: configure_model leaves every sharded attribute None; each receives its full tensor,
+    # under strict loading, and only the model state and meta.pt are read (no optimizer state).
+    loaded = plain_loads[wrapping]
     saved = runs[wrapping]
     assert loaded["wrapping"] == wrapping  # hyperparameters from meta.pt
     assert loaded["read"] == ["model" if wrapping.startswith("fsdp") else "state_dict"]

@@ -1,9 +1,10 @@
 """``WrapModel.load_from_checkpoint(DIR)`` in one plain process (no process group), as for inference.
 
-    plain_load.py CHECKPOINT_DIR OUT_FILE
+    plain_load.py CHECKPOINT_DIR OUT_FILE [CHECKPOINT_DIR OUT_FILE ...]
 
-Writes the loaded model's values (parameters by name, each sharded attribute by place), the keys the
-checkpoint dict handed to Lightning had, and the top-level keys of every entry read from the directory.
+For each checkpoint, writes the loaded model's values (parameters by name, each sharded attribute by
+place), the keys of the checkpoint dict handed to Lightning, and the top-level keys of every tensor
+entry read from the directory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import torch.distributed as dist  # noqa: E402
 from lightning_sharded.checkpoint import tools  # noqa: E402
 from tests.distributed.wrap_models import WrapModel  # noqa: E402
 
+read: list[Any] = []  # top-level keys of every tensor entry read from a directory
+handed: list[str] = []  # the keys of the checkpoint dict handed to Lightning
 
-def main(ckpt: str, out: str) -> None:
-    read: list[Any] = []
-    handed: list[str] = []
+
+def spy() -> None:
+    """Record what the mixin's load reads (tensor entries) and hands on (checkpoint keys)."""
     reader_cls = tools._DcpReader
     original_read, original_load = reader_cls.read_tensors, tools.load_checkpoint
 
@@ -40,6 +43,11 @@ def main(ckpt: str, out: str) -> None:
 
     reader_cls.read_tensors = read_tensors  # type: ignore[method-assign]
     tools.load_checkpoint = load_checkpoint  # type: ignore[assignment]
+
+
+def main(ckpt: str, out: str) -> None:
+    read.clear()
+    handed.clear()
     model = WrapModel.load_from_checkpoint(ckpt)
     assert not dist.is_initialized()
     values = {f"model.{k}": v for k, v in model.state_dict().items()}
@@ -48,11 +56,12 @@ def main(ckpt: str, out: str) -> None:
             value = getattr(holder, name)
             values[f"attr.{place}.{name}"] = value
             values[f"type.{place}.{name}"] = type(value).__name__
-    torch.save(
-        {"values": values, "read": sorted(set(read)), "handed": handed, "wrapping": model.hparams.wrapping},
-        out,
-    )
+    result = {"values": values, "read": sorted(set(read)), "handed": list(handed)}
+    torch.save({**result, "wrapping": model.hparams.wrapping}, out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    spy()
+    pairs = sys.argv[1:]
+    for index in range(0, len(pairs), 2):
+        main(pairs[index], pairs[index + 1])
