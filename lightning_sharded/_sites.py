@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
@@ -60,16 +60,15 @@ class Site:
     module: nn.Module
     name: str
     clean_path: str = ""
+    #: The state-dict key relative to the root, as ``state_dict()`` gives a parameter at this place.
+    key: str = field(init=False)
+    #: The clean FQN relative to the root, as ``get_model_state_dict`` gives it.
+    clean_key: str = field(init=False)
 
-    @property
-    def key(self) -> str:
-        """The state-dict key relative to the root, as ``state_dict()`` gives a parameter at this place."""
-        return self.path + self.name
-
-    @property
-    def clean_key(self) -> str:
-        """The clean FQN relative to the root, as ``get_model_state_dict`` gives it."""
-        return self.clean_path + self.name
+    def __post_init__(self) -> None:
+        # Computed once per walk: the state-dict hook reads them at every call.
+        object.__setattr__(self, "key", self.path + self.name)
+        object.__setattr__(self, "clean_key", self.clean_path + self.name)
 
     @property
     def value(self) -> Any:
