@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_sharded.checkpoint.manifest import file_checksum
+from lightning_sharded.checkpoint.checksum import file_checksum
 
 
 def rate(nbytes: int, fn: Callable[[], object], repeat: int = 3) -> float:

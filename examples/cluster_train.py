@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sharded import ShardedModelParallelStrategy, ShardedStateMixin
-from lightning_sharded.checkpoint import storage
+from lightning_sharded.checkpoint.backends import backend_for, location
 
 
 class Model(ShardedStateMixin, L.LightningModule):
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    resume = args.ckpt if storage.exists(storage.location(args.ckpt)) else None
+    resume = args.ckpt if backend_for(location(args.ckpt)).exists(location(args.ckpt)) else None
     step = 0
     if resume is not None:
         from lightning_sharded import inspect_checkpoint

@@ -7,9 +7,9 @@ seconds) load on first access.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 from lightning_sharded.mixin import ShardedStateMixin
@@ -25,20 +25,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "ShardedFSDPStrategy": "lightning_sharded.strategies.fsdp",
     "ShardedModelParallelStrategy": "lightning_sharded.strategies.model_parallel",
-    "consolidate_checkpoint": "lightning_sharded.checkpoint.tools",
-    "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
-    "load_checkpoint": "lightning_sharded.checkpoint.tools",
-    "verify_checkpoint": "lightning_sharded.checkpoint.verify",
+    # the checkpoint package's own lazy exports
+    **dict.fromkeys(
+        ("consolidate_checkpoint", "inspect_checkpoint", "load_checkpoint", "verify_checkpoint"),
+        "lightning_sharded.checkpoint",
+    ),
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "CheckpointError",

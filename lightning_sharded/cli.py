@@ -79,12 +79,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from lightning_sharded.checkpoint import storage
+    from lightning_sharded.checkpoint.backends import backend_for
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
     out = consolidate_checkpoint(args.src, args.dst, progress=None if not args.no_progress else False)
     print(
-        f"Wrote {out} ({_size(storage.size(out))}): load it with torch.load, or resume from it with"
+        f"Wrote {out} ({_size(backend_for(out).size(out))}): load it with torch.load, or resume from it with"
         " Lightning."
     )
     return EXIT_OK

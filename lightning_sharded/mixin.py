@@ -141,12 +141,12 @@ def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iter
 
 def _is_sharded(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` (a local path or an fsspec URL) is a sharded checkpoint directory."""
-    from lightning_sharded.checkpoint import storage
+    from lightning_sharded.checkpoint.backends import is_url, location
+    from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 
-    if storage.is_url(path):
-        from lightning_sharded.checkpoint.object_store import ObjectKind, locate
+    if is_url(path):
+        return detect(path).kind is CheckpointKind.SHARDED  # its errors name the URL
+    from lightning_sharded.checkpoint.backends.local import resolve
 
-        return locate(str(path)).kind is ObjectKind.SHARDED  # its errors name the URL
-    from lightning_sharded.checkpoint.atomic import resolve
-
-    return resolve(path).is_dir()
+    loc = location(path)
+    return isinstance(loc, os.PathLike) and resolve(loc).is_dir()

@@ -22,9 +22,10 @@ import pytest
 import torch
 
 import lightning_sharded
+from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.async_save import AsyncSaver, StagingBuffers
+from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.manifest import file_checksum, read_manifest
 from tests.distributed.launch import free_port, rank_env, run_ranks
 
 SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"

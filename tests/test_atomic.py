@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sharded.checkpoint.atomic import (
+from lightning_sharded.checkpoint import MANIFEST_NAME, read_manifest
+from lightning_sharded.checkpoint.commit import (
     FAULT_ENV,
     NO_EXCHANGE_ENV,
     commit_directory,
@@ -20,7 +21,6 @@ from lightning_sharded.checkpoint.atomic import (
     resolve,
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_commit_file_sigkill(tmp_path: Path, fault: str, survivor: str) -> None:
     target.write_text("old")
     code = (
         "import sys; from pathlib import Path;"
-        "from lightning_sharded.checkpoint.atomic import commit_file;"
+        "from lightning_sharded.checkpoint.commit import commit_file;"
         "commit_file(sys.argv[1], lambda p: Path(p).write_text('new'))"
     )
     env = {**os.environ, FAULT_ENV: fault, "PYTHONPATH": str(REPO)}
@@ -217,10 +217,10 @@ def test_checksums_computed_while_writing_match_and_skip_the_read_back(
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from lightning_sharded.checkpoint import atomic
-    from lightning_sharded.checkpoint.manifest import file_checksum
+    from lightning_sharded.checkpoint.backends import local as atomic
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.checksum import file_checksum
     from lightning_sharded.checkpoint.verify import verify_checkpoint
-    from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
     read_back: list[str] = []
     original = atomic.file_checksum

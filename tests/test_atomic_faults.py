@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sharded.checkpoint.atomic import leftovers, resolve
-from lightning_sharded.checkpoint.manifest import read_manifest
+from lightning_sharded.checkpoint import read_manifest
+from lightning_sharded.checkpoint.commit import leftovers, resolve
 from lightning_sharded.checkpoint.verify import verify_checkpoint
 from tests._compare import assert_same
 from tests.distributed.fault_driver import CASES, expected

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sharded.checkpoint import read_manifest
+from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import (
     FORMAT_VERSION,
@@ -17,8 +19,6 @@ from lightning_sharded.checkpoint.manifest import (
     READABLE_FORMAT_VERSION,
     FileEntry,
     Manifest,
-    file_checksum,
-    read_manifest,
 )
 
 

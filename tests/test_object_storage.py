@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
-from lightning_sharded.checkpoint import object_store
-from lightning_sharded.checkpoint.atomic import FAULT_ENV
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
+from lightning_sharded.checkpoint import MANIFEST_NAME
+from lightning_sharded.checkpoint.commit import FAULT_ENV
+from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.cli import main as cli
 from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks
@@ -145,7 +145,7 @@ def test_a_rank_killed_before_the_publish_leaves_the_previous_checkpoint(
     after = names(fs, url)
     leftovers = sorted(set(after) - set(published))
     assert len(leftovers) == 1 and leftovers[0].startswith("data-"), after
-    assert object_store.locate(url).data == f"{url}/{next(n for n in published if n.startswith('data-'))}"
+    assert detect(url).data == f"{url}/{next(n for n in published if n.startswith('data-'))}"
     loaded = load_checkpoint(url)["state_dict"]
     for key in [k for k in old if k.startswith("model.")]:
         assert torch.equal(loaded[key[len("model.") :]], old[key]), key
@@ -197,13 +197,13 @@ def test_single_process_saves_killed_at_each_point(s3: S3Server, fs: Any, tmp_pa
     assert drive(s3, tmp_path, "save") == {point: [0] for point in POINTS}
     for point in POINTS:
         url = s3.url(f"points/{point}")
-        published = object_store.locate(url).data.rsplit("/", 1)[1]
+        published = detect(url).data.rsplit("/", 1)[1]
         assert [n for n in names(fs, url) if n.startswith("data-")] == [published], point
         assert load_checkpoint(url)["global_step"] == 3
 
 
 def test_a_failed_write_changes_nothing(s3: S3Server, fs: Any) -> None:
-    from lightning_sharded.checkpoint import io
+    from lightning_sharded.checkpoint import save as io
 
     url = s3.url("failed/ckpt")
     io.write_sharded_checkpoint(url, {"model": {"w": torch.ones(3)}}, {"global_step": 1}, rank=0)
@@ -225,7 +225,7 @@ def test_verify_catches_a_corrupted_object(
     copy(fs, src, url)
     code, out, _ = run_cli(capsys, "verify", url)
     assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 4 files," in out, out
-    version = object_store.locate(url).data
+    version = detect(url).data
     shard = f"{version}/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
     data[len(data) // 2] ^= 0xFF
@@ -292,7 +292,7 @@ def test_errors_name_the_url(s3: S3Server, fs: Any, capsys: pytest.CaptureFixtur
 def test_mixin_load_from_checkpoint_reads_an_s3_directory(s3: S3Server, tmp_path: Path) -> None:
     import lightning as L
 
-    from lightning_sharded.checkpoint import io
+    from lightning_sharded.checkpoint import save as io
     from tests.distributed.tiny_models import TinyShardedModel
 
     model = TinyShardedModel(hidden=6)

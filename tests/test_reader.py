@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_sharded.checkpoint.reader import DirectReader, _storage_location
-from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, _storage_location
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
 
 
 def _state() -> dict[str, object]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
-from lightning_sharded.checkpoint.atomic import commit_directory, leftovers
+from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from lightning_sharded.cli import main
 from tests._compare import assert_same

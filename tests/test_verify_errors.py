@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, load_checkpoint, verify_checkpoint
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, read_manifest
+from lightning_sharded.checkpoint import MANIFEST_NAME, read_manifest
 from lightning_sharded.checkpoint.tools import consolidate_checkpoint, inspect_checkpoint
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_sharded.checkpoint.atomic import commit_directory
-from lightning_sharded.checkpoint.manifest import file_checksum, read_manifest
-from lightning_sharded.checkpoint.writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint import read_manifest
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.commit import commit_directory
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -67,16 +68,16 @@ def test_commit_uses_known_checksums_and_reads_back_the_rest(tmp_path: Path) -> 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatch: Any) -> None:
     """torch's extra writer threads only print their errors; ours must raise (else a corrupt publish)."""
-    from lightning_sharded.checkpoint import writer as writer_module
+    from lightning_sharded.checkpoint import checksum as writer_module
 
-    original = writer_module._HashingStream.write
+    original = writer_module.HashingStream.write
 
     def write(self: Any, b: Any) -> int:
         if threading.current_thread() is not threading.main_thread() and len(memoryview(b)) > 1024:
             raise OSError(28, "No space left on device (injected)")
         return original(self, b)
 
-    monkeypatch.setattr(writer_module._HashingStream, "write", write)
+    monkeypatch.setattr(writer_module.HashingStream, "write", write)
     state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
     # torch.save inside the thread turns our OSError into its own RuntimeError: any error will do, as
     # long as the save fails instead of publishing an index that points at bytes never written.

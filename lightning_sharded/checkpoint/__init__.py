@@ -1,5 +1,6 @@
-"""Everything about checkpoint files: formats, loading and saving through
-``torch.distributed.checkpoint``, manifests, atomic commits and the single-process tools.
+"""Everything about checkpoint files: what is at a path (``detect``), the commit protocol over two
+backends (local paths, fsspec URLs), saving and loading through ``torch.distributed.checkpoint``,
+manifests, checks and the single-process tools. See ``docs/architecture.md`` for the layout.
 
 Only :class:`CheckpointError` is imported with the package; the rest loads on first access, so that
 ``import lightning_sharded`` does not import ``torch.distributed.checkpoint``.
@@ -7,14 +8,17 @@ Only :class:`CheckpointError` is imported with the package; the rest loads on fi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.atomic import commit_directory, commit_file, remove_checkpoint, resolve
-    from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest, read_manifest
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.commit import commit_directory, commit_file, remove_checkpoint, resolve
+    from lightning_sharded.checkpoint.detect import read_manifest
+    from lightning_sharded.checkpoint.manifest import Manifest
+    from lightning_sharded.checkpoint.names import MANIFEST_NAME
     from lightning_sharded.checkpoint.tools import (
         CheckpointInfo,
         consolidate_checkpoint,
@@ -22,34 +26,27 @@ if TYPE_CHECKING:
         load_checkpoint,
     )
     from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
-    from lightning_sharded.checkpoint.writer import ChecksummingWriter
 
 _LAZY = {
-    "MANIFEST_NAME": "manifest",
-    "Manifest": "manifest",
-    "read_manifest": "manifest",
-    "commit_directory": "atomic",
-    "commit_file": "atomic",
-    "remove_checkpoint": "atomic",
-    "resolve": "atomic",
-    "ChecksummingWriter": "writer",
-    "CheckpointInfo": "tools",
-    "consolidate_checkpoint": "tools",
-    "inspect_checkpoint": "tools",
-    "load_checkpoint": "tools",
-    "VerifyReport": "verify",
-    "check_files": "verify",
-    "verify_checkpoint": "verify",
+    "MANIFEST_NAME": "lightning_sharded.checkpoint.names",
+    "Manifest": "lightning_sharded.checkpoint.manifest",
+    "read_manifest": "lightning_sharded.checkpoint.detect",
+    "commit_directory": "lightning_sharded.checkpoint.commit",
+    "commit_file": "lightning_sharded.checkpoint.commit",
+    "remove_checkpoint": "lightning_sharded.checkpoint.commit",
+    "resolve": "lightning_sharded.checkpoint.commit",
+    "ChecksummingWriter": "lightning_sharded.checkpoint.backends.dcp_writer",
+    "CheckpointInfo": "lightning_sharded.checkpoint.tools",
+    "consolidate_checkpoint": "lightning_sharded.checkpoint.tools",
+    "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
+    "load_checkpoint": "lightning_sharded.checkpoint.tools",
+    "VerifyReport": "lightning_sharded.checkpoint.verify",
+    "check_files": "lightning_sharded.checkpoint.verify",
+    "verify_checkpoint": "lightning_sharded.checkpoint.verify",
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY, globals())
 
 __all__ = [
     "MANIFEST_NAME",

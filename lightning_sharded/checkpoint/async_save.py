@@ -10,7 +10,7 @@
    allocates nothing), and deep-copies the small non-tensor rest; training may change the model as
    soon as this returns;
 3. hands the staged state to one background thread that runs the write: for a sharded directory the
-   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.atomic.commit_directory`:
+   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
    staging directory, checksums, manifest, one rename), with its collectives on a process group of its
    own (gloo), so they never interleave with training's.
 
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.storage import Location
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -142,6 +142,8 @@ class AsyncSaver:
         self._group_made = False
         self._lock = threading.Lock()
         self.buffers = StagingBuffers()
+        # Called in the training thread once the save in flight is published (never if it fails).
+        self._on_published: list[Callable[[], None]] = []
         #: Seconds the last :meth:`save` blocked its caller (waiting for the previous save excluded).
         self.last_stall_s = 0.0
 
@@ -149,6 +151,30 @@ class AsyncSaver:
     def in_flight(self) -> Location | None:
         """The path of the save in flight (possibly finished but not yet waited for), or ``None``."""
         return self._path if self._future is not None else None
+
+    def on_published(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (in the calling thread) once the save in flight is published; now if none is.
+
+        Callbacks run from :meth:`wait` or :meth:`poll` after the save succeeded; a failed save drops
+        them (what they would report was never published).
+        """
+        if self._future is None:
+            callback()
+        else:
+            self._on_published.append(callback)
+
+    def poll(self) -> None:
+        """Run the :meth:`on_published` callbacks if the save in flight has been published; never blocks
+        and never raises the save's error (the next :meth:`wait` does)."""
+        future = self._future
+        if future is None or not future.done() or future.exception() is not None:
+            return
+        self._run_published()
+
+    def _run_published(self) -> None:
+        callbacks, self._on_published = self._on_published, []
+        for callback in callbacks:
+            callback()
 
     def group(self) -> ProcessGroup | None:
         """The process group of the background writes: a gloo group of all ranks, made on first use.
@@ -215,12 +241,14 @@ class AsyncSaver:
         try:
             future.result()
         except _BackgroundError as err:
+            self._on_published = []  # nothing was published: nobody hears of it
             cause = err.cause
             raise CheckpointError(
                 f"The background save of the checkpoint {str(path)!r} failed: {cause!r}. The previous"
                 " checkpoint at that path, if any, is unchanged; fix the cause (disk space, permissions)"
                 " and save again."
             ) from cause
+        self._run_published()
 
     def close(self) -> None:
         """Wait for the save in flight (raising its error), then stop the background thread."""

@@ -1,29 +1,19 @@
-"""The manifest of a sharded checkpoint directory: plain dataclasses, JSON on disk.
+"""The manifest of a sharded checkpoint: plain dataclasses and their JSON, nothing else.
 
-The manifest (:data:`MANIFEST_NAME` inside the checkpoint directory) lists every other file of the
-checkpoint with its size and checksum, and records who wrote it (format, library, torch and Lightning
-versions, world size) and the Lightning progress (epoch, global step). It is written last, by rank 0,
-once every rank has written and fsynced its files, so a directory with a valid manifest is complete.
-
-This module uses the standard library only: a manifest can be read and checked on a machine without
-``torch.distributed`` (or without torch at all).
-
-The checksum is CRC-32 (``zlib.crc32``). Measured on the project's machines it runs at about
-4.2 GB/s, well above the 1.0-1.6 GB/s at which these disks write (blake2b: 0.9 GB/s, sha256:
-1.8 GB/s), so checksumming adds little to a save; it catches every 1- and 2-bit error and every burst
-up to 32 bits, which is what a checkpoint needs (protection against corruption, not against an
-attacker). ``benchmarks/checksum_throughput.py`` reproduces the figures.
+The manifest (:data:`~lightning_sharded.checkpoint.names.MANIFEST_NAME`) lists every other file of
+the checkpoint with its size and checksum, and records who wrote it (format, library, torch and
+Lightning versions, world size) and the Lightning progress (epoch, global step). It is written last,
+by rank 0, once every rank has written and fsynced its files, so a directory with a valid manifest is
+complete. Reading it needs neither ``torch.distributed`` nor torch: the standard library only. Where a
+manifest is read from (a local directory, an object store) is the backends' business.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import zlib
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
-from pathlib import Path
 from typing import Any
 
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -32,48 +22,21 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "OBJECT_STORE_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
-    "file_checksum",
-    "read_manifest",
 ]
 
 #: Name of the manifest file inside a sharded checkpoint directory.
 MANIFEST_NAME = "lightning_sharded.json"
+#: The checksum algorithm written into manifests (``zlib.crc32``, see :mod:`~.checksum`).
+CHECKSUM_ALGORITHM = "crc32"
 #: Version of the on-disk layout described by :class:`Manifest`; bumped on incompatible changes.
 FORMAT_VERSION = 1
+#: Manifest format version written on object storage (it adds ``data_dir``; older readers refuse it).
+OBJECT_STORE_FORMAT_VERSION = 2
 #: The newest format version this library reads: 2 adds :attr:`Manifest.data_dir` (object storage).
 READABLE_FORMAT_VERSION = 2
-#: The only checksum algorithm written so far; recorded in each manifest so it can change later.
-CHECKSUM_ALGORITHM = "crc32"
-#: Bytes read per call while checksumming a file.
-CHUNK_SIZE = 8 << 20
-
-
-def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple[int, str]:
-    """Size and CRC-32 of a file, read in chunks of :data:`CHUNK_SIZE` bytes.
-
-    Args:
-        path: The file.
-        fsync: Also ``fsync`` the file, so its bytes are on disk before it is listed in a manifest.
-
-    Returns:
-        ``(size in bytes, checksum)`` with the checksum as 8 lowercase hex digits.
-    """
-    crc = 0
-    size = 0
-    buffer = bytearray(CHUNK_SIZE)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-        if fsync:
-            os.fsync(f.fileno())
-    return size, f"{crc & 0xFFFFFFFF:08x}"
 
 
 def _version(distribution: str) -> str:
@@ -162,13 +125,21 @@ class Manifest:
         return json.dumps(data, indent=1, sort_keys=True, default=str) + "\n"
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = MANIFEST_NAME) -> Manifest:
+    def from_json(cls, text: str | bytes, *, source: str = MANIFEST_NAME) -> Manifest:
         """Parse a manifest written by :meth:`to_json`.
 
         Raises:
             CheckpointError: the text is not a manifest, or one written by a newer format version.
         """
         try:
+            if isinstance(text, bytes):
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise CheckpointError(
+                        f"The manifest {source!r} is not UTF-8 text. The checkpoint is damaged: restore it"
+                        " from a copy, or delete the manifest to load it unchecked."
+                    ) from err
             data = json.loads(text)
             if not isinstance(data, dict):
                 raise TypeError("the top level is not an object")
@@ -194,35 +165,3 @@ class Manifest:
                 " checkpoint directory is damaged: restore it from a copy, or delete the manifest to load it"
                 " unchecked."
             ) from err
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
-    """Read the manifest of a checkpoint directory.
-
-    Args:
-        directory: A sharded checkpoint directory.
-
-    Returns:
-        The manifest, or ``None`` when the directory has none (a checkpoint written by stock Lightning).
-
-    Raises:
-        CheckpointError: the manifest exists but cannot be parsed.
-    """
-    if isinstance(directory, str) and "://" in directory:
-        from lightning_sharded.checkpoint import storage
-
-        if storage.is_url(directory):  # the manifest that publishes this version, on object storage
-            from lightning_sharded.checkpoint.object_store import manifest_for
-
-            return manifest_for(directory)
-    path = Path(directory) / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except UnicodeDecodeError as err:
-        raise CheckpointError(
-            f"The manifest {str(path)!r} is not UTF-8 text. The checkpoint directory is damaged: restore it"
-            " from a copy, or delete the manifest to load it unchecked."
-        ) from err
-    return Manifest.from_json(text, source=str(path))

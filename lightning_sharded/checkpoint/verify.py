@@ -1,10 +1,13 @@
 """Checks of checkpoint files: presence and sizes on every load, checksums on request.
 
-- :func:`check_files`: a sharded directory against its manifest; presence and sizes always (cheap:
-  one ``stat`` per file), checksums with ``verify=True`` (reads every byte).
-- :func:`verify_checkpoint`: everything that can be checked at a path, checksums included; for a
-  sharded directory without a manifest (stock Lightning), what can be checked without one: that
-  ``.metadata`` reads and that every shard file it references is there and long enough; for a full
+- :func:`check_found` (collective when a process group is up): a sharded checkpoint against its
+  manifest before a load; presence and sizes always (one listing), checksums with ``verify=True``,
+  each file read by one rank only (the files are split across the ranks by size) and the findings
+  gathered, so every rank raises the same error or none does. Without a manifest, the shard files
+  are checked against the DCP index.
+- :func:`verify_checkpoint` (one process): everything that can be checked at a path, checksums
+  included; for a sharded directory without a manifest (stock Lightning), what can be checked
+  without one (``.metadata`` reads, every file it references is there and long enough); for a full
   file, the CRC-32 that ``torch.save`` stores for every record of its zip archive.
 
 Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
@@ -13,43 +16,31 @@ Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file
 from __future__ import annotations
 
 import os
-import pickle
 import zipfile
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from lightning_sharded.checkpoint import storage
+from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, basename, join, location
+from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.layout import (
-    DCP_METADATA,
-    LIGHTNING_METADATA,
-    SHARD_FILE,
-    CheckpointKind,
-    checkpoint_kind,
-)
-from lightning_sharded.checkpoint.manifest import FileEntry, Manifest, file_checksum, read_manifest
+from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.problems import Problem, damaged
 
-__all__ = ["Problem", "VerifyReport", "check_files", "find_problems", "verify_checkpoint"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-
-@dataclass(frozen=True)
-class Problem:
-    """One bad file of a checkpoint.
-
-    Attributes:
-        path: The file, relative to the checkpoint directory (the file name for a full checkpoint).
-        what: What is wrong with it, in words.
-        rank: The rank that wrote it, when known.
-    """
-
-    path: str
-    what: str
-    rank: int | None = None
-
-    def __str__(self) -> str:
-        who = f" (written by rank {self.rank})" if self.rank is not None else ""
-        return f"{self.path!r}{who} {self.what}"
+__all__ = [
+    "Problem",
+    "VerifyReport",
+    "check_files",
+    "check_found",
+    "checksum_problem",
+    "find_problems",
+    "split_by_size",
+    "verify_checkpoint",
+]
 
 
 @dataclass
@@ -65,45 +56,12 @@ class VerifyReport:
         notes: What could not be checked, in words.
     """
 
-    path: storage.Location
+    path: Location
     kind: CheckpointKind
     files: int = 0
     bytes: int = 0
     has_manifest: bool = False
     notes: list[str] = field(default_factory=list)
-
-
-def _rank_of(name: str) -> int | None:
-    m = SHARD_FILE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
-    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
-    if storage.is_url(path):
-        from lightning_sharded.checkpoint import object_store
-
-        return object_store.find_problems(str(path), manifest, checksums=checksums)
-    root = Path(path)
-    problems: list[Problem] = []
-    for entry in manifest.files:
-        file = root / entry.path
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            problems.append(Problem(entry.path, "is missing", entry.rank))
-            continue
-        if size != entry.size:
-            how = "truncated" if size < entry.size else "longer than written"
-            problems.append(
-                Problem(entry.path, f"is {how}: {size} bytes, the manifest says {entry.size}", entry.rank)
-            )
-            continue
-        if checksums:
-            problem = checksum_problem(entry, manifest, file_checksum(file)[1])
-            if problem is not None:
-                problems.append(problem)
-    return problems
 
 
 def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Problem | None:
@@ -117,22 +75,68 @@ def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Pro
     )
 
 
-def _raise(path: storage.Location, problems: list[Problem]) -> None:
-    if not problems:
-        return
-    first, others = problems[0], problems[1:]
-    also = f" Also: {'; '.join(map(str, others))}." if others else ""
-    raise CheckpointError(
-        f"The checkpoint {str(path)!r} is damaged: {first}.{also} Restore it from a copy, or load an earlier"
-        " checkpoint."
-    )
+def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
+    present = backend.list_files(data)
+    problems: list[Problem] = []
+    for entry in manifest.files:
+        found = present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path)
+        if found is None:
+            problems.append(Problem(entry.path, "is missing", entry.rank))
+        elif found != entry.size:
+            how = "truncated" if found < entry.size else "longer than written"
+            what = f"is {how}: {found} bytes, the manifest says {entry.size}"
+            problems.append(Problem(entry.path, what, entry.rank, found, entry.size))
+    return problems
+
+
+def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
+    try:
+        return backend.size(join(base, rel))
+    except FileNotFoundError:
+        return None
+
+
+def _checksum_problems(
+    backend: Backend, data: Location, manifest: Manifest, entries: list[FileEntry]
+) -> list[Problem]:
+    problems = []
+    for entry in entries:
+        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def find_problems(path: str | os.PathLike[str], manifest: Manifest, *, checksums: bool) -> list[Problem]:
+    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes."""
+    data = location(path)
+    backend = backend_for(data)
+    problems = _size_problems(backend, data, manifest)
+    if checksums:
+        bad = {p.path for p in problems}
+        problems += _checksum_problems(
+            backend, data, manifest, [e for e in manifest.files if e.path not in bad]
+        )
+    return problems
+
+
+def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
+    """``entries`` in ``parts`` lists of about equal bytes (largest first to the least loaded); the same
+    split on every rank."""
+    loads = [0] * parts
+    split: list[list[FileEntry]] = [[] for _ in range(parts)]
+    for entry in sorted(entries, key=lambda e: (-e.size, e.path)):
+        least = min(range(parts), key=lambda i: (loads[i], i))
+        split[least].append(entry)
+        loads[least] += entry.size
+    return split
 
 
 def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
-    """Check a sharded directory against its manifest before loading it.
+    """Check a sharded directory against its manifest before loading it, in this process.
 
     Args:
-        path: The sharded checkpoint directory.
+        path: The sharded checkpoint directory (where its files are).
         manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
         verify: Also compare every file's checksum (reads every byte).
 
@@ -142,59 +146,93 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     """
     if manifest is None:
         return
-    _raise(storage.location(path), find_problems(path, manifest, checksums=verify))
+    error = damaged(location(path), find_problems(path, manifest, checksums=verify))
+    if error is not None:
+        raise error
 
 
-def _dcp_problems(root: storage.Location) -> tuple[list[Problem], int]:
-    """Without a manifest: ``.metadata`` readable, every file it references present and long enough."""
+def check_found(
+    found: Found, *, verify: bool = False, group: ProcessGroup | None = None, alone: bool = False
+) -> None:
+    """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
+
+    With a manifest: every rank checks presence and sizes (one listing); with ``verify`` each file's
+    checksum is computed by one rank only. Without one: the shard files against the DCP index. The
+    findings of all ranks are gathered, so every rank raises the same error, or none does. With
+    ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
+
+    Raises:
+        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
+            names the first one, its rank and the others.
+    """
+    where = collective.Ranks(0, 1, 0, None) if alone else collective.ranks(group)
+    backend, data, manifest = found.backend, found.data, found.manifest
     try:
-        with storage.open_file(storage.join(root, DCP_METADATA)) as f:
-            metadata: Any = pickle.load(f)
-        storage_data = dict(metadata.storage_data or {})
-    except Exception as err:
-        return [Problem(DCP_METADATA, f"cannot be read ({type(err).__name__}: {err})")], 0
-    needed: dict[str, int] = {}
-    for info in storage_data.values():
-        rel = str(info.relative_path)
-        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
-    problems: list[Problem] = []
-    sizes = storage.list_files(root)
-    for rel in sorted(needed):
-        size = sizes.get(rel, -1)
-        if size < 0:
-            problems.append(Problem(rel, "is missing (`.metadata` references it)", _rank_of(rel)))
-            continue
-        if size < needed[rel]:
-            problems.append(
-                Problem(rel, f"is truncated: {size} bytes, `.metadata` needs {needed[rel]}", _rank_of(rel))
-            )
-    if LIGHTNING_METADATA not in sizes:
-        problems.append(Problem(LIGHTNING_METADATA, "is missing"))
-    return problems, len(needed) + 2  # the shard files, `.metadata` and `meta.pt`
+        if manifest is None:
+            mine = index_problems(backend, data, read_index(backend, data)) if where.rank == 0 else []
+        else:
+            mine = _size_problems(backend, data, manifest)
+            if verify:
+                bad = {p.path for p in mine}
+                share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
+                mine += _checksum_problems(backend, data, manifest, share[where.rank])
+        report: tuple[list[Problem], str | None] = (mine, None)
+    except CheckpointError as err:
+        report = ([], str(err))
+    reports = collective.all_gather(report, where)
+    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
+    if errors:
+        rank, message = errors[0]
+        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
+    order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
+    seen: dict[tuple[str, str], Problem] = {}
+    seen_by: dict[tuple[str, str], list[int]] = {}
+    for r, (problems, _) in enumerate(reports):
+        for problem in problems:
+            seen.setdefault((problem.path, problem.what), problem)
+            seen_by.setdefault((problem.path, problem.what), []).append(r)
+    merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
+    error = damaged(data, merged)
+    if error is None:
+        return
+    # Presence and sizes are checked by every rank: say so when only some saw a problem.
+    partial = sorted({r for key, rs in seen_by.items() if "corrupted" not in key[1] for r in rs})
+    if partial and any(
+        0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]
+    ):
+        shown = ", ".join(map(str, partial))
+        raise CheckpointError(
+            f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
+        )
+    raise error
 
 
-def _full_file_problems(file: storage.Location) -> list[Problem]:
+def _full_file_problems(backend: Backend, file: Location) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
     try:
-        with storage.open_file(file) as f, zipfile.ZipFile(f) as archive:
+        with backend.open_file(file) as f, zipfile.ZipFile(f) as archive:
             bad = archive.testzip()
     except (zipfile.BadZipFile, OSError, EOFError) as err:
         return [
             Problem(
-                storage.basename(file),
+                basename(file),
                 f"is not a complete torch.save archive ({err}): it is truncated or corrupt, or was written"
-                " by a"
-                " torch older than 1.6",
+                " by a torch older than 1.6",
             )
         ]
     if bad is not None:
         return [
             Problem(
-                storage.basename(file),
-                f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored",
+                basename(file), f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored"
             )
         ]
     return []
+
+
+def _raise(path: Location, problems: list[Problem]) -> None:
+    error = damaged(path, problems)
+    if error is not None:
+        raise error
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
@@ -217,27 +255,31 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> VerifyReport:
         CheckpointError: the path is not a checkpoint, or a file is missing, truncated or corrupted;
             the message names the first bad file, the rank that wrote it, and the others.
     """
-    real, kind = checkpoint_kind(path)
-    report = VerifyReport(real, kind)
-    if kind is CheckpointKind.FULL:
-        _raise(real, _full_file_problems(real))
-        report.files, report.bytes = 1, storage.size(real)
+    found = detect(path)
+    backend, real = found.backend, found.data
+    report = VerifyReport(real, found.kind)
+    if found.kind is CheckpointKind.FULL:
+        _raise(real, _full_file_problems(backend, real))
+        report.files, report.bytes = 1, backend.size(real)
         return report
-    manifest = read_manifest(real)
+    manifest = found.manifest
     if manifest is None:
-        problems, report.files = _dcp_problems(real)
+        try:
+            problems = index_problems(backend, real, read_index(backend, real))
+        except CheckpointError as err:
+            problems = [Problem(names.DCP_METADATA, f"cannot be read ({err.__cause__!r})")]
         _raise(real, problems)
+        report.files = len({p for p in backend.list_files(real) if names.SHARD_FILE.match(p)}) + 2
         report.notes.append(
             "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
             " with; checked that `.metadata` reads and that every shard file it references is present and"
             " long enough"
         )
-        report.bytes = sum(storage.list_files(real).values())
+        report.bytes = sum(backend.list_files(real).values())
         return report
     problems = find_problems(real, manifest, checksums=True)
-    listed = {e.path for e in manifest.files}
-    if DCP_METADATA not in listed:
-        problems.append(Problem(DCP_METADATA, "is not listed in the manifest"))
+    if names.DCP_METADATA not in {e.path for e in manifest.files}:
+        problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
     _raise(real, problems)
     report.has_manifest = True
     report.files, report.bytes = len(manifest.files), manifest.total_size

@@ -1,6 +1,7 @@
 """The checkpoint half both strategies share: gather, save, restore after setup, remove.
 
-It holds no loading logic of its own; everything goes through :mod:`lightning_sharded.checkpoint.io`.
+It holds no checkpoint logic of its own: it calls :mod:`lightning_sharded.checkpoint.save` and
+:mod:`lightning_sharded.checkpoint.load` only.
 The strategies put it first in their bases, so its overrides replace the parent's.
 """
 
@@ -10,6 +11,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -18,11 +21,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sharded.checkpoint import io, storage
+from lightning_sharded.checkpoint import load, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
+from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 StateDictType = Literal["sharded", "full"]
+#: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
+_HPC_PREFIX = "hpc_ckpt_"
 _STATE_DICT_TYPES = ("sharded", "full")
 
 
@@ -70,6 +76,45 @@ class ShardedCheckpointing(ParallelStrategy):
         if self._async_saver is not None:
             self._async_saver.wait()
 
+    def _custom_checkpoint_io(self) -> CheckpointIO | None:
+        """The ``CheckpointIO`` plugin given to the Trainer, or ``None`` for the default one."""
+        plugin = self.checkpoint_io
+        return None if type(plugin) is TorchCheckpointIO else plugin
+
+    def _defer_logger_notifications(self) -> None:
+        """Make the loggers' ``after_save_checkpoint`` wait until the save in flight is published.
+
+        ``ModelCheckpoint`` notifies the loggers (W&B/MLflow ``log_model`` upload the file) right after
+        ``save_checkpoint`` returns, which with ``async_save=True`` is before the checkpoint exists; the
+        notification is deferred to the moment it is published (checked at every training batch, and by
+        every wait), and dropped if the save fails.
+        """
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        saver = self._async_saver
+        if trainer is None or saver is None:
+            return
+        for logger in trainer.loggers:
+            if getattr(logger.after_save_checkpoint, "_lightning_sharded_deferred", False):
+                continue
+            original = logger.after_save_checkpoint
+
+            def deferred(checkpoint_callback: Any, _original: Any = original) -> None:
+                current = self._async_saver
+                if current is None:
+                    _original(checkpoint_callback)
+                else:
+                    current.on_published(lambda: _original(checkpoint_callback))
+
+            deferred._lightning_sharded_deferred = True  # type: ignore[attr-defined]
+            logger.after_save_checkpoint = deferred  # type: ignore[method-assign]
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._async_saver is not None:
+            self._async_saver.poll()  # deferred logger notifications of a save published meanwhile
+        super().on_train_batch_start(batch, batch_idx)
+
     @property
     def _saves_sharded(self) -> bool:
         return self._sharded_state_dict_type == "sharded"
@@ -83,14 +128,14 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return io.model_state_dict(self.model, full=not self._saves_sharded)
+        return state_dicts.model_state_dict(self.model, full=not self._saves_sharded)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return io.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
+        return state_dicts.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -108,32 +153,53 @@ class ShardedCheckpointing(ParallelStrategy):
     ) -> None:
         """Save a sharded directory (``state_dict_type="sharded"``) or one full file (``"full"``).
 
-        Collective. The path of rank 0 is used on every rank.
+        Collective. The path of rank 0 is used on every rank. A full file goes through the strategy's
+        ``CheckpointIO`` plugin when one was given (``Trainer(plugins=[...])``, e.g. ``AsyncCheckpointIO``
+        or a cloud IO), else through this library's atomic commit. A sharded directory cannot be written
+        by a plugin: a non-default one raises a ``TypeError`` that says what to use instead. With
+        ``async_save=True``, a SLURM requeue save (``hpc_ckpt_*``) is written synchronously: the job
+        is requeued right after it.
         """
-        if storage_options is not None:
+        plugin = self._custom_checkpoint_io()
+        if plugin is not None and self._saves_sharded:
             raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported because"
-                f" `{type(self).__name__}` does not use the `CheckpointIO`."
+                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
+                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
+                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
+                " `state_dict_type='full'`; else remove the plugin."
             )
-        path = storage.location(self.broadcast(filepath))
+        if storage_options is not None and plugin is None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is only supported with a"
+                " `CheckpointIO` plugin and `state_dict_type='full'`: the default commit takes no options."
+            )
+        path = location(self.broadcast(filepath))
         start = time.perf_counter()
-        if self.async_save and self._saves_sharded:
+        hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
+        if plugin is not None:
+            self.wait_for_checkpoint()
+            if self.is_global_zero:
+                plugin.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self.barrier("ShardedCheckpointing.save_checkpoint")
+            return
+        if self.async_save and self._saves_sharded and not hpc:
             if self._async_saver is None:
                 self._async_saver = AsyncSaver(type(self).__name__)
-            state, metadata = io.split_sharded_checkpoint(checkpoint, self._model_key)
+            state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
             rank = self.global_rank
 
-            def write(target: storage.Location, staged: Any, group: Any) -> None:
-                io.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
+            def write(target: Location, staged: Any, group: Any) -> None:
+                save.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
 
             self._async_saver.save(path, (state, metadata), write)
+            self._defer_logger_notifications()
             rank_zero_info(
                 f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
                 " writing it in the background"
             )
             return
         self.wait_for_checkpoint()  # saves publish in order
-        io.save_checkpoint(
+        save.save_checkpoint(
             path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
         )
         rank_zero_info(
@@ -147,7 +213,7 @@ class ShardedCheckpointing(ParallelStrategy):
 
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
         """
-        path = storage.location(self.broadcast(checkpoint_path))
+        path = location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
         assert self.model is not None
         module = self.lightning_module
@@ -156,7 +222,7 @@ class ShardedCheckpointing(ParallelStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []
         start = time.perf_counter()
-        restored = io.restore_checkpoint(
+        restored = load.restore_checkpoint(
             path,
             self.model,
             optimizers,
@@ -176,10 +242,15 @@ class ShardedCheckpointing(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
-        path = storage.location(filepath)
+        path = location(filepath)
         if self._async_saver is not None and str(self._async_saver.in_flight) == str(path):
             self.wait_for_checkpoint()
-        io.remove_checkpoint(path, rank=self.global_rank)
+        plugin = self._custom_checkpoint_io()
+        if plugin is not None:  # the plugin wrote it, the plugin removes it
+            if self.is_global_zero:
+                plugin.remove_checkpoint(path)
+            return
+        save.remove_checkpoint(path, rank=self.global_rank)
 
     @override
     def teardown(self) -> None:

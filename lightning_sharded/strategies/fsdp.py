@@ -3,6 +3,7 @@ restores any checkpoint into the wrapped model, at any world size."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
@@ -16,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.format import MODEL
+from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
     ShardedCheckpointing,
     StateDictType,
@@ -45,8 +46,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
             ``torch.load`` and a single-device Trainer read.
         async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
-        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (reads the
-            checkpoint once more); presence and sizes are always checked.
+        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (the files
+            are split across the ranks); presence and sizes are always checked.
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -141,3 +142,24 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             **self.kwargs,
         ):
             yield
+
+
+def _signature() -> inspect.Signature:
+    """``FSDPStrategy``'s parameters (``state_dict_type`` defaulting to ``"sharded"``), then ours."""
+    parent = inspect.signature(FSDPStrategy.__init__).parameters.values()
+    params = [
+        p.replace(default="sharded") if p.name == "state_dict_type" else p
+        for p in parent
+        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params += [
+        inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
+        inspect.Parameter("verify", keyword, default=False, annotation="bool"),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
+    ]
+    return inspect.Signature(params, return_annotation=None)
+
+
+# `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the parent's parameters.
+ShardedFSDPStrategy.__signature__ = _signature()  # type: ignore[attr-defined]

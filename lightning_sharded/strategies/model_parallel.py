@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.format import STATE_DICT
+from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
     ShardedCheckpointing,
     StateDictType,
@@ -54,8 +54,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
             and atomic publish run in the background (sharded only); the next save, a load and the end
             of training wait for it and raise its error, if any.
-        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (reads the
-            checkpoint once more); presence and sizes are always checked.
+        verify: checksum every file against the manifest before each load (each file is read by one
+            rank); presence and sizes are checked on every load anyway.
 
     Example::
 

@@ -10,13 +10,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_sharded import CheckpointError
-from lightning_sharded.checkpoint.format import (
-    CheckpointFormat,
-    detect_format,
-    read_sharded_layout,
-    summarize_keys,
-)
-from lightning_sharded.checkpoint.io import KeyReport, _key_by_index
+from lightning_sharded.checkpoint.dcp_index import read_sharded_layout
+from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+from lightning_sharded.checkpoint.load.checks import KeyReport, summarize_keys
+from lightning_sharded.checkpoint.state_dicts import key_by_index as _key_by_index
+
+
+def detect_format(path: Path) -> CheckpointKind:
+    return detect(path).kind
+
+
+CheckpointFormat = CheckpointKind
 
 
 def _sharded(path: Path, state: dict, meta: bool = True) -> Path:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_sharded import CheckpointError
-from lightning_sharded.checkpoint import io
+from lightning_sharded.checkpoint import load, save, state_dicts
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -39,15 +39,15 @@ def _fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _save(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> None:
     checkpoint = {
-        "state_dict": io.model_state_dict(model, full=not sharded),
-        "optimizer_states": [io.optimizer_state_dict(model, optimizer, full=not sharded)],
+        "state_dict": state_dicts.model_state_dict(model, full=not sharded),
+        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=not sharded)],
         "global_step": 2,
     }
     with warnings.catch_warnings():
         warnings.simplefilter(
             "ignore", UserWarning
         )  # DCP: "assuming the intent is to save in a single process"
-        io.save_checkpoint(path, checkpoint, sharded=sharded, model_key="model", rank=0)
+        save.save_checkpoint(path, checkpoint, sharded=sharded, model_key="model", rank=0)
 
 
 @pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "full"])
@@ -59,7 +59,7 @@ def test_round_trip_restores_weights_and_adam_state_without_a_step(tmp_path: Pat
     fresh, fresh_optimizer = _fresh()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        restored = io.restore_checkpoint(path, fresh, [fresh_optimizer])
+        restored = load.restore_checkpoint(path, fresh, [fresh_optimizer])
     assert restored.metadata["global_step"] == 2 and not restored.keys
     for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
@@ -76,9 +76,9 @@ def test_strict_restore_refuses_other_keys_before_touching_the_model(tmp_path: P
     other = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(CheckpointError, match=r'Missing key\(s\) in the checkpoint: "3.bias", "3.weight"'):
-        io.restore_checkpoint(tmp_path / "ckpt", other)
+        load.restore_checkpoint(tmp_path / "ckpt", other)
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-    report = io.restore_checkpoint(tmp_path / "ckpt", other, strict=False).keys
+    report = load.restore_checkpoint(tmp_path / "ckpt", other, strict=False).keys
     assert report.missing == ["3.bias", "3.weight"] and not report.unexpected
     assert torch.equal(other[0].weight, model[0].weight)
 
@@ -94,11 +94,11 @@ def test_sizes_always_and_checksums_on_request_are_checked_before_reading(tmp_pa
     fresh, fresh_optimizer = _fresh()
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*is corrupted"):
-        io.restore_checkpoint(path, fresh, [fresh_optimizer], verify=True)
+        load.restore_checkpoint(path, fresh, [fresh_optimizer], verify=True)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())  # nothing was read
     shard.write_bytes(bytes(data[:-10]))  # cut short: caught without verify
     with pytest.raises(CheckpointError, match=rf"{shard.name}.*truncated"):
-        io.restore_checkpoint(path, fresh, [fresh_optimizer])
+        load.restore_checkpoint(path, fresh, [fresh_optimizer])
 
 
 def test_strategies_take_verify() -> None:

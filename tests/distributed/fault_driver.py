@@ -53,8 +53,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded.checkpoint.atomic import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
-from lightning_sharded.checkpoint.writer import ChecksummingWriter
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+from lightning_sharded.checkpoint.commit import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
 
 WORLD_SIZE = 2
 ROWS = 8

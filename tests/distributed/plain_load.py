@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_sharded.checkpoint import tools  # noqa: E402
+from lightning_sharded.checkpoint.tools import reader as tools  # noqa: E402
 from tests.distributed.wrap_models import WrapModel  # noqa: E402
 
 read: list[Any] = []  # top-level keys of every tensor entry read from a directory
@@ -29,7 +29,7 @@ handed: list[str] = []  # the keys of the checkpoint dict handed to Lightning
 
 def spy() -> None:
     """Record what the mixin's load reads (tensor entries) and hands on (checkpoint keys)."""
-    reader_cls = tools._DcpReader
+    reader_cls = tools.OfflineReader
     original_read, original_load = reader_cls.read_tensors, tools.load_checkpoint
 
     def read_tensors(self: Any, targets: dict[str, torch.Tensor], on_tensor: Any) -> None:

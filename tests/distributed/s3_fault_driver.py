@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded.checkpoint import io
-from lightning_sharded.checkpoint.atomic import FAULT_ENV
+from lightning_sharded.checkpoint import save as io
+from lightning_sharded.checkpoint.commit import FAULT_ENV
 
 
 def save(url: str, version: int, fault: str = "") -> int:

@@ -37,8 +37,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
-from lightning_sharded.checkpoint import writer as writer_module  # noqa: E402
-from lightning_sharded.checkpoint.atomic import FAULT_ENV  # noqa: E402
+from lightning_sharded.checkpoint import checksum as writer_module  # noqa: E402
+from lightning_sharded.checkpoint.commit import FAULT_ENV  # noqa: E402
 
 
 class Model(L.LightningModule):
@@ -119,7 +119,7 @@ class SaveAt(L.Callback):
 
 def fail_next_background_write_on(rank: int) -> None:
     """Make the next shard write on ``rank`` raise ENOSPC (after some bytes), as a full disk would."""
-    original = writer_module._HashingStream.write
+    original = writer_module.HashingStream.write
     state = {"armed": dist.get_rank() == rank}
 
     def write(self: Any, b: Any) -> int:
@@ -128,7 +128,7 @@ def fail_next_background_write_on(rank: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         return original(self, b)
 
-    writer_module._HashingStream.write = write  # type: ignore[method-assign]
+    writer_module.HashingStream.write = write  # type: ignore[method-assign]
 
 
 def resume_values(name: str, ckpt: Path) -> dict[str, torch.Tensor]:

@@ -40,8 +40,8 @@ def test_resume_sharded_at_any_world_size(runs: Session, saved_on: int, resumed_
 
 def test_saving_over_a_checkpoint_replaces_it_and_leaves_nothing_behind(runs: Session) -> None:
     # "fsdp2", "mp2" and "fsdp2-full" were saved after step 1 and again after step 3, at the same path.
-    from lightning_sharded.checkpoint.atomic import leftovers
-    from lightning_sharded.checkpoint.manifest import read_manifest
+    from lightning_sharded.checkpoint import read_manifest
+    from lightning_sharded.checkpoint.commit import leftovers
 
     for name in ("fsdp2", "mp2", "fsdp2-full"):
         assert runs[name]["global_step"] == 3

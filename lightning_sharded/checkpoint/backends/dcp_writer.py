@@ -2,10 +2,11 @@
 
 The manifest lists every file with its CRC-32. Reading the files back after the save to checksum them
 costs as much as 0.7 s per GB here, about half of the write itself; a save that hashes the bytes on
-their way to the file, in a thread of its own that runs while the disk flushes (``fsync``), hides
-almost all of it. :class:`ChecksummingWriter` is torch's ``FileSystemWriter`` with such streams; after
+their way to the file (:class:`~lightning_sharded.checkpoint.checksum.HashingStream`: each large write
+is hashed in a helper thread while the same bytes go to the file, both done before the write returns)
+hides most of it. :class:`ChecksummingWriter` is torch's ``FileSystemWriter`` with such streams; after
 the save, :attr:`ChecksummingWriter.checksums` holds ``{file name: (size, crc32 hex)}`` for every file
-it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.checkpoint.manifest.file_checksum`
+it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.checkpoint.checksum.file_checksum`
 would give.
 
 It also switches off ``torch.save``'s own per-record CRC-32 for the shards it writes (DCP stores each
@@ -18,78 +19,16 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import queue
 import threading
-import zlib
 from collections.abc import Generator, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
+from lightning_sharded.checkpoint.checksum import HashingStream
+
 __all__ = ["ChecksummingWriter", "without_torch_crc32"]
-
-# Smaller writes (zip headers, pickles) are copied and hashed at once: their buffer may be reused.
-_HASH_INLINE_BELOW = 1 << 20
-
-
-class _HashingStream(io.RawIOBase):
-    """A binary file that hands each write to a hashing thread, in order; :meth:`result` joins it."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        super().__init__()
-        self._raw = raw
-        self._size = 0
-        self._crc = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._hash, name="lightning-sharded-crc32", daemon=True)
-        self._thread.start()
-
-    def _hash(self) -> None:
-        crc = 0
-        while (chunk := self._queue.get()) is not None:
-            try:
-                crc = zlib.crc32(chunk, crc)
-            except BaseException as err:  # reported by result()
-                self._error = err
-        self._crc = crc
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        n = self._raw.write(view)
-        if n != len(view):  # a buffered writer writes everything or raises; keep it exact anyway
-            raise OSError(f"short write: {n} of {len(view)} bytes")
-        self._size += n
-        self._queue.put(bytes(view) if n < _HASH_INLINE_BELOW else view)
-        return n
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def seekable(self) -> bool:
-        return False
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def result(self) -> tuple[int, str]:
-        """Wait for the hashing thread; ``(size, crc32 as 8 hex digits)`` of all bytes written."""
-        self._queue.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._size, f"{self._crc & 0xFFFFFFFF:08x}"
-
-    def close(self) -> None:
-        # DCP closes the stream inside `create_stream`; the file itself is closed by our context.
-        self._raw.flush()
 
 
 class _ChecksummingFileSystem(FileSystem):
@@ -107,7 +46,7 @@ class _ChecksummingFileSystem(FileSystem):
             return
         path = Path(path)
         with open(path, mode + "b" if "b" not in mode else mode) as raw:
-            stream = _HashingStream(raw)
+            stream = HashingStream(raw)
             try:
                 yield stream
             except BaseException as err:  # kept: torch's extra writer threads only print it

@@ -1,0 +1,430 @@
+"""Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename.
+
+A sharded save writes ``.<name>.staging-<token>`` next to the target, fsyncs every file and the
+directory, writes the manifest last inside it, then publishes: onto a free path with ``rename``; over
+an existing checkpoint (directory or file) with ``renameat2(RENAME_EXCHANGE)``, one atomic swap, where
+Linux and the filesystem support it, else with two renames (target to ``.<name>.old-<token>``, staging
+to target). It fsyncs the parent directory, then removes the previous version (renamed to
+``.<name>.trash-<token>`` first, then deleted). Directories the save creates are fsynced up to one
+that existed.
+
+Recovery rules (:func:`resolve`, applied read-only by every load and for real by the next save):
+
+- the path exists: it is the checkpoint; every ``.<name>.staging-*``, ``.<name>.trash-*`` and
+  ``.<name>.old-*`` next to it is a leftover, ignored by loads and deleted by the next save;
+- the path does not exist but ``.<name>.old-<token>`` does (a crash between the two renames of the
+  fallback publish): the newest such ``old`` is the checkpoint; the next save renames it back.
+
+A save replaces a previous checkpoint (directory or file, ours or stock, whole or left by a crashed
+save) or an empty directory, never a non-empty directory of something else: that raises
+``IsADirectoryError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends.paths import Location
+from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
+from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+
+__all__ = ["NO_EXCHANGE_ENV", "LocalBackend", "leftovers", "resolve"]
+
+log = logging.getLogger(__name__)
+
+#: Set to ``1`` to never use ``renameat2(RENAME_EXCHANGE)`` and publish with the two-rename fallback.
+NO_EXCHANGE_ENV = "LIGHTNING_SHARDED_NO_RENAME_EXCHANGE"
+
+
+def leftovers(path: str | os.PathLike[str], kind: str | None = None) -> list[Path]:
+    """The staging, old and trash siblings of a checkpoint path left by saves, oldest first.
+
+    Args:
+        path: The checkpoint path (file or directory).
+        kind: ``"staging"``, ``"old"`` or ``"trash"``; ``None`` for all three.
+    """
+    target = Path(path)
+    pattern = names.sibling_pattern(target.name, names.SIBLING_KINDS if kind is None else (kind,))
+    try:
+        listed = os.listdir(target.parent)
+    except FileNotFoundError:
+        return []
+    found = [(m.group(2), target.parent / n) for n in listed if (m := pattern.match(n))]
+    return [p for _, p in sorted(found)]
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The path a load should read for checkpoint ``path``, after the recovery rules; changes nothing.
+
+    Returns ``path`` itself when it exists; else the newest ``.<name>.old-<token>`` sibling (left by a
+    crash between the two renames of a fallback publish) when there is one; else ``path`` (which does
+    not exist, for the caller to report).
+    """
+    target = Path(path)
+    if os.path.lexists(target):
+        return target
+    olds = leftovers(target, names.OLD)
+    return olds[-1] if olds else target
+
+
+# ---------------------------------------------------------------------------------- disk helpers
+
+
+def fsync_dir(path: Path) -> None:
+    """``fsync`` a directory, so the entries created or renamed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def make_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents, each fsynced, and the one that existed above them."""
+    created: list[Path] = []
+    current = directory
+    while not current.exists():
+        created.append(current)
+        current = current.parent
+    for path in reversed(created):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            path.mkdir()
+    for path in [*created, current] if created else []:
+        fsync_dir(path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; ``False`` where unsupported."""
+    global _renameat2
+    if os.environ.get(NO_EXCHANGE_ENV) == "1":
+        return False
+    if _renameat2 is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            _renameat2 = libc.renameat2
+            _renameat2.argtypes = [
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_int,
+                ctypes.c_char_p,
+                ctypes.c_uint,
+            ]
+            _renameat2.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _renameat2 = False
+    if _renameat2 is False:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) of {str(a)!r} and {str(b)!r}: {os.strerror(err)}")
+
+
+def _delete(path: Path, *, rank: int = 0) -> None:
+    """Delete a file or tree that no reader uses any more (already renamed away)."""
+    if path.is_dir() and not path.is_symlink():
+        first = True
+        for root, dirs, files in os.walk(path, topdown=False):
+            for name in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(root, name))
+                if first:
+                    first = False
+                    fault(FaultPoint.DURING_REMOVE, rank)
+            for name in dirs:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(os.path.join(root, name))
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    return target.parent / names.sibling_name(target.name, kind)
+
+
+def _discard(path: Path) -> None:
+    """Rename ``path`` to a trash sibling (atomic), then delete it."""
+    owner = names.owner_name(path.name)
+    trash = _sibling(path.parent / owner if owner else path, names.TRASH)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    _delete(trash)
+
+
+def _refuse_foreign_directory(target: Path) -> None:
+    """A save replaces a previous checkpoint, never a directory of something else (it would delete it)."""
+    if not target.is_dir() or target.is_symlink():
+        return
+    listed = os.listdir(target)
+    if not listed or any(names.is_checkpoint_member(n) for n in listed):
+        return
+    shown = ", ".join(sorted(listed)[:5]) + (", ..." if len(listed) > 5 else "")
+    raise IsADirectoryError(
+        f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint (it holds {shown});"
+        " saving would replace and delete it. Choose another path, or remove the directory first."
+    )
+
+
+def _walk(root: Path) -> Iterator[str]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, root)
+        for name in sorted(filenames):
+            yield name if rel == "." else f"{Path(rel).as_posix()}/{name}"
+
+
+def _entry(staging: Path, rel: str, rank: int, known: Mapping[str, tuple[int, str]]) -> FileEntry:
+    """The manifest entry of one staged file, fsynced: from ``known`` (checksummed while written, its
+    size checked against the file) or else by reading the file back."""
+    figures = known.get(rel)
+    if figures is not None and os.stat(staging / rel).st_size == figures[0]:
+        _fsync_file(staging / rel)
+        return FileEntry(rel, figures[0], figures[1], rank)
+    size, checksum = file_checksum(staging / rel, fsync=True)
+    return FileEntry(rel, size, checksum, rank)
+
+
+def _path(loc: Location) -> Path:
+    assert isinstance(loc, Path), loc
+    return loc
+
+
+class LocalBackend:
+    """Local paths: plain file calls, torch's file-system DCP reader and writer, publish by rename."""
+
+    noun = "directory"
+    place = "path"
+    hint = "Check the path or `ckpt_path` (relative paths start at {cwd!r})."
+
+    def locate(self, target: Location) -> tuple[Location, Manifest | None]:
+        real = resolve(_path(target))
+        return real, self.manifest_at(real) if real.is_dir() else None
+
+    def manifest_at(self, data: Location) -> Manifest | None:
+        path = _path(data) / names.MANIFEST_NAME
+        try:
+            text = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return Manifest.from_json(text, source=str(path))
+
+    def manifest_is_stale(self, target: Location, manifest: Manifest) -> bool:
+        # Ours writes the manifest after `.metadata`; a stock save over it rewrites `.metadata` later.
+        real = resolve(_path(target))
+        index, ours = self.mtime(real / names.DCP_METADATA), self.mtime(real / names.MANIFEST_NAME)
+        return index is not None and ours is not None and index > ours
+
+    def unpublished(self, target: Location) -> list[str]:
+        return []  # staged versions are siblings, ignored until the next save removes them
+
+    def exists(self, loc: Location) -> bool:
+        return os.path.lexists(loc)
+
+    def is_file(self, loc: Location) -> bool:
+        return _path(loc).is_file()
+
+    def size(self, loc: Location) -> int:
+        return os.stat(loc).st_size
+
+    def mtime(self, loc: Location) -> float | None:
+        try:
+            return os.stat(loc).st_mtime
+        except FileNotFoundError:
+            return None
+
+    def list_files(self, loc: Location) -> dict[str, int]:
+        try:
+            return {p.name: p.stat().st_size for p in _path(loc).iterdir() if p.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def list_dirs(self, loc: Location) -> list[str]:
+        try:
+            return sorted(p.name for p in _path(loc).iterdir() if p.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    @contextlib.contextmanager
+    def open_file(self, loc: Location) -> Iterator[IO[bytes]]:
+        with open(loc, "rb") as f:
+            yield f
+
+    def read_bytes(self, loc: Location) -> bytes:
+        return _path(loc).read_bytes()
+
+    def torch_load(self, loc: Location, **kwargs: Any) -> Any:
+        import torch
+
+        return torch.load(loc, **kwargs)
+
+    @contextlib.contextmanager
+    def local_file(self, loc: Location) -> Iterator[Path]:
+        yield _path(loc)
+
+    def checksum(self, loc: Location) -> tuple[int, str]:
+        return file_checksum(loc)
+
+    def dcp_reader(self, data: Location) -> Any:
+        from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
+
+        return DirectReader(data)
+
+    # -------------------------------------------------------------------------------------- commit
+
+    def prepare(self, target: Location, *, directory: bool) -> str | None:
+        target = _path(target)
+        make_dirs(target.parent)
+        _refuse_foreign_directory(target)
+        olds = leftovers(target, names.OLD)
+        if not os.path.lexists(target) and olds:
+            newest = olds.pop()
+            log.warning("Recovering checkpoint %s from %s left by an interrupted save", target, newest.name)
+            os.rename(newest, target)
+            fsync_dir(target.parent)
+        for stale in leftovers(target, names.STAGING) + leftovers(target, names.TRASH) + olds:
+            if stale.exists():
+                log.info("Removing %s left by an interrupted save", stale)
+                _delete(stale)
+        return None
+
+    def stage(self, target: Location, *, directory: bool) -> Location:
+        staged = _sibling(_path(target), names.STAGING)
+        if directory:
+            staged.mkdir()
+        return staged
+
+    def dcp_writer(self, staging: Location, **kwargs: Any) -> Any:
+        from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+
+        return ChecksummingWriter(staging, **kwargs)
+
+    def write_bytes(self, loc: Location, data: bytes) -> None:
+        with open(loc, "wb") as f:
+            f.write(data)
+
+    def seal_own(
+        self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
+    ) -> list[FileEntry]:
+        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``), on its own
+        # node; rank 0 takes everything else in :meth:`seal`.
+        if rank == 0:
+            return []
+        prefix = f"__{rank}_"
+        own = [rel for rel in _walk(_path(staging)) if "/" not in rel and rel.startswith(prefix)]
+        return [_entry(_path(staging), rel, rank, written) for rel in own]
+
+    def seal(
+        self, staging: Location, entries: list[FileEntry], written: Mapping[str, tuple[int, str]]
+    ) -> list[FileEntry]:
+        staging = _path(staging)
+        claimed = {e.path: e for e in entries}
+        for rel in _walk(staging):
+            if rel not in claimed and rel != names.MANIFEST_NAME:
+                claimed[rel] = _entry(staging, rel, 0, written)
+        for dirpath, _, _ in os.walk(staging):
+            fsync_dir(Path(dirpath))
+        return sorted(claimed.values(), key=lambda e: e.path)
+
+    def manifest_fields(self, staging: Location) -> dict[str, Any]:
+        return {}
+
+    def write_manifest(self, staging: Location, manifest: Manifest) -> None:
+        directory = _path(staging)
+        tmp = directory / f".{names.MANIFEST_NAME}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / names.MANIFEST_NAME)
+        fsync_dir(directory)
+
+    def publish(
+        self,
+        staging: Location,
+        target: Location,
+        manifest: Manifest | None,
+        previous: str | None,
+        *,
+        rank: int,
+    ) -> None:
+        staged, target = _path(staging), _path(target)
+        parent = target.parent
+        try:
+            if not os.path.lexists(target):
+                os.rename(staged, target)
+                fsync_dir(parent)
+                return
+            if _exchange(staged, target):
+                old = staged  # after the swap, the staging name holds the previous version
+            else:
+                old = _sibling(target, names.OLD)
+                os.rename(target, old)
+                fault(FaultPoint.BETWEEN_RENAMES, rank)
+                os.rename(staged, target)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if os.path.lexists(staged):
+                    _delete(staged)
+            raise
+        # Published: from here on a failure leaves leftovers for the next save, not a failed save.
+        try:
+            fsync_dir(parent)
+            fault(FaultPoint.AFTER_PUBLISH, rank)
+            trash = _sibling(target, names.TRASH)
+            os.rename(old, trash)
+            _delete(trash, rank=rank)
+            fsync_dir(parent)
+        except OSError as err:
+            log.warning(
+                "Checkpoint %s is published, but removing the previous version failed (%s); the next save"
+                " of this path removes it",
+                target,
+                err,
+            )
+
+    def publish_file(self, staged: Path, target: Location) -> None:
+        _fsync_file(staged)
+        self.publish(staged, target, None, None, rank=0)
+
+    def discard(self, staging: Location) -> None:
+        _delete(_path(staging))
+
+    def remove(self, target: Location) -> None:
+        target = _path(target).absolute()
+        olds = leftovers(target, names.OLD)
+        if not os.path.lexists(target) and not olds:
+            raise FileNotFoundError(f"There is no checkpoint to remove at {str(target)!r}.")
+        for stale in olds:  # first: an interrupted removal never brings an older version back
+            _discard(stale)
+        if os.path.lexists(target):
+            _discard(target)
+        for stale in leftovers(target, names.STAGING) + leftovers(target, names.TRASH):
+            _delete(stale)
+        if target.parent.exists():
+            fsync_dir(target.parent)

@@ -1,0 +1,381 @@
+"""Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename.
+
+A sharded checkpoint at ``URL`` is laid out as::
+
+    URL/lightning_sharded.json        the manifest: the version published, every file, size and CRC-32
+    URL/data-<token>/.metadata        the version it names: DCP index, shards and Lightning's meta.pt
+    URL/data-<token>/__0_0.distcp
+    URL/data-<token>/meta.pt
+
+The manifest is the only object a save overwrites, in one ``PUT`` (atomic on S3: readers see the old
+object or the new one, never a mix). A save stages a fresh ``URL/data-<token>`` (after deleting every
+``data-*`` prefix the current manifest does not name), checksums each file as its bytes go out,
+checks every file is stored with that size, then publishes with one ``PUT`` of the manifest naming
+``data-<token>`` (``data_dir``); only then does it delete the previous version (and the files of a
+stock checkpoint at ``URL``). A load reads the manifest first and only ever reads the version it
+names; a prefix with data but no manifest is *not published*. Assumes what S3 promises: a single-object
+``PUT`` is atomic, and reads after a write see it (strong read-after-write consistency).
+
+A full checkpoint file at ``URL`` is one object, written locally then uploaded in one upload, which
+S3 also makes visible all at once.
+
+Credentials and endpoints come from wherever the fsspec filesystem looks: for S3, the usual
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_ENDPOINT_URL`` / ``AWS_PROFILE`` variables,
+``~/.aws``, or fsspec's own configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends.paths import Location, basename, join
+from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
+from lightning_sharded.checkpoint.manifest import OBJECT_STORE_FORMAT_VERSION, FileEntry, Manifest
+
+__all__ = ["ObjectStoreBackend", "filesystem"]
+
+log = logging.getLogger(__name__)
+
+# The files a checkpoint written by stock Lightning (no manifest) keeps at the top of its prefix.
+_STOCK_FILE = re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path in it (no protocol): ``(S3FileSystem, "b/k")``."""
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url)
+    # Other processes (the other ranks) write too: never trust a listing cached in this process.
+    fs.invalidate_cache(str(path))
+    return fs, str(path)
+
+
+def _url(loc: Location) -> str:
+    assert isinstance(loc, str), loc
+    return loc
+
+
+def _listing(url: str) -> list[dict[str, Any]]:
+    fs, path = filesystem(url)
+    try:
+        listing = fs.ls(path, detail=True, refresh=True)
+    except FileNotFoundError:
+        return []
+    return [e for e in listing if str(e["name"]).rstrip("/") != path.rstrip("/")]
+
+
+def _hashing_filesystem() -> Any:
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    class HashingFileSystem(FileSystem):  # type: ignore[misc]
+        """torch's fsspec filesystem for DCP, checksumming every file while it is written."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.checksums: dict[str, tuple[int, str]] = {}
+            self._lock = threading.Lock()
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            if "w" not in mode:
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with super().create_stream(path, mode) as raw:
+                stream = HashingStream(raw)  # type: ignore[arg-type]
+                yield stream
+                figures = stream.result()
+            with self._lock:
+                self.checksums[basename(os.fspath(path))] = figures
+
+        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+            super().rename(path, new_path)
+            with self._lock:
+                figures = self.checksums.pop(basename(os.fspath(path)), None)
+                if figures is not None:
+                    self.checksums[basename(os.fspath(new_path))] = figures
+
+    return HashingFileSystem()
+
+
+class ObjectStoreBackend:
+    """fsspec URLs: versions under ``data-<token>``, published by writing the manifest last."""
+
+    noun = "prefix"
+    place = "URL"
+    hint = "Check the URL and the credentials/endpoint (AWS_* variables)."
+
+    # -------------------------------------------------------------------------------- what is there
+
+    def _manifest(self, url: str) -> Manifest | None:
+        key = _url(join(url, names.MANIFEST_NAME))
+        try:
+            text = self.read_bytes(key)
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(text, source=key)
+
+    def _data(self, url: str, manifest: Manifest) -> str:
+        data_dir = manifest.data_dir
+        if not data_dir:  # a manifest of a local checkpoint copied to object storage: files next to it
+            return url
+        if "/" in data_dir or not names.DATA_DIR.match(data_dir):
+            raise CheckpointError(
+                f"The manifest of {url!r} names the data directory {data_dir!r}, which is not one this"
+                " library writes. The manifest is damaged: restore the checkpoint from a copy."
+            )
+        return _url(join(url, data_dir))
+
+    def locate(self, target: Location) -> tuple[Location, Manifest | None]:
+        url = _url(target).rstrip("/")
+        if names.DATA_DIR.match(basename(url)):  # a version itself: only if its checkpoint publishes it
+            return url, self.manifest_at(url)
+        manifest = self._manifest(url)
+        return (self._data(url, manifest), manifest) if manifest is not None else (url, None)
+
+    def manifest_at(self, data: Location) -> Manifest | None:
+        url = _url(data).rstrip("/")
+        parent, _, name = url.rpartition("/")
+        if not names.DATA_DIR.match(name):
+            return self._manifest(url)
+        manifest = self._manifest(parent)
+        if manifest is None or manifest.data_dir != name:
+            raise CheckpointError(
+                f"{url!r} is a version of the checkpoint {parent!r} that is not published (a save that did"
+                f" not finish, or a previous version being deleted). Load {parent!r} itself."
+            )
+        return manifest
+
+    def manifest_is_stale(self, target: Location, manifest: Manifest) -> bool:
+        # Ours keeps its files under data-<token> and deletes stock files at the top when it publishes:
+        # a `.metadata` at the top, as new as the manifest or newer, is a stock save written since.
+        if not manifest.data_dir:
+            return False
+        url = _url(target).rstrip("/")
+        index, ours = self.mtime(join(url, names.DCP_METADATA)), self.mtime(join(url, names.MANIFEST_NAME))
+        return index is not None and ours is not None and index >= ours
+
+    def unpublished(self, target: Location) -> list[str]:
+        return [d for d in self.list_dirs(target) if names.DATA_DIR.match(d)]
+
+    # -------------------------------------------------------------------------------------- reading
+
+    def exists(self, loc: Location) -> bool:
+        fs, path = filesystem(_url(loc))
+        return bool(fs.exists(path))
+
+    def is_file(self, loc: Location) -> bool:
+        fs, path = filesystem(_url(loc))
+        return bool(fs.isfile(path))
+
+    def size(self, loc: Location) -> int:
+        fs, path = filesystem(_url(loc))
+        return int(fs.info(path)["size"])
+
+    def mtime(self, loc: Location) -> float | None:
+        fs, path = filesystem(_url(loc))
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            return None
+        value = info.get("LastModified", info.get("created", info.get("mtime")))
+        if isinstance(value, datetime):
+            return value.timestamp()
+        return float(value) if isinstance(value, int | float) else None
+
+    def list_files(self, loc: Location) -> dict[str, int]:
+        return {
+            basename(str(e["name"])): int(e.get("size") or 0)
+            for e in _listing(_url(loc))
+            if e.get("type") == "file"
+        }
+
+    def list_dirs(self, loc: Location) -> list[str]:
+        return sorted(basename(str(e["name"])) for e in _listing(_url(loc)) if e.get("type") == "directory")
+
+    @contextlib.contextmanager
+    def open_file(self, loc: Location) -> Iterator[IO[bytes]]:
+        fs, path = filesystem(_url(loc))
+        with fs.open(path, "rb") as f:
+            yield f
+
+    def read_bytes(self, loc: Location) -> bytes:
+        fs, path = filesystem(_url(loc))
+        return bytes(fs.cat_file(path))
+
+    def torch_load(self, loc: Location, **kwargs: Any) -> Any:
+        import torch
+
+        kwargs.pop("mmap", None)
+        with self.open_file(loc) as f:
+            return torch.load(f, **kwargs)
+
+    @contextlib.contextmanager
+    def local_file(self, loc: Location) -> Iterator[Path]:
+        fs, path = filesystem(_url(loc))
+        with tempfile.TemporaryDirectory(prefix="lightning-sharded-") as tmp:
+            local = Path(tmp) / basename(loc)
+            fs.get_file(path, os.fspath(local))
+            yield local
+
+    def checksum(self, loc: Location) -> tuple[int, str]:
+        fs, path = filesystem(_url(loc))
+        with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
+            return stream_checksum(f)
+
+    def dcp_reader(self, data: Location) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(_url(data))
+
+    # --------------------------------------------------------------------------------------- commit
+
+    def prepare(self, target: Location, *, directory: bool) -> str | None:
+        url = _url(target)
+        manifest = self._manifest(url)
+        if directory:
+            if manifest is None and self.is_file(url):
+                raise CheckpointError(
+                    f"{url!r} is a full checkpoint file (one object); saving a sharded checkpoint there would"
+                    " leave both until the file is deleted, which object storage cannot do atomically. Remove"
+                    " it first, or save to another URL."
+                )
+        elif manifest is not None or names.DCP_METADATA in self.list_files(url):
+            raise CheckpointError(
+                f"{url!r} holds a sharded checkpoint; saving a full checkpoint file there would leave both"
+                " until the directory is deleted, which object storage cannot do atomically. Remove it first,"
+                " or save to another URL."
+            )
+        current = manifest.data_dir if manifest is not None else None
+        if directory:
+            for name in self.unpublished(url):
+                if name != current:
+                    log.info("Removing %s/%s left by an interrupted save", url, name)
+                    self._remove_tree(join(url, name))
+        return current
+
+    def stage(self, target: Location, *, directory: bool) -> Location:
+        if directory:  # object storage has no directories to create
+            return join(_url(target), names.data_dir_name())
+        return Path(tempfile.mkdtemp(prefix="lightning-sharded-")) / basename(target)
+
+    def dcp_writer(self, staging: Location, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        kwargs.pop("thread_count", None)
+        writer = FsspecWriter(_url(staging), **kwargs)
+        hashing = _hashing_filesystem()
+        hashing.fs = writer.fs.fs  # type: ignore[attr-defined]
+        writer.fs = hashing
+        writer.checksums = hashing.checksums  # type: ignore[attr-defined]
+        return writer
+
+    def write_bytes(self, loc: Location, data: bytes) -> None:
+        """One request (one ``PUT`` on S3: atomic, all or nothing)."""
+        fs, path = filesystem(_url(loc))
+        fs.pipe_file(path, data)
+        fs.invalidate_cache(path)
+
+    def seal_own(
+        self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
+    ) -> list[FileEntry]:
+        return [FileEntry(name, size, checksum, rank) for name, (size, checksum) in sorted(written.items())]
+
+    def seal(
+        self, staging: Location, entries: list[FileEntry], written: Mapping[str, tuple[int, str]]
+    ) -> list[FileEntry]:
+        present = self.list_files(staging)
+        claimed: dict[str, FileEntry] = {}
+        for entry in entries:
+            if entry.path in claimed:
+                raise CheckpointError(
+                    f"{entry.path!r} in {staging!r} was written by ranks {claimed[entry.path].rank}"
+                    f" and {entry.rank}; DCP names every rank's files apart."
+                )
+            if present.get(entry.path) != entry.size:
+                raise CheckpointError(
+                    f"{staging}/{entry.path} (rank {entry.rank}) has {present.get(entry.path)} bytes in the"
+                    f" store, {entry.size} were written. The store lost or cut the upload; save again."
+                )
+            claimed[entry.path] = entry
+        unclaimed = sorted(set(present) - set(claimed))
+        if unclaimed:
+            raise CheckpointError(
+                f"{staging!r} holds files no rank reported writing: {unclaimed}. Another process writes to"
+                " this prefix; make sure only one job saves to a checkpoint URL at a time."
+            )
+        return sorted(claimed.values(), key=lambda e: e.path)
+
+    def manifest_fields(self, staging: Location) -> dict[str, Any]:
+        return {"format_version": OBJECT_STORE_FORMAT_VERSION, "data_dir": basename(staging)}
+
+    def write_manifest(self, staging: Location, manifest: Manifest) -> None:
+        return None  # the manifest is the publish: written by publish()
+
+    def publish(
+        self, staging: Location, target: Location, manifest: Manifest, previous: str | None, *, rank: int
+    ) -> None:
+        url = _url(target)
+        try:
+            self.write_bytes(join(url, names.MANIFEST_NAME), manifest.to_json().encode("utf-8"))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                current = self._manifest(url)
+                if current is None or current.data_dir != manifest.data_dir:
+                    self.discard(staging)
+            raise
+        fault(FaultPoint.AFTER_PUBLISH, rank)
+        stale = [join(url, previous)] if previous and previous != manifest.data_dir else []
+        stale += [join(url, name) for name in self.list_files(url) if _STOCK_FILE.match(name)]
+        try:
+            for index, old in enumerate(stale):
+                self._remove_tree(old)
+                if index == 0:
+                    fault(FaultPoint.DURING_REMOVE, rank)
+        except Exception as err:  # the new version is published: what is left goes with the next save
+            log.warning("Published %s, but could not delete the previous version (%s): %s", url, stale, err)
+
+    def publish_file(self, staged: Path, target: Location) -> None:
+        """Upload; on S3 the object appears whole when the upload completes, or not at all."""
+        fs, path = filesystem(_url(target))
+        try:
+            fs.put_file(os.fspath(staged), path)
+            fs.invalidate_cache(path)
+        finally:
+            shutil.rmtree(staged.parent, ignore_errors=True)
+
+    def discard(self, staging: Location) -> None:
+        if isinstance(staging, Path):  # a full file staged locally
+            shutil.rmtree(staging.parent, ignore_errors=True)
+            return
+        self._remove_tree(staging)
+
+    def _remove_tree(self, loc: Location) -> None:
+        fs, path = filesystem(_url(loc))
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)
+        fs.invalidate_cache(path)
+
+    def remove(self, target: Location) -> None:
+        """The manifest goes first: an interrupted removal leaves a prefix loads call not published."""
+        url = _url(target).rstrip("/")
+        if not self.exists(url):
+            raise FileNotFoundError(f"There is no checkpoint to remove at {url!r}.")
+        if self.is_file(url):
+            self._remove_tree(url)
+            return
+        self._remove_tree(join(url, names.MANIFEST_NAME))
+        self._remove_tree(url)

@@ -1,0 +1,42 @@
+"""Locations: a local :class:`~pathlib.Path`, or an fsspec URL kept as a string (standard library only)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["Location", "basename", "is_url", "join", "location"]
+
+#: A checkpoint location: a local path, or an fsspec URL kept as a string.
+Location = Path | str
+
+_LOCAL_PROTOCOLS = ("file", "local")
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a URL of a non-local fsspec filesystem (``s3://...``, ``memory://...``)."""
+    if not isinstance(path, str):
+        return False
+    protocol, sep, _ = path.partition("://")
+    return bool(sep) and protocol.isidentifier() and protocol not in _LOCAL_PROTOCOLS
+
+
+def location(path: str | os.PathLike[str]) -> Location:
+    """``path`` as a location: the URL string unchanged, or a local :class:`Path` (``file://`` stripped)."""
+    if is_url(path):
+        return str(path).rstrip("/")
+    if isinstance(path, str) and path.startswith("file://"):
+        return Path(path[len("file://") :])
+    return Path(path)
+
+
+def join(base: Location, *parts: str) -> Location:
+    """``base`` with ``parts`` appended, ``/``-separated for URLs."""
+    if isinstance(base, Path):
+        return base.joinpath(*parts)
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def basename(loc: Location) -> str:
+    """The last component of ``loc``."""
+    return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]

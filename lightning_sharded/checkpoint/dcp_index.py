@@ -1,0 +1,144 @@
+"""What a sharded checkpoint's DCP index (``.metadata``) says, read without a process group.
+
+:func:`read_index` reads the index once; :func:`index_problems` is the one check of the shard files
+against it (each file it names present and long enough for the pieces it holds), used by loads of
+checkpoints without a manifest and by ``verify``; :func:`read_sharded_layout` finds the model key and
+the optimizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Location, join
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.problems import Problem
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_sharded.checkpoint.backends import Backend
+
+__all__ = ["ShardedLayout", "index_problems", "read_index", "read_sharded_layout"]
+
+
+def read_index(backend: Backend, data: Location) -> Any:
+    """The DCP ``Metadata`` of the sharded checkpoint under ``data``.
+
+    Raises:
+        CheckpointError: ``.metadata`` is missing, truncated or corrupt.
+    """
+    try:
+        return backend.dcp_reader(data).read_metadata()
+    except Exception as ex:
+        raise CheckpointError(
+            f"Could not read the DCP index {str(join(data, names.DCP_METADATA))!r}: the file `.metadata` of"
+            f" the sharded checkpoint {str(data)!r} cannot be read ({type(ex).__name__}: {ex}). The file is"
+            " truncated or corrupt; restore the directory from a copy, or load an earlier checkpoint."
+        ) from ex
+
+
+def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Problem]:
+    """Every shard file the DCP index names that is missing under ``data`` or too short for its pieces."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        relative = getattr(info, "relative_path", None)
+        if relative is None:
+            continue
+        needed[str(relative)] = max(needed.get(str(relative), 0), int(info.offset) + int(info.length))
+    problems: list[Problem] = []
+    sizes = backend.list_files(data)
+    for relative in sorted(needed):
+        size = sizes.get(relative)
+        rank = names.shard_rank(relative)
+        if size is None:
+            problems.append(Problem(relative, "is missing (`.metadata` references it)", rank))
+        elif size < needed[relative]:
+            what = f"is truncated: {size} bytes, `.metadata` needs {needed[relative]}"
+            problems.append(Problem(relative, what, rank, size, needed[relative]))
+    return problems
+
+
+@dataclass(frozen=True)
+class ShardedLayout:
+    """What a sharded directory's DCP index says it holds.
+
+    Attributes:
+        path: the directory.
+        model_key: ``"model"`` or ``"state_dict"``, whichever the writer used.
+        model_entries: model state key (relative, e.g. ``"layer.weight"``) to its global shape, or
+            ``None`` for an entry stored as bytes (a non-tensor value).
+        optimizer_count: how many ``optimizer_N`` keys there are (``0..N-1`` without gaps).
+        entries: every flattened DCP key to its global shape, or ``None`` for bytes entries.
+        dtypes: every flattened DCP key of a tensor to its element type.
+    """
+
+    path: Location
+    model_key: str
+    model_entries: dict[str, tuple[int, ...] | None]
+    optimizer_count: int
+    entries: dict[str, tuple[int, ...] | None] = field(repr=False)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict, repr=False)
+
+
+def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLayout:
+    """Read the DCP index of a sharded directory, check its shard files, find the model key and optimizers.
+
+    Args:
+        path: the directory (where its files are).
+        backend: its storage; found from ``path`` when ``None``.
+
+    Raises:
+        CheckpointError: the index cannot be read, a shard file it names is missing or short, it holds
+            no model state under ``"model"`` or ``"state_dict"``, or its optimizer keys have gaps.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_sharded.checkpoint.backends import backend_for, location
+
+    data = location(path)
+    backend = backend or backend_for(data)
+    metadata = read_index(backend, data)
+    problems = index_problems(backend, data, metadata)
+    if problems:
+        listed = [
+            f"{p.path!r} is missing"
+            if p.size is None
+            else f"{p.path!r} has {p.size} bytes, its index needs at least {p.needed}"
+            for p in problems
+        ]
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} is incomplete: " + "; ".join(listed) + ". The files were"
+            " truncated or removed after the save; resume from an earlier checkpoint."
+        )
+    entries: dict[str, tuple[int, ...] | None] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        entries[key] = tuple(item.size) if isinstance(item, TensorStorageMetadata) else None
+        if isinstance(item, TensorStorageMetadata):
+            dtypes[key] = item.properties.dtype
+
+    tops = {key.split(".", 1)[0] for key in entries}
+    model_keys = sorted(k for k in names.MODEL_KEYS if k in tops)
+    if not model_keys:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} holds no model state: expected the key {names.MODEL!r}"
+            f" (FSDPStrategy) or {names.STATE_DICT!r} (ModelParallelStrategy), found {sorted(tops)}."
+        )
+    if len(model_keys) > 1:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} holds model state under both {names.MODEL!r} and"
+            f" {names.STATE_DICT!r}; it was not written by Lightning and cannot be resumed unambiguously."
+        )
+    model_key = model_keys[0]
+    prefix = model_key + "."
+    model_entries = {key[len(prefix) :]: shape for key, shape in entries.items() if key.startswith(prefix)}
+    indices = sorted(int(m.group(1)) for top in tops if (m := names.OPTIMIZER_KEY.match(top)))
+    if indices != list(range(len(indices))):
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} has optimizer keys"
+            f" {[names.optimizer_key(i) for i in indices]} with gaps; expected optimizer_0 ... optimizer_N-1."
+        )
+    return ShardedLayout(data, model_key, model_entries, len(indices), entries, dtypes)

@@ -1,0 +1,91 @@
+"""Loading a checkpoint into the live, already sharded model (and optimizers when fitting).
+
+:func:`restore_checkpoint` reads either layout, from a local path or a URL, at any world size: a
+sharded checkpoint through DCP (:mod:`.sharded`), a full file memory-mapped (:mod:`.full`). What is
+at the path is decided once (:func:`~lightning_sharded.checkpoint.detect.detect`, on rank 0, shared),
+the files are checked by every rank with the findings agreed
+(:func:`~lightning_sharded.checkpoint.verify.check_found`), so every rank takes the same branch or
+raises the same error. No load ever writes to the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import KeyReport
+from lightning_sharded.checkpoint.load.full import restore_full
+from lightning_sharded.checkpoint.load.sharded import restore_sharded
+from lightning_sharded.checkpoint.verify import check_found
+
+__all__ = ["KeyReport", "Restored", "restore_checkpoint"]
+
+
+class Restored(NamedTuple):
+    """What :func:`restore_checkpoint` returns."""
+
+    #: The rest of the Lightning checkpoint: loops, callbacks, epoch, step, hyperparameters...
+    metadata: dict[str, Any]
+    #: Model keys compared with the checkpoint's (non-empty only for a non-strict load).
+    keys: KeyReport
+
+
+def restore_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer] = (),
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+    verify: bool = False,
+) -> Restored:
+    """Load a sharded directory or a full file into ``model`` (and ``optimizers``) where they live.
+
+    Collective: every rank calls it, with the model already wrapped/sharded and the optimizers (if
+    any) built over its parameters. The checkpoint may come from any world size.
+
+    Args:
+        path: a sharded checkpoint directory (written by this library or stock Lightning's
+            ``FSDPStrategy`` / ``ModelParallelStrategy``) or a full checkpoint file; local or a URL.
+        model: the model to load into (its ``state_dict`` keys are the checkpoint's ``state_dict`` keys).
+        optimizers: the optimizers whose state to restore, in order; empty to load the model only.
+        strict: if ``True``, the checkpoint must have exactly the model's keys; if ``False``, the keys both
+            have are loaded and the others left alone (reported with a warning by the caller).
+        weights_only: passed to ``torch.load`` for the Lightning metadata.
+        verify: also compare every file's checksum with the manifest before reading (each file is read
+            by one rank); presence and sizes are always checked against it.
+
+    Returns:
+        The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
+        ``optimizer_states``, and the comparison of model keys (what a non-strict load skipped).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
+            optimizers, or a read that failed on some rank; the message names the key, file or rank.
+    """
+    found = collective.decide(lambda: detect(path))
+    if found.kind is CheckpointKind.SHARDED:
+        check_found(found, verify=verify)
+        metadata, report = restore_sharded(
+            found.backend, found.data, model, optimizers, strict=strict, weights_only=weights_only
+        )
+        return Restored(metadata, report)
+    # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
+    with found.backend.local_file(found.data) as local:
+        try:
+            metadata, report = restore_full(
+                local, model, optimizers, strict=strict, weights_only=weights_only
+            )
+        except CheckpointError as err:
+            if local == found.data:
+                raise
+            raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
+    return Restored(metadata, report)

@@ -1,0 +1,190 @@
+"""Checks and helpers every load uses: keys, shapes, optimizer counts, copying into shards."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_sharded._fqn import parameter_names
+from lightning_sharded.checkpoint.backends import Location
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.state_dicts import PARAM_GROUPS, PARAMS, STATE, has_fsdp1
+from lightning_sharded.tensors import adapter_for
+
+__all__ = [
+    "KeyReport",
+    "check_keys",
+    "check_optimizer_count",
+    "check_shapes",
+    "copy_full_into",
+    "global_shape",
+    "named_optimizer_params",
+    "set_model_state",
+    "set_optimizer_state",
+    "summarize_keys",
+    "template_like",
+]
+
+
+def summarize_keys(keys: list[str], limit: int = 10) -> str:
+    """``keys`` sorted and quoted, cut after ``limit`` with a count of the rest."""
+    keys = sorted(keys)
+    shown = ", ".join(f'"{k}"' for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class KeyReport:
+    """Keys of the model (or an optimizer) compared with those of a checkpoint."""
+
+    def __init__(self, expected: Sequence[str], found: Sequence[str]) -> None:
+        expected_set, found_set = set(expected), set(found)
+        self.missing = sorted(expected_set - found_set)
+        self.unexpected = sorted(found_set - expected_set)
+        self.common = sorted(expected_set & found_set)
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected)
+
+    def describe(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"Missing key(s) in the checkpoint: {summarize_keys(self.missing)}.")
+        if self.unexpected:
+            parts.append(f"Unexpected key(s) in the checkpoint: {summarize_keys(self.unexpected)}.")
+        return " ".join(parts)
+
+
+def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
+    if configured == saved:
+        return
+    if saved == 0:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} has no optimizer state but {configured} optimizer(s) are"
+            " configured: it was probably saved with `ModelCheckpoint(save_weights_only=True)`. Resume"
+            " from a full training checkpoint, or load the weights only (with `trainer.validate`, say)."
+        )
+    raise CheckpointError(
+        f"You have configured {configured} optimizer(s) but the checkpoint {str(path)!r} contains {saved}"
+        " optimizer state(s). Resume training with the same number of optimizers as the run that saved it."
+    )
+
+
+def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
+    if report and strict:
+        raise CheckpointError(
+            f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
+            f"{report.describe()} Make the model match the checkpoint, or set `self.strict_loading = False`"
+            " in the LightningModule to load only the keys both have."
+        )
+
+
+def global_shape(value: Any) -> tuple[int, ...] | None:
+    adapter = adapter_for(value)
+    if adapter is not None:
+        return tuple(adapter.global_shape(value))
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    return None
+
+
+def check_shapes(
+    path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
+) -> None:
+    bad = []
+    for key in sorted(targets):
+        expected = global_shape(targets[key])
+        stored = shapes.get(prefix + key)
+        if expected is not None and stored is not None and tuple(stored) != expected:
+            bad.append(
+                f"size mismatch for {key}: the checkpoint has shape {list(stored)},"
+                f" the model {list(expected)}"
+            )
+    if bad:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} does not fit the model: {'; '.join(bad)}. Resume with the model"
+            " configuration that saved it."
+        )
+
+
+def copy_full_into(target: Any, full: Any) -> Any:
+    """Put the global value ``full`` into ``target`` (a sharded or plain tensor); returns what to load."""
+    adapter = adapter_for(target)
+    if adapter is not None:
+        adapter.copy_into(target, full)
+        return target
+    if isinstance(target, torch.Tensor) and isinstance(full, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(full)
+        return target
+    return full
+
+
+def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+
+
+def set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state)
+
+
+def named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """``(clean FQN, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``.
+
+    Names are those of ``get_optimizer_state_dict`` (no ``_orig_mod.``, ``_checkpoint_wrapped_module.``...),
+    so a checkpoint saved through one wrapping loads into another.
+    """
+    names = parameter_names(model)
+    return [(names[id(param)], param) for group in optimizer.param_groups for param in group[PARAMS]]
+
+
+def template_like(
+    model: nn.Module,
+    optimizer: Optimizer,
+    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+) -> dict[str, Any] | None:
+    """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
+
+    ``stored`` maps parameter name -> state entry -> (global shape, dtype), or ``(None, None)`` for a
+    non-tensor entry. Each state tensor with its parameter's global shape is made like the parameter (a
+    ``DTensor`` stays sharded the same way, so each rank holds only its piece); any other (``step``)
+    is a plain tensor of the stored shape. Unlike ``get_optimizer_state_dict`` this runs no optimizer
+    step. Only for models whose parameters are the optimizer's parameters (plain, FSDP2, tensor
+    parallel); ``None`` for FSDP1 (flat parameters) or a parameter the model does not name.
+    """
+    if has_fsdp1(model):
+        return None
+    try:
+        named = named_optimizer_params(model, optimizer)
+    except KeyError:
+        return None
+    params = dict(named)
+    state: dict[str, dict[str, Any]] = {}
+    for name in sorted(stored):
+        param = params.get(name)
+        if param is None:
+            continue  # state of a parameter this optimizer does not have: not loaded
+        for entry, (shape, dtype) in sorted(stored[name].items()):
+            value: Any = None  # a non-tensor entry: the loader puts the stored object here
+            if shape is not None and dtype is not None:
+                if len(shape) > 0 and tuple(shape) == tuple(param.shape):
+                    value = torch.empty_like(param, dtype=dtype, requires_grad=False)
+                else:
+                    value = torch.empty(shape, dtype=dtype)
+            state.setdefault(name, {})[entry] = value
+    groups = []
+    position = 0
+    for group in optimizer.param_groups:
+        count = len(group[PARAMS])
+        names = [name for name, _ in named[position : position + count]]
+        position += count
+        groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: names})
+    return {STATE: state, PARAM_GROUPS: groups}

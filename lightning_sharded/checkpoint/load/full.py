@@ -1,0 +1,192 @@
+"""Loading a full checkpoint file into a live, already sharded model (and optimizers), at any world size.
+
+The file is memory-mapped and read one tensor at a time, each cut into this rank's shard; the pages of
+a tensor are given back once it is copied (:mod:`~lightning_sharded.checkpoint.load.pages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import (
+    KeyReport,
+    check_keys,
+    check_optimizer_count,
+    check_shapes,
+    copy_full_into,
+    named_optimizer_params,
+    set_model_state,
+    set_optimizer_state,
+    summarize_keys,
+    template_like,
+)
+from lightning_sharded.checkpoint.load.pages import FileMapping
+from lightning_sharded.checkpoint.names import OPTIMIZER_STATES, STATE_DICT
+from lightning_sharded.checkpoint.state_dicts import (
+    PARAM_GROUPS,
+    PARAMS,
+    STATE,
+    has_fsdp1,
+    key_by_index,
+    model_state_dict,
+    optimizer_state_dict,
+    param_names,
+)
+
+__all__ = ["restore_full"]
+
+
+def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
+    try:
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    except Exception as ex:
+        raise CheckpointError(
+            f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
+            " by torch.save, or it is truncated or corrupt; resume from another checkpoint."
+        ) from ex
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(STATE_DICT), dict):
+        keys = sorted(map(str, checkpoint)) if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise CheckpointError(
+            f"The checkpoint file {str(path)!r} is not a Lightning checkpoint: it has no {STATE_DICT!r}"
+            f" dict (found {keys}). Pass a file written by `Trainer.save_checkpoint`."
+        )
+    return checkpoint
+
+
+def restore_full(
+    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+) -> tuple[dict[str, Any], KeyReport]:
+    """Load the full checkpoint file at local ``path`` into ``model`` and ``optimizers``; collective.
+
+    Returns the rest of the checkpoint (without model and optimizer states) and the comparison of keys.
+    """
+    # Every rank reads the file (memory-mapped); whether it could is agreed, so none enters a
+    # collective alone.
+    checkpoint = collective.agree(lambda: _open_full(path, weights_only))
+    # Each tensor's pages are given back once copied: the peak stays one shard plus one tensor.
+    mapping = FileMapping(path)
+    source: dict[str, Any] = checkpoint.pop(STATE_DICT)
+    optimizer_states = checkpoint.pop(OPTIMIZER_STATES, None)
+    if optimizers:
+        check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
+    target = model_state_dict(model, full=False)
+    report = KeyReport(list(target), list(source))
+    check_keys(path, report, strict)
+    check_shapes(
+        path,
+        {key: target[key] for key in report.common},
+        {key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)},
+    )
+    to_load: dict[str, Any] = {}
+    for key in report.common:  # sorted: the same order on every rank
+        to_load[key] = copy_full_into(target[key], source[key])
+        mapping.release(source[key])
+    set_model_state(model, to_load)
+    del to_load, source
+
+    for index, (optimizer, optim_state) in enumerate(zip(optimizers, optimizer_states or [], strict=True)):
+        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
+    return checkpoint, report
+
+
+def _restore_full_optimizer(
+    path: Path,
+    model: nn.Module,
+    optimizer: Optimizer,
+    source: dict[str, Any],
+    index: int,
+    *,
+    strict: bool,
+    mapping: FileMapping | None = None,
+) -> None:
+    where = f"optimizer_states[{index}] of {str(path)!r}"
+    source_groups = source.get(PARAM_GROUPS, [])
+    if len(source_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"The optimizer state {where} has {len(source_groups)} parameter group(s), the optimizer"
+            f" configured now has {len(optimizer.param_groups)}. Resume with the same parameter groups."
+        )
+    template = None
+    if not has_fsdp1(model):
+        try:
+            names = [name for name, _ in named_optimizer_params(model, optimizer)]
+        except KeyError:
+            names = []
+        if names:
+            source_state = _name_keyed(where, source, names)
+            stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {
+                name: {
+                    entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
+                    for entry, v in entries.items()
+                }
+                for name, entries in source_state.items()
+            }
+            template = template_like(model, optimizer, stored)
+    with_helpers = template is None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step).
+        template = optimizer_state_dict(model, optimizer, full=False)
+        names = param_names(template)
+        source_state = _name_keyed(where, source, names)
+    state: dict[str, dict[str, Any]] = template[STATE]
+    missing = []
+    if with_helpers:
+        missing = [f"{n}.{e}" for n in sorted(state) for e in state[n] if e not in source_state.get(n, {})]
+    elif source_state:
+        trainable = [n for n, p in named_optimizer_params(model, optimizer) if p.requires_grad]
+        missing = [n for n in trainable if n not in state]
+    if missing and strict:
+        raise CheckpointError(
+            f"The optimizer state {where} does not fit the optimizer (strict loading). Missing key(s) in"
+            f" the checkpoint: {summarize_keys(missing)}. Resume with the same model and optimizer, or set"
+            " `strict_loading = False` on the LightningModule."
+        )
+    for name in sorted(state):  # sorted: the same order on every rank
+        entries = state[name]
+        for entry in sorted(entries):
+            if entry not in source_state.get(name, {}):
+                entries.pop(entry)  # not strict: this parameter starts with fresh state
+                continue
+            value = source_state[name][entry]
+            if isinstance(value, torch.Tensor):
+                label = f"{name}.{entry}"
+                check_shapes(path, {label: entries[entry]}, {label: tuple(value.shape)})
+                entries[entry] = copy_full_into(entries[entry], value)
+                if mapping is not None:
+                    mapping.release(value)  # its memory-mapped pages are not needed again
+            else:
+                entries[entry] = value
+        if not entries:
+            state.pop(name)
+    for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True):
+        params = group[PARAMS]
+        group.clear()
+        group.update(source_group)
+        group[PARAMS] = params
+    if with_helpers:
+        set_optimizer_state(model, optimizer, template)
+    else:
+        optimizer.load_state_dict(key_by_index(template))
+
+
+def _name_keyed(where: str, source: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A full file's optimizer state keyed by parameter name (stock files key it by index)."""
+    source_state: dict[Any, Any] = source.get(STATE, {})
+    if not any(isinstance(k, int) for k in source_state):
+        return source_state
+    source_names = [p for group in source.get(PARAM_GROUPS, []) for p in group[PARAMS]]
+    if all(isinstance(p, int) for p in source_names) and len(source_names) != len(names):
+        raise CheckpointError(
+            f"The optimizer state {where} covers {len(source_names)} parameters, the optimizer has"
+            f" {len(names)}. Resume with the same model and optimizer."
+        )
+    by_position = dict(zip(source_names, names, strict=False))
+    return {by_position.get(k, k): v for k, v in source_state.items()}

@@ -1,0 +1,182 @@
+"""Loading a sharded checkpoint into a live, already sharded model (and optimizers), at any world size.
+
+Each rank reads only the pieces of its shards, through DCP. Keys and shapes are checked against the
+checkpoint's index before anything is read, so a strict load that does not fit fails without touching
+the model; the Lightning metadata is read (once, on rank 0, and shared) before the first tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
+from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.load.checks import (
+    KeyReport,
+    check_keys,
+    check_optimizer_count,
+    check_shapes,
+    named_optimizer_params,
+    set_model_state,
+    set_optimizer_state,
+    template_like,
+)
+from lightning_sharded.checkpoint.state_dicts import (
+    PARAM_GROUPS,
+    PARAMS,
+    STATE,
+    key_by_index,
+    model_state_dict,
+    optimizer_state_dict,
+)
+
+__all__ = ["load_meta", "restore_sharded"]
+
+
+def restore_sharded(
+    backend: Backend,
+    path: Location,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+) -> tuple[dict[str, Any], KeyReport]:
+    """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
+
+    Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys.
+    """
+    layout = collective.agree(lambda: read_sharded_layout(path, backend))
+    if optimizers:
+        check_optimizer_count(path, len(optimizers), layout.optimizer_count)
+    target = model_state_dict(model, full=False)
+    report = KeyReport(list(target), list(layout.model_entries))
+    check_keys(path, report, strict)
+    check_shapes(path, {key: target[key] for key in report.common}, layout.model_entries)
+    to_load = {key: target[key] for key in report.common}
+    # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
+    # on rank 0, and shared: every rank gets the same dict or raises the same error.
+    metadata = collective.decide(
+        lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
+    )
+    _dcp_load(backend, {layout.model_key: to_load}, path)
+    set_model_state(model, to_load)
+
+    for index, optimizer in enumerate(optimizers):
+        _restore_sharded_optimizer(backend, path, layout, model, optimizer, index, strict=strict)
+    return metadata, report
+
+
+def _restore_sharded_optimizer(
+    backend: Backend,
+    path: Location,
+    layout: ShardedLayout,
+    model: nn.Module,
+    optimizer: Optimizer,
+    index: int,
+    *,
+    strict: bool,
+) -> None:
+    key = names.optimizer_key(index)
+    template = _optimizer_template_from_index(model, optimizer, layout, key)
+    from_index = template is not None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
+        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
+        template = optimizer_state_dict(model, optimizer, full=False)
+    groups_in_checkpoint = {
+        int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
+    }
+    if len(groups_in_checkpoint) != len(template[PARAM_GROUPS]):
+        raise CheckpointError(
+            f"The optimizer {key} in {str(path)!r} has {len(groups_in_checkpoint)} parameter group(s), the"
+            f" optimizer configured now has {len(template[PARAM_GROUPS])}. Resume with the same parameter"
+            " groups as the run that saved the checkpoint."
+        )
+    state: dict[str, dict[str, Any]] = template[STATE]
+    if from_index:
+        # The template holds what the checkpoint has. With any state at all (not a stateless optimizer),
+        # a trainable parameter without state is missing from the checkpoint.
+        trainable = [name for name, param in named_optimizer_params(model, optimizer) if param.requires_grad]
+        missing = [f"{key}.{STATE}.{name}" for name in trainable if name not in state] if state else []
+    else:
+        flat = {f"{key}.{STATE}.{name}.{entry}": (name, entry) for name in state for entry in state[name]}
+        missing = [k for k in flat if k not in layout.entries]
+        check_shapes(
+            path,
+            {k: state[name][entry] for k, (name, entry) in flat.items() if k in layout.entries},
+            layout.entries,
+        )
+        for k in missing:  # not strict (checked below): those parameters start with fresh state
+            name, entry = flat[k]
+            state[name].pop(entry)
+        for name in [n for n, entries in state.items() if not entries]:
+            state.pop(name)
+    if missing and strict:
+        raise CheckpointError(
+            f"The optimizer state {key} in {str(path)!r} does not fit the optimizer (strict loading)."
+            f" {KeyReport(missing, []).describe()} Resume with the same model and optimizer, or set"
+            " `strict_loading = False` on the LightningModule to load the state both have."
+        )
+    own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
+    _dcp_load(backend, {key: template}, path)
+    for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
+        group[PARAMS] = params
+    if from_index:
+        optimizer.load_state_dict(key_by_index(template))
+    else:
+        set_optimizer_state(model, optimizer, template)
+
+
+def _optimizer_template_from_index(
+    model: nn.Module, optimizer: Optimizer, layout: ShardedLayout, key: str
+) -> dict[str, Any] | None:
+    """An empty, name-keyed optimizer state shaped like the checkpoint's; see :func:`template_like`."""
+    prefix = f"{key}.{STATE}."
+    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
+    for flat_key in sorted(layout.entries):
+        if flat_key.startswith(prefix):
+            name, _, entry = flat_key[len(prefix) :].rpartition(".")
+            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
+    return template_like(model, optimizer, stored)
+
+
+def _dcp_load(backend: Backend, state: dict[str, Any], path: Location) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    run_dcp(
+        lambda: load(
+            state,
+            storage_reader=backend.dcp_reader(path),
+            planner=DefaultLoadPlanner(allow_partial_load=True),
+        ),
+        f"Loading the sharded checkpoint {str(path)!r}",
+    )
+
+
+def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> dict[str, Any]:
+    """The Lightning metadata dict of a sharded checkpoint (``meta.pt`` at ``path``).
+
+    Raises:
+        CheckpointError: it cannot be read, or is not a dict.
+    """
+    try:
+        metadata = backend.torch_load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as ex:
+        raise CheckpointError(
+            f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"
+            " resume from an earlier checkpoint."
+        ) from ex
+    if not isinstance(metadata, dict):
+        raise CheckpointError(
+            f"The Lightning metadata {str(path)!r} is a {type(metadata).__name__}, not a dict."
+        )
+    return metadata

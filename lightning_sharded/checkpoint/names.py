@@ -1,0 +1,125 @@
+"""File names, state keys and the grammar of sibling names of a checkpoint (standard library only, and
+the manifest's name).
+
+A sharded checkpoint directory holds what ``torch.distributed.checkpoint`` (DCP) writes (shard files
+``__<rank>_<i>.distcp`` and :data:`DCP_METADATA`), Lightning's :data:`LIGHTNING_METADATA` with the
+rest of the Lightning checkpoint and, when this library wrote it, :data:`MANIFEST_NAME`. The model
+state sits under one top-level key, which depends on the writer:
+
+============================================  ===================  =================
+writer                                         model key            optimizer keys
+============================================  ===================  =================
+this library's ``ShardedFSDPStrategy``        ``model``            ``optimizer_N``
+stock Lightning ``FSDPStrategy``               ``model``            ``optimizer_N``
+this library's ``ShardedModelParallelStrategy``  ``state_dict``     ``optimizer_N``
+stock Lightning ``ModelParallelStrategy``      ``state_dict``       ``optimizer_N``
+============================================  ===================  =================
+
+A save writes next to its target under hidden sibling names ``.<name>.<kind>-<token>`` (kinds
+:data:`STAGING`, :data:`OLD`, :data:`TRASH`); on object storage, versions live in ``data-<token>``
+below the target. Tokens start with the time in hex, so they sort by creation.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
+
+__all__ = [
+    "DATA_DIR",
+    "DATA_PREFIX",
+    "DCP_METADATA",
+    "LIGHTNING_METADATA",
+    "MANIFEST_NAME",
+    "MODEL",
+    "MODEL_KEYS",
+    "OLD",
+    "OPTIMIZER_KEY",
+    "OPTIMIZER_STATES",
+    "SHARD_FILE",
+    "SIBLING_KINDS",
+    "STAGING",
+    "STATE_DICT",
+    "TRASH",
+    "data_dir_name",
+    "is_checkpoint_member",
+    "optimizer_key",
+    "owner_name",
+    "shard_rank",
+    "sibling_name",
+    "sibling_pattern",
+]
+
+#: The index DCP writes last: every entry, and where its bytes are.
+DCP_METADATA = ".metadata"
+#: The file in which Lightning saves everything but model and optimizer state.
+LIGHTNING_METADATA = "meta.pt"
+#: Top-level key of the model state written by ``FSDPStrategy`` (stock and ours).
+MODEL = "model"
+#: Top-level key of the model state written by ``ModelParallelStrategy`` (stock and ours), and the key
+#: of the model state in a full Lightning checkpoint file.
+STATE_DICT = "state_dict"
+#: Every top-level key a sharded directory may keep its model state under.
+MODEL_KEYS = (STATE_DICT, MODEL)
+#: Key of the list of optimizer states in a full Lightning checkpoint file.
+OPTIMIZER_STATES = "optimizer_states"
+#: Top-level DCP keys of the optimizers: ``optimizer_0``, ``optimizer_1``...
+OPTIMIZER_KEY = re.compile(r"^optimizer_(\d+)$")
+#: A DCP shard file, with the rank that wrote it.
+SHARD_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+#: Name prefix of one version of a sharded checkpoint on object storage.
+DATA_PREFIX = "data-"
+#: A version directory on object storage.
+DATA_DIR = re.compile(rf"^{DATA_PREFIX}[0-9a-f]{{24}}$")
+
+STAGING = "staging"
+OLD = "old"
+TRASH = "trash"
+SIBLING_KINDS = (STAGING, OLD, TRASH)
+
+
+def optimizer_key(index: int) -> str:
+    """The top-level key of the ``index``-th optimizer in a sharded directory."""
+    return f"optimizer_{index}"
+
+
+def shard_rank(name: str) -> int | None:
+    """The rank that wrote shard file ``name``, or ``None`` for any other file."""
+    m = SHARD_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_checkpoint_member(name: str) -> bool:
+    """Whether a file of that name is one a sharded checkpoint (ours or stock, whole or not) holds."""
+    return name in (MANIFEST_NAME, DCP_METADATA, LIGHTNING_METADATA) or (
+        name.startswith("__") and name.endswith(".distcp")
+    )
+
+
+def _token() -> str:
+    # Time first (fixed width hex), so tokens sort by creation time; random tail for uniqueness.
+    return f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}"
+
+
+def sibling_name(name: str, kind: str) -> str:
+    """A fresh hidden sibling name ``.<name>.<kind>-<token>`` for checkpoint ``name``."""
+    return f".{name}.{kind}-{_token()}"
+
+
+def data_dir_name() -> str:
+    """A fresh version directory name ``data-<token>`` (object storage)."""
+    return f"{DATA_PREFIX}{_token()}"
+
+
+def sibling_pattern(name: str, kinds: tuple[str, ...] = SIBLING_KINDS) -> re.Pattern[str]:
+    """Matches the siblings of checkpoint ``name`` of the given kinds; group 2 is the token."""
+    return re.compile(rf"^\.{re.escape(name)}\.({'|'.join(kinds)})-([0-9a-f]{{24}})$")
+
+
+def owner_name(sibling: str) -> str | None:
+    """The checkpoint name a ``.<name>.<kind>-<token>`` sibling belongs to, or ``None``."""
+    m = re.match(rf"^\.(.+)\.({'|'.join(SIBLING_KINDS)})-[0-9a-f]{{24}}$", sibling)
+    return m.group(1) if m else None

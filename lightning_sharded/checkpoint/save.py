@@ -1,0 +1,160 @@
+"""Writing Lightning checkpoints: the one function per kind, both committed atomically.
+
+- :func:`write_sharded_checkpoint` (collective) writes a sharded directory: DCP shards and index,
+  ``meta.pt`` and the manifest, through :func:`~lightning_sharded.checkpoint.commit.commit_directory`;
+- :func:`write_full_checkpoint` (rank 0) writes one ``torch.save`` file through
+  :func:`~lightning_sharded.checkpoint.commit.commit_file`.
+
+Both work on local paths and fsspec URLs alike: the backend of the path does what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
+from lightning_sharded.checkpoint.checksum import bytes_checksum
+from lightning_sharded.checkpoint.commit import commit_directory, commit_file
+from lightning_sharded.checkpoint.errors import run_dcp
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "WRITER_THREADS",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "split_sharded_checkpoint",
+    "write_full_checkpoint",
+    "write_sharded_checkpoint",
+]
+
+#: DCP writer threads per rank (one shard file each). With 2 ranks on 2 cores, a second thread (plus
+#: its hashing thread) only adds contention: 2 GB saves took 1.58 s with 2 threads, 1.13 s with 1
+#: (stock ModelParallel in the same runs: 1.01 s and 1.26 s).
+WRITER_THREADS = 1
+
+
+def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """What the manifest records about the Lightning checkpoint (JSON values only)."""
+    return {key: checkpoint[key] for key in ("epoch", "global_step") if isinstance(checkpoint.get(key), int)}
+
+
+def write_sharded_checkpoint(
+    path: Location | str | os.PathLike[str],
+    state: dict[str, Any],
+    metadata: dict[str, Any],
+    *,
+    rank: int,
+    group: ProcessGroup | None = None,
+) -> None:
+    """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
+
+    Collective over ``group`` (the default group when ``None``): every rank calls it with its own shards
+    in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``). ``metadata`` (the rest of
+    the Lightning checkpoint) is written by rank 0. Everything goes to a staging location, checksummed
+    while it is written, then published with the manifest: a previous checkpoint at ``path`` stays
+    whole until the new one is complete.
+
+    Raises:
+        CheckpointError: ``path`` is a non-empty directory that is not a checkpoint (it would be replaced
+            as a whole), DCP failed on some rank, or the commit did; the message names the ranks and
+            their errors.
+    """
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    from lightning_sharded.checkpoint.backends.dcp_writer import without_torch_crc32
+
+    target = location(path)
+    backend = backend_for(target)
+
+    def write(staging: Location) -> dict[str, tuple[int, str]]:
+        writer = backend.dcp_writer(staging, thread_count=WRITER_THREADS)
+        with without_torch_crc32():
+            run_dcp(
+                lambda: save(state, storage_writer=writer, process_group=group),
+                f"Saving the sharded checkpoint to {str(target)!r}",
+            )
+        checksums: dict[str, tuple[int, str]] = dict(writer.checksums)
+        if rank == 0:
+            buffer = io.BytesIO()
+            torch.save(metadata, buffer)
+            data = buffer.getvalue()
+            backend.write_bytes(join(staging, names.LIGHTNING_METADATA), data)
+            checksums[names.LIGHTNING_METADATA] = bytes_checksum(data)
+        return checksums
+
+    commit_directory(target, write, metadata=_manifest_metadata(metadata), group=group, backend=backend)
+
+
+def split_sharded_checkpoint(
+    checkpoint: dict[str, Any], model_key: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Lightning checkpoint dict as ``(state for DCP, the rest)``; consumes ``checkpoint``.
+
+    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``; the
+    rest (loops, callbacks, epoch, step...) goes to ``meta.pt``.
+    """
+    state = {model_key: checkpoint.pop(names.STATE_DICT)}
+    for index, optim_state in enumerate(checkpoint.pop(names.OPTIMIZER_STATES, [])):
+        state[names.optimizer_key(index)] = optim_state
+    return state, checkpoint
+
+
+def write_full_checkpoint(
+    path: Location | str | os.PathLike[str], checkpoint: dict[str, Any], *, rank: int
+) -> None:
+    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
+
+    Locally the file is written next to ``path`` and published by rename (a sharded checkpoint
+    directory at ``path`` is replaced by it); on object storage it is written locally, then uploaded.
+
+    Raises:
+        IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
+    """
+    if rank != 0:
+        return
+    commit_file(location(path), lambda staged: torch.save(checkpoint, staged))
+
+
+def save_checkpoint(
+    path: Location | str | os.PathLike[str],
+    checkpoint: dict[str, Any],
+    *,
+    sharded: bool,
+    model_key: str,
+    rank: int,
+) -> None:
+    """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
+
+    Args:
+        path: the target directory (``sharded=True``) or file.
+        checkpoint: the dict; its ``"state_dict"`` and ``"optimizer_states"`` come from
+            :func:`~lightning_sharded.checkpoint.state_dicts.model_state_dict` and
+            :func:`~lightning_sharded.checkpoint.state_dicts.optimizer_state_dict` with
+            ``full=not sharded``. It is consumed (those two keys are popped).
+        sharded: write a sharded directory, or a full file.
+        model_key: top-level key for the model state in a sharded directory (``"model"`` or
+            ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
+        rank: this process's global rank.
+    """
+    if sharded:
+        state, metadata = split_sharded_checkpoint(checkpoint, model_key)
+        write_sharded_checkpoint(path, state, metadata, rank=rank)
+    else:
+        write_full_checkpoint(path, checkpoint, rank=rank)
+
+
+def remove_checkpoint(path: Location | str | os.PathLike[str], *, rank: int) -> None:
+    """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
+    if rank != 0:
+        return
+    target = location(path)
+    with contextlib.suppress(FileNotFoundError):
+        backend_for(target).remove(target.absolute() if not isinstance(target, str) else target)

@@ -1,0 +1,122 @@
+"""The model's and optimizers' state dicts, sharded or full, through torch's ``get_*_state_dict``.
+
+Everything here works the same for FSDP1 (``FullyShardedDataParallel``; parameters come out as
+``ShardedTensor``), FSDP2 (``fully_shard``; ``DTensor``) and plain modules. Sharded attributes
+(``DTensor`` or ``ShardedTensor`` held outside parameters) are part of ``model.state_dict()`` through
+the hooks of :mod:`lightning_sharded.hooks`, so they travel with the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = [
+    "PARAMS",
+    "PARAM_GROUPS",
+    "STATE",
+    "key_by_index",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "param_names",
+]
+
+STATE = "state"
+PARAM_GROUPS = "param_groups"
+PARAMS = "params"
+
+
+def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
+    """The model's state, sharded (each rank its shards, no copy) or full (gathered on rank 0, on CPU).
+
+    Sharded attributes are included under their parameter-like keys. With ``full=True`` only rank 0 gets
+    a non-empty dict (stock Lightning's full saves do the same), for FSDP1, FSDP2 and plain modules.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if full and _fsdp1_on_cpu(model):
+        with _fsdp1_rank0_full(model):
+            from torch.distributed._state_dict_utils import _gather_state_dict
+
+            # FSDP1 gathers its parameters on rank 0 only; the sharded attributes (DTensor or
+            # ShardedTensor values the hooks add) are gathered onto rank 0 here, as torch's helper does.
+            return _gather_state_dict(model.state_dict(), cpu_offload=False, ranks_only=(0,))
+    return get_model_state_dict(model, options=_options(model, full))
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
+    """An optimizer's state keyed by parameter name, sharded like the parameters; or full.
+
+    With ``full=True`` the state is gathered (on rank 0 only, as for the model) and keyed by parameter
+    index, the form ``torch.optim.Optimizer.state_dict()`` and stock Lightning use, so a plain
+    single-device Trainer can resume from it.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if full and _fsdp1_on_cpu(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with _fsdp1_rank0_full(model):
+            state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
+        return key_by_index(state) if state else {}
+    state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
+    if full and state:
+        state = key_by_index(state)
+    return state
+
+
+def has_fsdp1(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def _fsdp1_on_cpu(model: nn.Module) -> bool:
+    return has_fsdp1(model) and all(p.device.type == "cpu" for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _fsdp1_rank0_full(model: nn.Module) -> Iterator[None]:
+    """FSDP1's full state dicts on rank 0 only, without offloading (already on CPU)."""
+    from torch.distributed.fsdp import (
+        FullOptimStateDictConfig,
+        FullStateDictConfig,
+        FullyShardedDataParallel,
+        StateDictType,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "FSDP.state_dict_type() ... deprecated"
+        with FullyShardedDataParallel.state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        ):
+            yield
+
+
+def _options(model: nn.Module, full: bool) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # `cpu_offload` makes a full state dict rank-0 only (the other ranks get an empty dict), as stock
+    # Lightning's full saves do. (FSDP1 crashes offloading CPU parameters, SIGSEGV in torch 2.13: an
+    # FSDP1 model on CPU goes through `_fsdp1_rank0_full` instead.)
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+
+def key_by_index(state: dict[str, Any]) -> dict[str, Any]:
+    """Name-keyed optimizer state to the index-keyed form of ``Optimizer.state_dict()``."""
+    order = {name: index for index, name in enumerate(param_names(state))}
+    groups = [{**group, PARAMS: [order[name] for name in group[PARAMS]]} for group in state[PARAM_GROUPS]]
+    return {STATE: {order[name]: value for name, value in state[STATE].items()}, PARAM_GROUPS: groups}
+
+
+def param_names(state: dict[str, Any]) -> list[str]:
+    """The parameter names of a name-keyed optimizer state, in the order of its groups."""
+    return [name for group in state[PARAM_GROUPS] for name in group[PARAMS]]

@@ -1,0 +1,9 @@
+"""Single-process tools: load, consolidate and inspect a checkpoint without any process group."""
+
+from __future__ import annotations
+
+from lightning_sharded.checkpoint.tools.consolidate import consolidate_checkpoint
+from lightning_sharded.checkpoint.tools.inspect import CheckpointInfo, EntryInfo, inspect_checkpoint
+from lightning_sharded.checkpoint.tools.reader import load_checkpoint
+
+__all__ = ["CheckpointInfo", "EntryInfo", "consolidate_checkpoint", "inspect_checkpoint", "load_checkpoint"]

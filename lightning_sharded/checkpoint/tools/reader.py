@@ -1,0 +1,333 @@
+"""Reading checkpoints in one process, without any process group: the offline reader and ``load_checkpoint``.
+
+Sharded directories written by this library, by stock Lightning's ``FSDPStrategy`` (DCP keys
+``model``, ``optimizer_N``) and by stock ``ModelParallelStrategy`` (``state_dict``, ``optimizer_N``),
+plus ``meta.pt``; and full ``torch.save`` files. A sharded checkpoint becomes the dict a full
+Lightning checkpoint is: ``state_dict`` with full tensors, ``optimizer_states`` in torch's form
+(``{"state": {index: ...}, "param_groups": [{"params": [index, ...]}]}``, indices in the order of the
+parameter groups, as ``Optimizer.state_dict()`` numbers them), and everything Lightning kept in
+``meta.pt`` (epoch, global step, loops, callbacks, hyperparameters...).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.dcp_index import read_index
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.verify import check_found
+
+__all__ = [
+    "OfflineReader",
+    "first_line",
+    "get_path",
+    "leaves",
+    "load_checkpoint",
+    "load_full",
+    "map_tensors",
+    "open_sharded",
+    "read_meta",
+    "set_path",
+    "to_lightning",
+]
+
+VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
+
+
+# ------------------------------------------------------------------------------------ reading DCP
+
+
+class OfflineReader:
+    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets."""
+
+    def __init__(self, backend: Backend, root: Location) -> None:
+        self.backend = backend
+        self.root = root
+        self.metadata: Any = read_index(backend, root)
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        entries = self.metadata.state_dict_metadata
+        self.tensors = {k: v for k, v in sorted(entries.items()) if isinstance(v, TensorStorageMetadata)}
+        self.objects = sorted(k for k in entries if k not in self.tensors)
+        self.mapping: dict[str, tuple[Any, ...]] = dict(self.metadata.planner_data or {})
+
+    def path_of(self, key: str) -> tuple[Any, ...]:
+        return tuple(self.mapping.get(key, (key,)))
+
+    def skip(self, top_level: Callable[[Any], bool]) -> None:
+        """Read none of the entries whose top-level key (``"optimizer_0"``...) ``top_level`` picks."""
+        self.tensors = {k: v for k, v in self.tensors.items() if not top_level(self.path_of(k)[0])}
+        self.objects = [k for k in self.objects if not top_level(self.path_of(k)[0])]
+
+    def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        class Planner(DefaultLoadPlanner):
+            def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+                super().commit_tensor(read_item, tensor)
+                if on_tensor is not None:
+                    on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
+
+        planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        try:
+            _load_state_dict(state, self.backend.dcp_reader(self.root), planner=planner, no_dist=True)
+        except (CheckpointException, Exception) as err:
+            where = self.diagnose()
+            raise CheckpointError(
+                f"Reading the sharded checkpoint {str(self.root)!r} failed"
+                + (f": {where}" if where else f" ({first_line(err)})")
+                + ". Restore it from a copy, or load an earlier checkpoint. "
+                + VERIFY_HINT.format(path=self.root)
+            ) from err
+
+    def diagnose(self) -> str | None:
+        """After a failed read: the first stored item that does not deserialize, by file, rank and key.
+
+        Reads one item at a time (memory bounded by the largest chunk).
+        """
+        import io
+
+        items = sorted(
+            (self.metadata.storage_data or {}).items(),
+            key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
+        )
+        for index, info in items:
+            rel = str(info.relative_path)
+            rank = names.shard_rank(rel)
+            who = f" (written by rank {rank})" if rank is not None else ""
+            try:
+                with self.backend.open_file(join(self.root, rel)) as f:
+                    f.seek(int(info.offset))
+                    data = f.read(int(info.length))
+                if len(data) != int(info.length):
+                    raise EOFError(f"{len(data)} of {int(info.length)} bytes")
+                torch.load(io.BytesIO(data), map_location="cpu", weights_only=index.fqn in self.tensors)
+            except Exception as err:
+                return (
+                    f"{rel!r}{who} is corrupted: its entry {index.fqn!r} at byte {int(info.offset)} cannot be"
+                    f" read ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                )
+        return None
+
+    def read_objects(self) -> dict[str, Any]:
+        """The non-tensor entries (pickled by DCP), e.g. the optimizers' ``param_groups``."""
+        state: dict[str, Any] = dict.fromkeys(self.objects)
+        if state:
+            self._load(state)
+        return state
+
+    def read_tensors(self, targets: dict[str, torch.Tensor], on_tensor: Callable[[int], None] | None) -> None:
+        """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk."""
+        self._load(dict(targets), on_tensor)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    # DCP's CheckpointException puts the original exception at the end of its traceback text.
+    last = [line for line in text if line and not line.startswith((" ", "Traceback"))]
+    return f"{type(err).__name__}: {last[-1] if last else ''}"
+
+
+def read_meta(backend: Backend, root: Location, weights_only: bool) -> dict[str, Any]:
+    """The Lightning metadata (``meta.pt``) of the sharded checkpoint at ``root``, as a dict."""
+    file = join(root, names.LIGHTNING_METADATA)
+    try:
+        meta = backend.torch_load(file, map_location="cpu", weights_only=weights_only)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"The Lightning metadata {str(file)!r} (epoch, global step, loops, callbacks) cannot be read"
+            f" ({type(err).__name__}: {err}). {VERIFY_HINT.format(path=root)}"
+        ) from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(
+            f"The Lightning metadata {str(file)!r} holds a {type(meta).__name__}, not a dict: this is not a"
+            " Lightning checkpoint."
+        )
+    return meta
+
+
+def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node: Any = root
+    for key, nxt in itertools.pairwise(path):
+        if isinstance(node, list):
+            while len(node) <= key:
+                node.append(None)
+            if node[key] is None:
+                node[key] = [] if isinstance(nxt, int) else {}
+            node = node[key]
+        else:
+            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value
+
+
+def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
+    """DCP's optimizer state, keyed by parameter name, to torch's, keyed by index."""
+    if not isinstance(state, dict) or "param_groups" not in state:
+        return state
+    groups = state["param_groups"]
+    names = [p for group in groups for p in group.get("params", [])]
+    if all(isinstance(p, int) for p in names):
+        return state
+    index = {name: i for i, name in enumerate(names)}
+    unknown = sorted(str(k) for k in state.get("state", {}) if k not in index)
+    if unknown:
+        raise CheckpointError(
+            f"The optimizer state {key!r} of {str(root)!r} has state for {unknown[:3]} that no parameter"
+            " group"
+            " lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
+        )
+    return {
+        **{k: v for k, v in state.items() if k not in ("state", "param_groups")},
+        "state": {index[name]: value for name, value in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in groups],
+    }
+
+
+def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -> dict[str, Any]:
+    """DCP's top-level keys plus ``meta.pt`` to the dict of a full Lightning checkpoint."""
+    checkpoint = dict(meta)
+    model_key = next((k for k in names.MODEL_KEYS if k in nested), None)
+    if model_key is None:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(root)!r} has no model state: none of the keys"
+            f" {list(names.MODEL_KEYS)}"
+            " among"
+            f" its top-level keys {sorted(nested)}. It was not written by a Lightning strategy."
+        )
+    checkpoint["state_dict"] = nested.pop(model_key)
+    optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
+    if [i for i, _ in optimizers] != list(range(len(optimizers))):
+        raise CheckpointError(
+            f"The sharded checkpoint {str(root)!r} has optimizer states {[k for _, k in optimizers]}, not"
+            " numbered 0, 1, ...: one is missing. Restore the directory from a copy."
+        )
+    if optimizers:
+        checkpoint["optimizer_states"] = [_rekey_optimizer(nested.pop(k), k, root) for _, k in optimizers]
+    checkpoint.update(nested)
+    return checkpoint
+
+
+def open_sharded(found: Found, verify: bool) -> OfflineReader:
+    """Check a sharded checkpoint's files (against its manifest, or its index), then open its index."""
+    check_found(found, verify=verify, alone=True)
+    return OfflineReader(found.backend, found.data)
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    map_location: str | torch.device | None = "cpu",
+    *,
+    verify: bool = False,
+    weights_only: bool = False,
+    optimizer_states: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
+
+    A sharded directory (this library's, stock ``FSDPStrategy``'s or ``ModelParallelStrategy``'s) is
+    read whole into memory and returned as :func:`torch.load` returns a full checkpoint: full tensors
+    in ``state_dict``, ``optimizer_states`` in torch's index form, and the rest from ``meta.pt``. A full
+    file is read with :func:`torch.load`. Nothing on disk changes.
+
+    Args:
+        path: A sharded checkpoint directory or a full checkpoint file.
+        map_location: Where to put the tensors (a device or device string).
+        verify: Also compare every file's checksum with the manifest before reading.
+        weights_only: Passed to :func:`torch.load`; ``False`` unpickles arbitrary objects (hyperparameters),
+            so only load checkpoints you trust.
+        optimizer_states: ``False`` skips the optimizer states of a sharded directory (nothing of them is
+            read; the dict has no ``optimizer_states``): the model state and ``meta.pt`` only, as inference
+            needs.
+
+    Returns:
+        The checkpoint dict.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: not a checkpoint, or a file missing, truncated or (with ``verify``) corrupted;
+            the message names the file and the rank that wrote it.
+    """
+    found = detect(path)
+    real = found.data
+    if found.kind is CheckpointKind.FULL:
+        return load_full(found.backend, real, map_location, weights_only)
+    reader = open_sharded(found, verify)
+    meta = read_meta(found.backend, real, weights_only)
+    if not optimizer_states:
+        reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
+    flat: dict[str, Any] = reader.read_objects()
+    targets = {
+        key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
+    }
+    reader.read_tensors(targets, None)
+    flat.update(targets)
+    nested: dict[str, Any] = {}
+    for key in sorted(flat):
+        set_path(nested, reader.path_of(key), flat[key])
+    checkpoint = to_lightning(nested, meta, real)
+    if map_location is not None and torch.device(map_location).type != "cpu":
+        device = torch.device(map_location)
+        checkpoint = map_tensors(checkpoint, lambda t: t.to(device))
+    return checkpoint
+
+
+def load_full(backend: Backend, file: Location, map_location: Any, weights_only: bool) -> dict[str, Any]:
+    """A full checkpoint file as ``torch.load`` returns it, checked to be a dict."""
+    try:
+        checkpoint = backend.torch_load(file, map_location=map_location, weights_only=weights_only)
+    except Exception as err:
+        raise CheckpointError(
+            f"The checkpoint file {str(file)!r} cannot be read ({type(err).__name__}: {first_line(err)}):"
+            " it is"
+            " truncated or corrupt, or not a checkpoint. Restore it from a copy, or load an earlier"
+            " checkpoint."
+        ) from err
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"The file {str(file)!r} holds a {type(checkpoint).__name__}, not a Lightning checkpoint dict."
+        )
+    return checkpoint
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from leaves(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from leaves(v, (*path, i))
+    else:
+        yield path, obj
+
+
+def get_path(obj: Any, path: tuple[Any, ...]) -> Any:
+    return functools.reduce(lambda node, key: node[key], path, obj)

@@ -1,0 +1,147 @@
+"""Rank script: checks that pick a code path are shared, so one rank that sees something else never
+leaves the others waiting in a collective.
+
+Cases (one checkpoint of a plain module, saved by both ranks), each a load on both ranks:
+
+- ``meta``: rank 0 alone fails to read ``meta.pt`` (it is read once, on rank 0, and shared);
+- ``meta-other``: rank 1 alone would fail to read it: nobody does (rank 1 never reads it);
+- ``shard``: rank 1 alone sees ``__1_0.distcp`` missing (a stale listing);
+- ``verify``: ``verify=True`` with one file corrupted: each file is checksummed by one rank only;
+- ``full``: rank 1 alone cannot read a full checkpoint file.
+
+Each rank writes ``OUT/rank{R}.json``: per case the error type and message (or None), the seconds it
+took, and for ``verify`` the files this rank checksummed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sharded.checkpoint import load, save
+from lightning_sharded.checkpoint.backends import local
+from lightning_sharded.checkpoint.load import sharded
+
+
+def full_gathers() -> dict[str, list[Any]]:
+    """``"full"`` state dicts of FSDP1 and FSDP2 models: ``[model keys, optimizer states, a checksum]``
+    on this rank (rank 0 only should hold anything)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+
+    from lightning_sharded.checkpoint import state_dicts
+
+    found: dict[str, list[Any]] = {}
+    for kind in ("fsdp1", "fsdp2"):
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+        if kind == "fsdp1":
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        else:
+            mesh = init_device_mesh("cpu", (2,))
+            fully_shard(model[0], mesh=mesh)  # type: ignore[index]
+            fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(2, 16)).sum().backward()
+        optimizer.step()
+        sd = state_dicts.model_state_dict(model, full=True)
+        osd = state_dicts.optimizer_state_dict(model, optimizer, full=True)
+        total = float(sum(v.sum() for v in sd.values())) if sd else None
+        found[kind] = [sorted(sd), len(osd.get("state", {})), total]
+    return found
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    ckpt = out / "ckpt"
+    save.write_sharded_checkpoint(
+        ckpt, {"model": model.state_dict()}, {"global_step": 3, "epoch": 0}, rank=rank
+    )
+    full = out / "full.ckpt"
+    save.write_full_checkpoint(full, {"state_dict": model.state_dict(), "global_step": 3}, rank=rank)
+    dist.barrier()
+    results: dict[str, Any] = {}
+    backend = local.LocalBackend
+    real_torch_load, real_list_files, real_checksum = backend.torch_load, backend.list_files, backend.checksum
+    checksummed: list[str] = []
+
+    def case(name: str, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        try:
+            restored = load.restore_checkpoint(kwargs.pop("path", ckpt), nn.Linear(64, 64), **kwargs)
+            results[name] = {"type": None, "step": restored.metadata.get("global_step")}
+        except Exception as err:
+            results[name] = {"type": type(err).__name__, "message": str(err)}
+        results[name]["seconds"] = time.perf_counter() - start
+        dist.barrier()
+
+    def broken_meta(self: Any, loc: Any, **kwargs: Any) -> Any:
+        if Path(loc).name == "meta.pt":
+            raise OSError(5, "Input/output error (injected)")
+        return real_torch_load(self, loc, **kwargs)
+
+    if rank == 0:
+        backend.torch_load = broken_meta  # type: ignore[method-assign]
+    case("meta")
+    backend.torch_load = broken_meta if rank == 1 else real_torch_load  # type: ignore[method-assign]
+    case("meta-other")
+    backend.torch_load = real_torch_load  # type: ignore[method-assign]
+
+    def stale_listing(self: Any, loc: Any) -> dict[str, int]:
+        files = real_list_files(self, loc)
+        files.pop("__1_0.distcp", None)
+        return files
+
+    if rank == 1:
+        backend.list_files = stale_listing  # type: ignore[method-assign]
+    case("shard")
+    backend.list_files = real_list_files  # type: ignore[method-assign]
+
+    def counting(self: Any, loc: Any) -> tuple[int, str]:
+        checksummed.append(Path(loc).name)
+        return real_checksum(self, loc)
+
+    backend.checksum = counting  # type: ignore[method-assign]
+    if rank == 0:
+        with open(ckpt / "__0_0.distcp", "r+b") as f:  # same size, other bytes
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 1]))
+    dist.barrier()
+    case("verify", verify=True)
+    results["checksummed"] = checksummed
+    backend.checksum = real_checksum  # type: ignore[method-assign]
+
+    real_torch_load_fn = torch.load
+    if rank == 1:
+        real_load = torch.load
+
+        def broken_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(f).endswith("full.ckpt"):
+                raise OSError(5, "Input/output error (injected)")
+            return real_load(f, *args, **kwargs)
+
+        torch.load = broken_load  # type: ignore[assignment]
+    case("full", path=full)
+    torch.load = real_torch_load_fn  # type: ignore[assignment]
+    assert sharded  # imported for the monkeypatching targets above
+    results["full-gather"] = full_gathers()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    main(Path(sys.argv[1]))

@@ -1,0 +1,71 @@
+"""Decisions taken once and shared across ranks (issue 12, items 2, 3 and 7), at 2 processes.
+
+One launch runs every case of ``tests/distributed/decisions_script.py``; each rank reports what it
+raised. A hang would fail the launch at its timeout, so "none hangs" is checked too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.launch import run_ranks
+
+SCRIPT = Path(__file__).parent / "distributed" / "decisions_script.py"
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("decisions")
+    run_ranks(SCRIPT, 2, str(out), timeout=180)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_meta_unreadable_on_rank_0_fails_every_rank_alike(reports: list[dict]) -> None:
+    first, second = (r["meta"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert "Could not read the Lightning metadata" in first["message"]
+    assert "Input/output error (injected)" in first["message"]
+
+
+def test_meta_is_read_once_on_rank_0(reports: list[dict]) -> None:
+    assert [r["meta-other"] for r in reports] == [
+        {"type": None, "step": 3, "seconds": r["meta-other"]["seconds"]} for r in reports
+    ]
+
+
+def test_a_shard_missing_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
+    first, second = (r["shard"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert "is damaged: '__1_0.distcp' (written by rank 1) is missing" in first["message"]
+    assert "(seen by rank(s) 1 of 2; rank 1's report)" in first["message"]
+
+
+def test_verify_reads_each_file_once_across_ranks(reports: list[dict]) -> None:
+    first, second = (r["verify"] for r in reports)
+    assert first["message"] == second["message"]
+    assert "'__0_0.distcp' (written by rank 0) is corrupted: its crc32 is" in first["message"]
+    done = [name for r in reports for name in r["checksummed"]]
+    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"})
+    assert all(r["checksummed"] for r in reports)  # both ranks took a share
+
+
+def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
+    first, second = (r["full"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert "Could not read the checkpoint file" in first["message"]
+
+
+def test_full_state_dicts_are_gathered_on_rank_0_only(reports: list[dict]) -> None:
+    keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
+    for kind in ("fsdp1", "fsdp2"):
+        zero, one = (r["full-gather"][kind] for r in reports)
+        assert zero[:2] == [keys, 4], kind
+        assert one == [[], 0, None], kind
+    # Both wrappers gathered the same full values (same seed, same step).
+    assert reports[0]["full-gather"]["fsdp1"][2] == reports[0]["full-gather"]["fsdp2"][2]
