@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from lightning_sharded.checkpoint.tools import reader as tools  # noqa: E402
+from lightning_sharded.checkpoint import tools  # noqa: E402
+from lightning_sharded.checkpoint.tools.reader import OfflineReader  # noqa: E402
 from tests.distributed.wrap_models import WrapModel  # noqa: E402
 
 read: list[Any] = []  # top-level keys of every tensor entry read from a directory
@@ -29,7 +30,7 @@ handed: list[str] = []  # the keys of the checkpoint dict handed to Lightning
 
 def spy() -> None:
     """Record what the mixin's load reads (tensor entries) and hands on (checkpoint keys)."""
-    reader_cls = tools.OfflineReader
+    reader_cls = OfflineReader
     original_read, original_load = reader_cls.read_tensors, tools.load_checkpoint
 
     def read_tensors(self: Any, targets: dict[str, torch.Tensor], on_tensor: Any) -> None:
@@ -42,7 +43,7 @@ def spy() -> None:
         return checkpoint
 
     reader_cls.read_tensors = read_tensors  # type: ignore[method-assign]
-    tools.load_checkpoint = load_checkpoint  # type: ignore[assignment]
+    tools.load_checkpoint = load_checkpoint  # type: ignore[assignment]  # what the mixin imports
 
 
 def main(ckpt: str, out: str) -> None:
