@@ -83,6 +83,11 @@ class OfflineReader:
         )
         return f"The entry {fqn!r} of the sharded checkpoint {str(self.root)!r}{where}"
 
+    def skip(self, top_level: Callable[[Any], bool]) -> None:
+        """Read none of the entries whose top-level key (``"optimizer_0"``...) ``top_level`` picks."""
+        self.tensors = {k: v for k, v in self.tensors.items() if not top_level(self.path_of(k)[0])}
+        self.objects = [k for k in self.objects if not top_level(self.path_of(k)[0])]
+
     def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -296,6 +301,7 @@ def load_checkpoint(
     *,
     verify: bool = False,
     weights_only: bool | None = True,
+    optimizer_states: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
 
@@ -313,6 +319,9 @@ def load_checkpoint(
             (:data:`~lightning_sharded.checkpoint.unpickling.LIGHTNING_SAFE_GLOBALS`), so no code from
             the file runs. ``False`` unpickles anything, running the file's code: only for files you
             trust.
+        optimizer_states: ``False`` skips the optimizer states of a sharded directory (nothing of them is
+            read; the dict has no ``optimizer_states``): the model state and ``meta.pt`` only, as inference
+            needs.
 
     Returns:
         The checkpoint dict.
@@ -329,6 +338,8 @@ def load_checkpoint(
         return load_full(found.backend, real, map_location, weights_only)
     reader = open_sharded(found, verify, weights_only)
     meta = read_meta(found.backend, real, weights_only)
+    if not optimizer_states:
+        reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()
     targets = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
