@@ -20,8 +20,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+from lightning_sharded.checkpoint.commit import commit_directory
 
 
 def main() -> None:

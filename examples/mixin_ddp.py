@@ -9,7 +9,8 @@ Run it (Lightning starts the second process itself)::
 
     python examples/mixin_ddp.py
 
-It prints ``OK: table (10, 4) sharded over 2 ranks restored exactly (sum ...)``. It writes into a new temporary folder, or into ``OUT_DIR`` with ``python examples/mixin_ddp.py OUT_DIR``.
+It prints ``OK: table (10, 4) sharded over 2 ranks restored exactly (sum ...)``. It writes into a new
+temporary folder, or into ``OUT_DIR`` with ``python examples/mixin_ddp.py OUT_DIR``.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
     python examples/strategies_resume.py
 
 It prints ``OK: FSDP1 checkpoint fsdp1.ckpt resumed under FSDP2, table (10, 4) exact``. Lightning starts
-the second process itself. It writes into a new temporary folder, or into
-``OUTPUT_DIR`` with ``python examples/strategies_resume.py OUTPUT_DIR``. The model has FSDP-sharded linear layers and a ``DTensor``
-table held as a plain attribute; both strategies register the sharded-state hooks, so the table is
+the second process itself. It writes into a new temporary folder, or into ``OUTPUT_DIR`` with
+``python examples/strategies_resume.py OUTPUT_DIR``. The model has FSDP-sharded linear layers and a
+``DTensor`` table held as a plain attribute; both strategies register the sharded-state hooks, so the table is
 saved and restored with the weights. The resume runs under ``ShardedModelParallelStrategy`` (FSDP2),
 whose ``fully_shard_policy`` shards the same plain model, and checks that the table and the weights
 came back exactly.

@@ -18,18 +18,23 @@ last walk and proves it still holds with a few C-level passes over the same modu
 
 Only when one of these differs is the tree walked again. The walk stops at a submodule that carries
 its own registration (:data:`MARKER`): that submodule's hooks report its sites.
+
+Paths go through wrappers by module identity (:mod:`lightning_sharded._fqn`): each site has the raw key
+``state_dict()`` gives a parameter at its place and the clean FQN torch's state-dict helpers give, and
+:meth:`SiteIndex.owner` finds the module a key names under either spelling.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 from torch import nn
 
+from lightning_sharded._fqn import edges
 from lightning_sharded.tensors import adapter_for
 
 #: Set in the ``__dict__`` of every module whose hooks this library registered.
@@ -46,16 +51,24 @@ _NO_EXTRAS = operator.itemgetter("training", "training")
 
 @dataclass(frozen=True)
 class Site:
-    """One sharded attribute: ``module.<name>``, found at dotted ``path`` ("" or "a.b.") under the root."""
+    """One sharded attribute ``module.<name>``, at dotted ``path`` ("" or "a.b.") under the root.
+
+    ``path`` is spelled as ``state_dict()`` spells parameter keys (``clean_path`` without any wrapper part).
+    """
 
     path: str
     module: nn.Module
     name: str
+    clean_path: str = ""
+    #: The state-dict key relative to the root, as ``state_dict()`` gives a parameter at this place.
+    key: str = field(init=False)
+    #: The clean FQN relative to the root, as ``get_model_state_dict`` gives it.
+    clean_key: str = field(init=False)
 
-    @property
-    def key(self) -> str:
-        """The state-dict key relative to the root, as a parameter at this place would have."""
-        return self.path + self.name
+    def __post_init__(self) -> None:
+        # Computed once per walk: the state-dict hook reads them at every call.
+        object.__setattr__(self, "key", self.path + self.name)
+        object.__setattr__(self, "clean_key", self.clean_path + self.name)
 
     @property
     def value(self) -> Any:
@@ -73,6 +86,7 @@ class _Snapshot:
     getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]]
     types: list[type]
     sites: tuple[Site, ...]
+    owners: dict[str, nn.Module]  # module path ("" or "a.b.") in either spelling -> module
 
 
 class SiteIndex:
@@ -92,6 +106,20 @@ class SiteIndex:
         snap = self._walk(root)
         self._snapshot = snap
         return snap.sites
+
+    def owner(self, root: nn.Module, relative_key: str) -> tuple[nn.Module, str] | None:
+        """The module and attribute name that ``relative_key`` ("a.b.name") denotes under ``root``.
+
+        Either spelling of the path works (raw or clean); the module is the one the walk found at that
+        place, so a key through ``torch.compile`` names the compiled module's original, not the wrapper.
+        ``None`` if no walked module has that path (outside the tree, or in a submodule with its own
+        registration).
+        """
+        self.find(root)
+        assert self._snapshot is not None
+        path, _, name = relative_key.rpartition(".")
+        module = self._snapshot.owners.get(path + "." if path else "")
+        return (module, name) if module is not None else None
 
     @staticmethod
     def _still_valid(snap: _Snapshot) -> bool:
@@ -115,13 +143,16 @@ class SiteIndex:
         modules: list[nn.Module] = []
         getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]] = []
         sites: list[Site] = []
-        for path, module in _walk_unregistered(root):
+        owners: dict[str, nn.Module] = {}
+        for path, clean, module in _walk_unregistered(root):
             modules.append(module)
+            owners.setdefault(path, module)
+            owners.setdefault(clean, module)
             extras = [k for k in vars(module) if k not in _STANDARD_KEYS]
             getters.append(operator.itemgetter(*extras, extras[0]) if extras else _NO_EXTRAS)
             for name in extras:
                 if adapter_for(module.__dict__[name]) is not None:
-                    sites.append(Site(path, module, name))
+                    sites.append(Site(path, module, name, clean))
         dicts = list(map(vars, modules))
         child_dicts = list(map(_modules_of, dicts))
         parents = [d for d in child_dicts if d]
@@ -135,37 +166,24 @@ class SiteIndex:
             getters=getters,
             types=list(map(type, chain.from_iterable(map(_call, getters, dicts)))),
             sites=tuple(sites),
+            owners=owners,
         )
 
 
-def _walk_unregistered(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """``(path, module)`` depth-first from ``root``, not entering submodules with their own registration.
+def _walk_unregistered(root: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(raw path, clean path, module)`` depth-first from ``root``, not entering registered submodules.
 
     Like ``state_dict()`` (and unlike ``named_modules()``), a module reachable by two paths is visited
-    under both, since ``state_dict()`` stores its state under both keys.
+    under both, since ``state_dict()`` stores its state under both keys; a wrapper's other view of the
+    module it wraps (Fabric's ``_forward_module``) is not a second path, ``state_dict()`` skips it too.
     """
-    stack: list[tuple[str, nn.Module]] = [("", root)]
+    stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
     while stack:
-        path, module = stack.pop()
-        yield path, module
+        path, clean, module = stack.pop()
+        yield path, clean, module
         children = [
-            (f"{path}{name}.", child)
-            for name, child in module._modules.items()
-            if child is not None and MARKER not in vars(child)
+            (path + edge.raw, clean + edge.clean, child)
+            for _, child, edge in edges(module)
+            if MARKER not in vars(child)
         ]
         stack.extend(reversed(children))
-
-
-def resolve(root: nn.Module, relative_key: str) -> tuple[nn.Module, str] | None:
-    """The module and attribute name that ``relative_key`` ("a.b.name") denotes under ``root``.
-
-    ``None`` if the path leaves the tree or passes through a submodule with its own registration.
-    """
-    *path, name = relative_key.split(".")
-    module = root
-    for part in path:
-        child = module._modules.get(part)
-        if child is None or MARKER in vars(child):
-            return None
-        module = child
-    return module, name

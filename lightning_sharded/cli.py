@@ -34,7 +34,7 @@ def _size(n: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.tools import inspect_checkpoint
 
-    info = inspect_checkpoint(args.path)
+    info = inspect_checkpoint(args.path, weights_only=not args.unsafe_unpickle)
     if args.json:
         print(json.dumps(info.to_dict(), indent=1))
         return EXIT_OK
@@ -71,13 +71,27 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"world size:  {info.world_size if info.world_size is not None else '-'}")
     print(f"epoch:       {info.epoch if info.epoch is not None else '-'}")
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
+    if info.not_unpickled:
+        from lightning_sharded.checkpoint.unpickling import UNSAFE_FLAG
+
+        print()
+        for key, name in sorted(info.not_unpickled.items()):
+            print(f"not unpickled: {key} holds {name}")
+        print(
+            "These entries hold types that a safe load refuses (unpickling them could run code from the"
+            f" file); nothing of them was unpickled. If you trust the file, use {UNSAFE_FLAG}."
+        )
     return EXIT_OK
 
 
 def _verify(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.verify import verify_checkpoint
 
-    report = verify_checkpoint(args.path, progress=False if args.no_progress else None)
+    report = verify_checkpoint(
+        args.path,
+        progress=False if args.no_progress else None,
+        weights_only=not args.unsafe_unpickle,
+    )
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
     print(f"OK: {report.path} ({report.kind.value}, {files}, {_size(report.bytes)}; {what} match)")
@@ -96,6 +110,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         overwrite=args.force,
         verify=not args.no_verify,
         progress=False if args.no_progress else None,
+        weights_only=not args.unsafe_unpickle,
     )
     print(
         f"Wrote {out} ({_size(backend_for(out).size(out))}): load it with torch.load, or resume from it with"
@@ -139,6 +154,15 @@ def _common_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+def _unsafe_unpickle_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--unsafe-unpickle",
+        action="store_true",
+        help="unpickle whatever the checkpoint holds, running its code: only for a file you trust (by"
+        " default only tensors, plain data and what Lightning writes are unpickled)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -157,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("path", metavar="PATH", help=path_help)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
+    _unsafe_unpickle_flag(inspect)
     _common_options(inspect, top=False)
     verify = commands.add_parser(
         "verify",
@@ -165,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("path", metavar="PATH", help=path_help)
     verify.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _unsafe_unpickle_flag(verify)
     _common_options(verify, top=False)
     consolidate = commands.add_parser(
         "consolidate",
@@ -190,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
         "--no-verify", action="store_true", help="do not compare the source's checksums first"
     )
     consolidate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _unsafe_unpickle_flag(consolidate)
     _common_options(consolidate, top=False)
     commands.add_parser(
         "demo",

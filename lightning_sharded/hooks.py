@@ -4,14 +4,20 @@
 ``nn.Module``'s public hook APIs:
 
 - a state-dict pre-hook, which only remembers ``keep_vars`` (the post-hook is not given it);
-- a state-dict post-hook, which adds every sharded attribute of the tree under the key a parameter
-  at that place would have (``prefix`` + path + name), unless the key is already there;
-- a load pre-hook, which pops each sharded attribute's key from the state dict and copies the value
-  into the attribute, resharding as needed; errors go to ``error_msgs`` like torch's own, absent keys
-  to ``missing_keys``. Popping means the key can never be reported as unexpected;
-- a load post-hook, which assigns sharded values that no attribute consumed and that torch reported
-  as unexpected, to the submodule the key names (as torch's own ShardedTensor hook does), and keeps
-  consumed keys out of ``unexpected_keys``.
+- a state-dict post-hook, which adds every sharded attribute of the tree under the key ``state_dict()``
+  gives a parameter at that place (``prefix`` + path + name; wrappers spelled as for parameters, see
+  :mod:`lightning_sharded._fqn`), unless the key is already there;
+- a load pre-hook, which pops each sharded attribute's key (either spelling: the raw one, or the clean
+  FQN that ``get_model_state_dict`` gives) and copies the value into the attribute, resharding as
+  needed; errors go to ``error_msgs`` like torch's own, absent keys to ``missing_keys``. Popping means
+  the key can never be reported as unexpected;
+- a load post-hook, which assigns sharded values that torch reported unexpected, only where
+  ``strict=False`` or ``assign=True`` allow it (see :class:`_LoadPostHook`); under ``strict=True``
+  they stay unexpected.
+
+Loading is collective when values are resharded: the ranks holding an attribute agree on each
+attribute's outcome before its copy and after it, so a failure on one rank is an error on all of them
+and no rank goes on to another attribute's collective.
 
 The hooks find the attributes at call time (:class:`~lightning_sharded._sites.SiteIndex`), so
 attributes set after ``__init__`` count, and stop at submodules with their own registration.
@@ -19,16 +25,57 @@ attributes set after ``__init__`` count, and stop at submodules with their own r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_sharded._sites import MARKER, SiteIndex, resolve
-from lightning_sharded.tensors import adapter_for
+from lightning_sharded._fqn import clean_prefix
+from lightning_sharded._sites import MARKER, SiteIndex
+from lightning_sharded.tensors import adapter_for, agree
 
-__all__ = ["has_sharded_state_hooks", "register_sharded_state_hooks"]
+__all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
+
+_LOAD_CODE = nn.Module.load_state_dict.__code__
+# The recursion inside load_state_dict (`def load(module, local_state_dict, prefix="")`).
+_LOAD_INNER = next((c for c in _LOAD_CODE.co_consts if isinstance(c, CodeType) and c.co_name == "load"), None)
+# Every nn.Module has these in its __dict__; a checkpoint key never assigns one of them.
+_STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
+
+#: Set by :func:`receiving_full_values`: attributes that are ``None`` or absent take full tensors.
+_FULL_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "lightning_sharded_full_values", default=False
+)
+
+_OK, _MISSING, _INVALID, _FAILED = 1, 2, 3, 4
+
+
+@contextlib.contextmanager
+def receiving_full_values() -> Iterator[None]:
+    """Within this context, a load gives a key's tensor to the attribute it names when that is ``None``.
+
+    For a load in one plain process (``ShardedStateMixin.load_from_checkpoint``): an attribute that
+    becomes a ``DTensor`` in ``configure_model`` under a strategy is still ``None`` (or not set) there,
+    and receives the full tensor of the checkpoint. Strict loading is otherwise unchanged.
+    """
+    token = _FULL_VALUES.set(True)
+    try:
+        yield
+    finally:
+        _FULL_VALUES.reset(token)
+
+
+def _live_frames(frame: FrameType | None) -> set[int]:
+    ids = set()
+    while frame is not None:
+        ids.add(id(frame))
+        frame = frame.f_back
+    return ids
 
 
 class _StateDictPreHook:
@@ -36,7 +83,13 @@ class _StateDictPreHook:
         self.shared = shared
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.shared.keep_vars.append(keep_vars)
+        stack = self.shared.keep_vars
+        caller = sys._getframe(1)  # the nn.Module.state_dict call of `module`; the post-hook sees it too
+        if stack:
+            # A nested call, or what a call that raised left behind: drop the entries of finished calls.
+            live = _live_frames(caller)
+            stack[:] = [entry for entry in stack if entry[0] in live]
+        stack.append((id(caller), keep_vars))
 
 
 class _StateDictHook:
@@ -46,8 +99,7 @@ class _StateDictHook:
     def __call__(
         self, module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
     ) -> None:
-        stack = self.shared.keep_vars
-        keep_vars = stack.pop() if stack else False
+        keep_vars = self.shared.pop_keep_vars(id(sys._getframe(1)))
         for site in self.shared.index.find(module):
             key = prefix + site.key
             if key in destination:
@@ -60,17 +112,45 @@ class _StateDictHook:
             destination[key] = value
 
 
-@dataclass
-class _LoadCall:
-    """What the load pre-hook of one ``load_state_dict`` call hands to the post-hook."""
+def _load_call(frame: FrameType | None) -> tuple[bool, bool, Any]:
+    """``(strict, assign, state_dict)`` of the ``nn.Module.load_state_dict`` call this hook runs in.
 
-    prefix: str
-    consumed: set[str] = field(default_factory=set)
-    candidates: dict[str, Any] = field(default_factory=dict)
-    assign: bool = False
+    torch passes ``strict=True`` to every load pre-hook whatever the caller asked, so the hook reads the
+    caller's arguments (and its whole state dict, for keys spelled without the prefix's wrapper parts);
+    without such a call on the stack (``_load_from_state_dict`` called directly), ``(True, False,
+    None)``: nothing is assigned that strict loading would refuse.
+    """
+    while frame is not None:
+        if frame.f_code is _LOAD_CODE:
+            local = frame.f_locals
+            return bool(local.get("strict", True)), bool(local.get("assign", False)), local.get("state_dict")
+        frame = frame.f_back
+    return True, False, None
+
+
+def _running_load(module: nn.Module, frame: FrameType | None) -> tuple[str, bool, bool, Any] | None:
+    """``(prefix, strict, assign, state_dict)`` of the ``load_state_dict`` call loading ``module`` now.
+
+    ``prefix`` is ``module``'s (from torch's recursion), the rest the caller's; ``None`` if torch's
+    recursion is not on the stack (then nothing is assigned).
+    """
+    prefix = None
+    while frame is not None:
+        if prefix is None and frame.f_code is _LOAD_INNER and frame.f_locals.get("module") is module:
+            prefix = frame.f_locals.get("prefix")
+        elif frame.f_code is _LOAD_CODE:
+            local = frame.f_locals
+            whole = local.get("state_dict")
+            if not isinstance(prefix, str) or not isinstance(whole, dict):
+                return None
+            return prefix, bool(local.get("strict", True)), bool(local.get("assign", False)), whole
+        frame = frame.f_back
+    return None
 
 
 class _LoadPreHook:
+    """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
+
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
 
@@ -85,67 +165,182 @@ class _LoadPreHook:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        call = _LoadCall(prefix=prefix, assign=bool(local_metadata.get("assign_to_params_buffers", False)))
-        self.shared.loads.append(call)
+        _, assign, whole = _load_call(sys._getframe(1))
+        assign = assign or bool(local_metadata.get("assign_to_params_buffers", False))
+        # A wrapper above the root (torch.compile, DDP) puts its part in `prefix`, but torch's
+        # set_model_state_dict hands sharded attributes over under their clean FQN: such a key is
+        # only in the caller's whole state dict, already reported unexpected by the wrapper.
+        outer = clean_prefix(prefix)
+        stopped = False
         for site in self.shared.index.find(module):
-            key = prefix + site.key
-            if key not in state_dict:
-                missing_keys.append(key)
+            source = state_dict
+            key = _key_of(state_dict, prefix, site.key, site.clean_key)
+            if key is None and outer != prefix and isinstance(whole, dict):
+                key = _key_of(whole, outer, site.key, site.clean_key)
+                if key is not None:
+                    source = whole
+                    with contextlib.suppress(ValueError):
+                        unexpected_keys.remove(key)
+            if stopped:  # a copy failed on some rank: every rank stops loading, keys are still consumed
+                if key is not None:
+                    source.pop(key)
                 continue
-            # Popping keeps the key out of torch's unexpected-key check here and in every submodule.
-            value = state_dict.pop(key)
-            call.consumed.add(key)
-            error = _load_into(site.module, site.name, key, value, assign=call.assign)
-            if error is not None:
-                error_msgs.append(error)
-        # Sharded values that no attribute took: the post-hook assigns those torch found unexpected.
-        for key in sorted(state_dict):
-            if key.startswith(prefix) and adapter_for(state_dict[key]) is not None:
-                call.candidates[key] = state_dict[key]
+            if not self._load_site(site.module, site.name, prefix + site.key, key, source, assign,
+                                   missing_keys, error_msgs):  # fmt: skip
+                stopped = True
+
+    @staticmethod
+    def _load_site(
+        owner: nn.Module,
+        name: str,
+        raw_key: str,
+        key: str | None,
+        state_dict: dict[str, Any],
+        assign: bool,
+        missing_keys: list[str],
+        error_msgs: list[str],
+    ) -> bool:
+        """Load one attribute, agreed with the other ranks; ``False`` if its copy failed on some rank."""
+        target = owner.__dict__[name]
+        shown = key if key is not None else raw_key
+        if key is None:
+            missing_keys.append(shown)
+            error, code = None, _MISSING
+        else:
+            value = state_dict.pop(key)  # popped: never reported as unexpected, here or in a submodule
+            error = _check(target, shown, value)
+            code = _INVALID if error is not None else _OK
+        codes = agree(target, code)  # one decision for every rank that holds the attribute
+        invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
+        missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
+        if invalid:
+            elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
+            error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
+            return True
+        if missing:
+            if len(missing) < len(codes):
+                error_msgs.append(
+                    f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
+                    f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
+                )
+            return True
+        failure = None
+        try:
+            _copy(owner, name, target, value, assign)
+        except Exception as ex:
+            failure = (
+                f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an exception'
+                f" occurred: {ex!r}."
+            )
+        outcome = agree(target, _FAILED if failure else _OK)
+        failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
+        if failed:
+            if failure is None:
+                failure = (
+                    f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).'
+                )
+            error_msgs.append(
+                failure
+                + " Every rank stopped loading sharded attributes there, before any further collective."
+            )
+            return False
+        return True
+
+
+def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
+    """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
+    for relative in (raw, clean):
+        if prefix + relative in state_dict:
+            return prefix + relative
+    return None
 
 
 class _LoadPostHook:
+    """Assigns the sharded values torch reported unexpected, where the strictness rule allows.
+
+    It runs after torch and every submodule's hooks (FSDP's included) took their keys, so only keys no
+    one claimed are candidates. A sharded value is assigned to the submodule the key names (found by
+    module identity) when ``assign=True``, or when ``strict=False`` and the submodule already has an
+    attribute of that name (``self.table = None``), as torch's own ShardedTensor hook does; never under
+    ``strict=True``: there it stays an unexpected key. Within :func:`receiving_full_values`, a tensor
+    for an attribute that is ``None`` or not set is assigned, strict or not. Keys of parameters,
+    buffers and submodules are never assigned. Everything it needs comes from the running
+    ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
+    """
+
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
-        if not self.shared.loads:
-            return
-        call = self.shared.loads.pop()
         unexpected: list[str] = incompatible_keys.unexpected_keys
-        for key in sorted(call.candidates):
-            if key not in unexpected:
+        if not unexpected:
+            return
+        call = _running_load(module, sys._getframe(1))
+        if call is None:
+            return
+        prefix, strict, assign, whole = call
+        full_values = _FULL_VALUES.get()
+        if strict and not assign and not full_values:
+            return
+        assigned = set()
+        for key in sorted(k for k in unexpected if k.startswith(prefix)):
+            value = whole.get(key)
+            sharded = adapter_for(value) is not None
+            if not (sharded and (assign or not strict)) and not (
+                full_values and isinstance(value, torch.Tensor)
+            ):
                 continue
-            target = resolve(module, key[len(call.prefix) :])
+            target = self.shared.index.owner(module, key[len(prefix) :])
             if target is None:
                 continue
             owner, name = target
-            if name in owner._parameters or name in owner._buffers or name in owner._modules:
+            if (
+                name in owner._parameters
+                or name in owner._buffers
+                or name in owner._modules
+                or name in _STANDARD_KEYS
+                or hasattr(type(owner), name)
+            ):
                 continue
-            setattr(owner, name, call.candidates[key])
-            call.consumed.add(key)
-        if call.consumed:
-            unexpected[:] = [key for key in unexpected if key not in call.consumed]
+            empty = owner.__dict__.get(name) is None  # not set, or None
+            allowed = (
+                (sharded and assign)  # assign=True assigns
+                or (full_values and empty)  # a plain-process load_from_checkpoint
+                or (sharded and not strict and name in owner.__dict__)  # where torch's own hook would
+            )
+            if allowed:
+                setattr(owner, name, value)
+                assigned.add(key)
+        if assigned:
+            unexpected[:] = [key for key in unexpected if key not in assigned]
 
 
 class _Shared:
-    """State the four hooks of one root share: the site index and the per-call stacks."""
+    """State the hooks of one root share: the site index and the ``keep_vars`` of running calls."""
 
     def __init__(self) -> None:
         self.index = SiteIndex()
-        self.keep_vars: list[bool] = []
-        self.loads: list[_LoadCall] = []
+        self.keep_vars: list[tuple[int, bool]] = []  # (id of the state_dict frame, keep_vars)
+
+    def pop_keep_vars(self, frame_id: int) -> bool:
+        """The ``keep_vars`` the pre-hook saw in this call; entries of nested calls that raised go too."""
+        stack = self.keep_vars
+        for index in range(len(stack) - 1, -1, -1):
+            if stack[index][0] == frame_id:
+                keep_vars = stack[index][1]
+                del stack[index:]
+                return keep_vars
+        return False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {}  # per-call stacks and caches are never carried into a copy
+        return {}  # per-call state and caches are never carried into a copy
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
 
 
-def _load_into(owner: nn.Module, name: str, key: str, value: Any, assign: bool) -> str | None:
-    """Load ``value`` into the sharded attribute ``owner.<name>``; an error message, or ``None``."""
-    target = owner.__dict__[name]
+def _check(target: Any, key: str, value: Any) -> str | None:
+    """Why ``value`` cannot load into the sharded attribute ``target`` (torch's wording), or ``None``."""
     adapter = adapter_for(target)
     assert adapter is not None
     if not isinstance(value, torch.Tensor):
@@ -166,17 +361,17 @@ def _load_into(owner: nn.Module, name: str, key: str, value: Any, assign: bool) 
             f"dtype mismatch for {key}: copying a param with dtype {dtype} from checkpoint, "
             f"the dtype in current model is {adapter.dtype(target)}."
         )
-    if assign and source is not None:
-        setattr(owner, name, value)
-        return None
-    try:
-        adapter.copy_into(target, value)
-    except Exception as ex:
-        return (
-            f'While copying the sharded attribute named "{key}" ({adapter.name}, global shape '
-            f"{tuple(shape)}), an exception occurred: {ex!r}."
-        )
     return None
+
+
+def _copy(owner: nn.Module, name: str, target: Any, value: Any, assign: bool) -> None:
+    """Put a checked ``value`` into ``owner.<name>``: assigned (``assign`` and sharded) or copied."""
+    if assign and adapter_for(value) is not None:
+        setattr(owner, name, value)
+        return
+    adapter = adapter_for(target)
+    assert adapter is not None
+    adapter.copy_into(target, value)
 
 
 def has_sharded_state_hooks(module: nn.Module) -> bool:
@@ -192,7 +387,9 @@ def register_sharded_state_hooks(module: nn.Module) -> nn.Module:
     A sharded attribute is a ``DTensor`` or legacy ``ShardedTensor`` held as a plain attribute of
     ``module`` or of any submodule (not an ``nn.Parameter`` or buffer). It is saved under the key a
     parameter at that place would have, and on load it is copied in place (same layout) or resharded
-    into the attribute's layout (another layout, or a full ``torch.Tensor``). Idempotent.
+    into the attribute's layout (another layout, or a full ``torch.Tensor``). Keys through wrappers
+    (FSDP1, activation checkpointing, ``torch.compile``, DDP) are named as torch names parameters there;
+    on load, the clean FQN that ``get_model_state_dict`` gives is accepted too. Idempotent.
 
     Args:
         module: the root of the tree; the hooks walk the tree at every call, so attributes set later

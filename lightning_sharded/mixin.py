@@ -9,7 +9,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_sharded.hooks import register_sharded_state_hooks
+from lightning_sharded.hooks import receiving_full_values, register_sharded_state_hooks
 from lightning_sharded.tensors import gather_full_values
 
 
@@ -76,16 +76,24 @@ class ShardedStateMixin:
         """Lightning's ``load_from_checkpoint``, which also accepts a sharded checkpoint directory.
 
         For a directory (written by this library, or by stock ``FSDPStrategy`` or
-        ``ModelParallelStrategy``), the full checkpoint is read in this process, without any process
-        group (:func:`lightning_sharded.load_checkpoint`), then goes through Lightning's own path:
-        checkpoint migration, ``hparams_file`` and ``kwargs`` overrides, the model built from the saved
-        hyperparameters, ``load_state_dict`` with ``strict``. Meant for inference on one machine: the
-        whole model is loaded into memory. A file is loaded exactly as Lightning does.
+        ``ModelParallelStrategy``), the model state and ``meta.pt`` (hyperparameters, loops...) are read
+        in this process, without any process group (:func:`lightning_sharded.load_checkpoint`); the
+        optimizer states are not read at all. Then Lightning's own path: checkpoint migration,
+        ``hparams_file`` and ``kwargs`` overrides, the model built from the saved hyperparameters,
+        ``configure_model``, ``load_state_dict`` with ``strict``. A sharded attribute that is still
+        ``None`` (or not set) after ``configure_model``, as one made only under a process group is,
+        receives the full tensor; strict loading still refuses keys no module has. Meant for inference
+        on one machine: the whole model is loaded into memory. A file is loaded as Lightning does.
+
+        ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
+        read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
+        see :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code
+        from the checkpoint: only for a checkpoint you trust.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint_path``.
             CheckpointError: the directory is not a checkpoint or is damaged, or its keys or shapes do
-                not fit the model (the message lists them).
+                not fit the model (the message lists them), or it holds a type a safe load refuses.
         """
         from lightning.pytorch import LightningModule
 
@@ -98,10 +106,12 @@ class ShardedStateMixin:
         from lightning_sharded.checkpoint.tools import load_checkpoint
 
         location = map_location if isinstance(map_location, (str, torch.device)) else None
-        checkpoint = load_checkpoint(checkpoint_path, location or "cpu", weights_only=bool(weights_only))
+        checkpoint = load_checkpoint(
+            checkpoint_path, location or "cpu", weights_only=weights_only, optimizer_states=False
+        )
         assert issubclass(cls, LightningModule)
         try:
-            with _preloaded(checkpoint_path, checkpoint):
+            with _preloaded(checkpoint_path, checkpoint), receiving_full_values():
                 return parent.load_from_checkpoint(
                     checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
                 )

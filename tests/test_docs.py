@@ -164,11 +164,6 @@ def test_quickstart_trains_saves_and_resumes(quickstart_run: Path) -> None:
     assert (quickstart_run / "quickstart.ckpt" / ".metadata").is_file()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs issue 10 (load_from_checkpoint(dir) in a plain process gives None sharded attributes the"
-    " full tensor); remove this mark when it is merged",
-)
 def test_quickstart_loads_in_a_plain_process(quickstart_run: Path) -> None:
     doc, load = quickstart()
     run_python_blocks(doc[load:], quickstart_run)

@@ -180,14 +180,48 @@ def test_assign_true_assigns_the_sharded_value() -> None:
     assert target.inner.table is value
 
 
-def test_sharded_value_without_attribute_is_assigned() -> None:
-    source, target = model(), model()
+def test_strict_load_refuses_a_sharded_value_the_model_does_not_have() -> None:
+    source = model()
+    source.head.new_table = dt(torch.ones(3))  # a renamed or stale attribute: the target has none
+    source.cache = dt(torch.ones(2))  # the target's cache is None
+    state = source.state_dict()
+    target = model()
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "cache", "head.new_table"'):
+        target.load_state_dict(state)
+    assert target.cache is None and "new_table" not in vars(target.head)
+
+
+def test_non_strict_load_assigns_where_torch_would() -> None:
+    # strict=False: as torch's own ShardedTensor hook, only to an attribute the module already has.
+    source = model()
     source.head.new_table = dt(torch.ones(3))
     source.cache = dt(torch.ones(2))
-    result = target.load_state_dict(source.state_dict())  # strict: nothing unexpected
-    assert not result.unexpected_keys
-    assert target.head.new_table is not None and torch.equal(full(target.head.new_table), torch.ones(3))
+    target = model()
+    result = target.load_state_dict(source.state_dict(), strict=False)
+    assert result.unexpected_keys == ["head.new_table"]
+    assert "new_table" not in vars(target.head)
     assert torch.equal(full(target.cache), torch.ones(2))
+
+
+def test_assign_true_assigns_a_sharded_value_the_model_does_not_have() -> None:
+    source = model()
+    source.head.new_table = dt(torch.ones(3))
+    state = source.state_dict()
+    target = model()
+    assert str(target.load_state_dict(state, assign=True)) == "<All keys matched successfully>"
+    assert target.head.new_table is state["head.new_table"]
+
+
+def test_a_sharded_value_never_replaces_a_submodule_or_buffer() -> None:
+    state = model().state_dict()
+    state["inner"] = dt(torch.ones(2))  # a submodule's name
+    target = model()
+    target.head.register_buffer("stats", torch.zeros(2))
+    state["head.stats"] = torch.zeros(2)
+    state["head.stats.x"] = dt(torch.ones(2))  # below a buffer: no module there
+    result = target.load_state_dict(state, strict=False, assign=True)
+    assert sorted(result.unexpected_keys) == ["head.stats.x", "inner"]
+    assert isinstance(target.inner, nn.Module)
 
 
 def test_full_tensor_without_attribute_stays_unexpected() -> None:
@@ -364,3 +398,148 @@ def test_works_without_sharded_tensor(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")
+
+
+# ------------------------------------------------------------------------------------- wrappers
+
+
+def wrapped(kind: str) -> tuple[nn.Module, Inner]:
+    """A root whose child ``block`` is ``Inner`` wrapped by ``kind``; returns (root, the Inner)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = Inner()
+    block: nn.Module = inner
+    if kind in ("ac", "compile-ac"):
+        block = checkpoint_wrapper(block)
+    if kind in ("compile", "compile-ac"):
+        block = torch.compile(block, backend="eager")
+    if kind == "ddp":
+        block = torch.nn.parallel.DistributedDataParallel(block)
+    root = nn.Module()
+    root.block = block
+    root.top = dt(torch.arange(2.0))
+    return register_sharded_state_hooks(root), inner
+
+
+RAW_KEYS = {
+    "ac": "block.table",  # the checkpoint wrapper's own hooks drop its part from parameter keys
+    "compile": "block._orig_mod.table",  # torch keeps `_orig_mod.` in parameter keys
+    "compile-ac": "block._orig_mod.table",
+    "ddp": "block.module.table",
+}
+
+
+@pytest.mark.parametrize("kind", list(RAW_KEYS))
+def test_keys_through_a_wrapper(kind: str) -> None:
+    root, inner = wrapped(kind)
+    raw = root.state_dict()
+    weight_key = RAW_KEYS[kind].replace("table", "lin.weight")
+    assert weight_key in raw and RAW_KEYS[kind] in raw  # named as torch names a parameter there
+    clean = get_model_state_dict(root)
+    assert sorted(clean) == ["block.lin.bias", "block.lin.weight", "block.table", "top"]
+    # Either spelling loads, strictly, into the attribute of the wrapped module.
+    for key, state in ((RAW_KEYS[kind], raw), ("block.table", dict(clean))):
+        state[key] = torch.full((4, 3), float(len(key)))
+        if key == "block.table":
+            set_model_state_dict(root, state)
+        else:
+            assert str(root.load_state_dict(state)) == "<All keys matched successfully>"
+        assert torch.equal(full(inner.table), torch.full((4, 3), float(len(key))))
+
+
+def test_a_compiled_root_loads_clean_keys() -> None:
+    m = model()
+    compiled = torch.compile(m, backend="eager")
+    state = get_model_state_dict(compiled)
+    assert "inner.table" in state  # no `_orig_mod.`
+    state["inner.table"] = torch.full((4, 3), 3.0)
+    set_model_state_dict(compiled, state)  # the hooks see the prefix "_orig_mod." and the clean key
+    assert torch.equal(full(m.inner.table), torch.full((4, 3), 3.0))
+
+
+def test_assignment_goes_to_the_wrapped_module_not_the_wrapper() -> None:
+    root, inner = wrapped("compile")
+    state = root.state_dict()
+    state["block.extra"] = dt(torch.ones(2))  # clean spelling, through torch.compile
+    root.load_state_dict(state, assign=True)
+    assert "extra" in vars(inner) and "extra" not in vars(root.block)
+    assert "block._orig_mod.extra" in root.state_dict()
+
+
+def test_fabric_forward_module_is_not_a_second_path() -> None:
+    from lightning.fabric.wrappers import _FabricModule
+
+    inner = Inner()
+    root = nn.Module()
+    root.fab = _FabricModule(torch.compile(inner, backend="eager"), strategy=None, original_module=inner)  # type: ignore[arg-type]
+    register_sharded_state_hooks(root)
+    keys = [k for k in root.state_dict() if k.endswith("table")]
+    assert keys == ["fab.table"]  # as _FabricModule.state_dict names its parameters
+
+
+def test_clean_parameter_names_are_torch_optimizer_names() -> None:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from lightning_sharded._fqn import parameter_names
+
+    root, _ = wrapped("compile-ac")
+    root.head = nn.Linear(2, 2)
+    optimizer = torch.optim.Adam(root.parameters())
+    names = parameter_names(root)
+    ours = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    theirs = get_optimizer_state_dict(root, optimizer)["param_groups"][0]["params"]
+    assert ours == theirs == ["block.lin.weight", "block.lin.bias", "head.weight", "head.bias"]
+
+
+# ------------------------------------------------------------------------------ after exceptions
+
+
+class Exploding(nn.Module):
+    """Raises while the root's state_dict() / load_state_dict() is between its pre- and post-hooks."""
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        raise RuntimeError("boom in state_dict")
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("boom in load_state_dict")
+
+
+def test_state_dict_after_an_exception_uses_its_own_keep_vars() -> None:
+    m = model()
+    m.bomb = Exploding()
+    m.inner.table.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="boom in state_dict"):
+        m.state_dict(keep_vars=True)
+    del m.bomb
+    shared = next(h for h in m._state_dict_pre_hooks.values()).shared
+    assert len(shared.keep_vars) == 1  # what the failed call left
+    state = m.state_dict()  # keep_vars=False: detached, not the failed call's True
+    assert state["inner.table"] is not m.inner.table and not state["inner.table"].requires_grad
+    assert shared.keep_vars == []  # released by the next call
+    assert m.state_dict(keep_vars=True)["inner.table"] is m.inner.table
+
+
+def test_a_failed_load_keeps_no_reference_to_the_checkpoint() -> None:
+    import gc
+    import weakref
+
+    m = model()
+    m.bomb = Exploding()
+    state = m.inner.state_dict(prefix="inner.")
+    state["inner.extra"] = dt(torch.ones(2))  # an unclaimed sharded value, looked at by the hooks
+    refs = [weakref.ref(v) for v in state.values()]
+    with pytest.raises(RuntimeError, match="boom in load_state_dict"):
+        m.load_state_dict(state, strict=False)
+    del state
+    gc.collect()
+    assert all(ref() is None for ref in refs), "a hook still holds the checkpoint's tensors"
+
+
+def test_strictness_is_the_callers_when_nested_in_a_parent() -> None:
+    parent = nn.ModuleDict({"body": model()})
+    state = parent.state_dict()
+    state["body.cache"] = dt(torch.ones(2))  # the body's cache is None
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "body.cache"'):
+        parent.load_state_dict(state)
+    assert not parent.load_state_dict(state, strict=False).unexpected_keys
+    assert torch.equal(full(parent["body"].cache), torch.ones(2))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Location, join
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.problems import Problem
@@ -24,20 +24,47 @@ if TYPE_CHECKING:
 __all__ = ["ShardedLayout", "index_problems", "read_index", "read_sharded_layout"]
 
 
-def read_index(backend: Backend, data: Location) -> Any:
+def read_index(backend: Backend, data: Location, *, weights_only: bool | None = False) -> Any:
     """The DCP ``Metadata`` of the sharded checkpoint under ``data``.
 
+    Args:
+        backend: Its storage.
+        data: Where its files are.
+        weights_only: ``False`` (the default): read by DCP's own reader, with plain ``pickle``, as a
+            resume reads it (Lightning's rule). ``True`` or ``None`` (the offline tools): read with the
+            restricted unpickler of :func:`~lightning_sharded.checkpoint.unpickling.load_pickle`, which
+            builds DCP's metadata classes only, so no code from the file runs.
+
     Raises:
-        CheckpointError: ``.metadata`` is missing, truncated or corrupt.
+        CheckpointError: ``.metadata`` is missing, truncated or corrupt, or holds something that is not
+            DCP's ``Metadata``; with ``weights_only``, a :class:`~.unpickling.RefusedPickleError` for a
+            type that is not allowed.
     """
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    file = join(data, names.DCP_METADATA)
     try:
-        return backend.dcp_reader(data).read_metadata()
+        if unpickling.resolve_weights_only(weights_only):
+            with backend.open_file(file) as f:
+                metadata = unpickling.load_pickle(f, what=f"The DCP metadata {str(file)!r}")
+            if isinstance(metadata, Metadata) and getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()  # as DCP's reader leaves it
+        else:
+            metadata = backend.dcp_reader(data).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as ex:
         raise CheckpointError(
-            f"Could not read the DCP index {str(join(data, names.DCP_METADATA))!r}: the file `.metadata` of"
+            f"Could not read the DCP index {str(file)!r}: the file `.metadata` of"
             f" the sharded checkpoint {str(data)!r} cannot be read ({type(ex).__name__}: {ex}). The file is"
             " truncated or corrupt; restore the directory from a copy, or load an earlier checkpoint."
         ) from ex
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"The DCP metadata {str(file)!r} holds a {type(metadata).__name__}, not DCP's Metadata: this is"
+            " not a sharded checkpoint. Restore the directory from a copy, or load an earlier checkpoint."
+        )
+    return metadata
 
 
 def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Problem]:

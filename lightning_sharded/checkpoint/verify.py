@@ -8,7 +8,9 @@
 - :func:`verify_checkpoint` (one process): everything that can be checked at a path, checksums
   included; for a sharded directory without a manifest (stock Lightning), what can be checked
   without one (``.metadata`` reads, every file it references is there and long enough); for a full
-  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive.
+  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive. It also checks,
+  without unpickling anything, that every pickle of the checkpoint holds only what a safe load
+  allows (:mod:`~lightning_sharded.checkpoint.pickles`).
 
 Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
 """
@@ -23,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint import collective, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, basename, join, location
 from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.pickles import check_pickles
 from lightning_sharded.checkpoint.problems import Problem, damaged
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
 
@@ -189,7 +192,12 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
 
 
 def check_found(
-    found: Found, *, verify: bool = False, group: ProcessGroup | None = None, alone: bool = False
+    found: Found,
+    *,
+    verify: bool = False,
+    group: ProcessGroup | None = None,
+    alone: bool = False,
+    weights_only: bool | None = False,
 ) -> None:
     """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
 
@@ -197,6 +205,9 @@ def check_found(
     checksum is computed by one rank only. Without one: the shard files against the DCP index. The
     findings of all ranks are gathered, so every rank raises the same error, or none does. With
     ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
+    ``weights_only`` is how a checkpoint without a manifest has its ``.metadata`` read
+    (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
+    resume reads it; ``True`` / ``None`` (the tools) safely.
 
     Raises:
         CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
@@ -206,7 +217,8 @@ def check_found(
     backend, data, manifest = found.backend, found.data, found.manifest
     try:
         if manifest is None:
-            mine = index_problems(backend, data, read_index(backend, data)) if where.rank == 0 else []
+            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
+            mine = index_problems(backend, data, index) if index is not None else []
         else:
             mine = _size_problems(backend, data, manifest)
             if verify:
@@ -283,19 +295,26 @@ def _raise(path: Location, problems: list[Problem]) -> None:
         raise error
 
 
-def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = None) -> VerifyReport:
+def verify_checkpoint(
+    path: str | os.PathLike[str], *, progress: bool | None = None, weights_only: bool | None = True
+) -> VerifyReport:
     """Check every file of a checkpoint, checksums included; works in one plain process.
 
     - a sharded directory with a manifest: every listed file present, with its size and checksum;
     - a sharded directory without one (stock Lightning): nothing to compare checksums with, so it
       checks that ``.metadata`` reads and that every file it references is there and long enough
       (the report's ``notes`` say so);
-    - a full file: the CRC-32 of every record of the ``torch.save`` archive.
+    - a full file: the CRC-32 of every record of the ``torch.save`` archive;
+    - then, without unpickling anything, every pickle (the full file; ``.metadata``, ``meta.pt`` and
+      DCP's non-tensor entries): a type that a safe load would refuse fails the check, or, with
+      ``weights_only=False``, is named in the report's ``notes``.
 
     Args:
         path: A sharded checkpoint directory or a full checkpoint file.
         progress: Show a progress bar on stderr while reading; ``None`` shows one for checkpoints of
             64 MiB or more.
+        weights_only: ``True`` (or ``None``): a checkpoint that ``load_checkpoint`` would refuse
+            fails; ``False`` (for a file you trust): it passes, with a note. Nothing is unpickled either way.
 
     Returns:
         What was checked: ``files`` and ``bytes`` count the checkpoint's files as ``inspect`` does.
@@ -303,7 +322,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = N
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: the path is not a checkpoint, or a file is missing, truncated or corrupted;
-            the message names the first bad file, the rank that wrote it, and the others.
+            the message names the first bad file, the rank that wrote it, and the others. With
+            ``weights_only``, also a pickle that holds a type that is not allowed (the message names it).
     """
     started = time.perf_counter()
     found = detect(path)
@@ -314,10 +334,16 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = N
         _raise(real, _full_file_problems(backend, real, progress))
         report.files, report.bytes = 1, backend.size(real)
     elif manifest is None:
-        try:
-            problems = index_problems(backend, real, read_index(backend, real))
+        try:  # read safely, flag or not: verify never unpickles
+            problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
+        except unpickling.RefusedPickleError:
+            problems = []  # the pickle check below refuses it, or notes it with the flag
+            report.notes.append(
+                "the shard files were not checked against `.metadata`: reading it would run code from it"
+            )
         except CheckpointError as err:
-            problems = [Problem(names.DCP_METADATA, f"cannot be read ({err.__cause__!r})")]
+            detail = repr(err.__cause__) if err.__cause__ is not None else str(err)
+            problems = [Problem(names.DCP_METADATA, f"cannot be read ({detail})")]
         _raise(real, problems)
         files = checkpoint_files(found)
         report.files, report.bytes = len(files), sum(files.values())
@@ -334,6 +360,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, progress: bool | None = N
         _raise(real, problems)
         report.has_manifest = True
         report.files, report.bytes = len(manifest.files), manifest.total_size
+    report.notes += check_pickles(backend, real, found.kind, weights_only)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
         real,

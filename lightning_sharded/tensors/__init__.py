@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from lightning_sharded.tensors.base import ShardedAdapter
 from lightning_sharded.tensors.dtensor import DTensorAdapter
 from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter
@@ -52,10 +55,34 @@ def gather_full_values(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def agree(value: Any, code: int) -> dict[int, int]:
+    """Every rank's ``code`` (a positive int) among the ranks that hold the sharded ``value`` (collective).
+
+    Returns ``{global rank: code}`` for each rank holding ``value``, the same dict on all of them; just
+    ``{this rank: code}`` when ``value`` lives on one rank. Every rank holding ``value`` must call it,
+    in the same order, so that a decision (load, skip, stop) is taken once for all of them.
+    """
+    adapter = adapter_for(value)
+    assert adapter is not None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    groups = adapter.groups(value)
+    if not groups:
+        return {rank: code}
+    device = torch.device("cpu")
+    if any(dist.get_backend(group) == "nccl" for group in groups):
+        device = torch.device("cuda", torch.cuda.current_device())
+    codes = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    codes[rank] = code
+    for group in groups:
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=group)
+    return {r: int(c) for r, c in enumerate(codes.tolist()) if c}
+
+
 __all__ = [
     "ADAPTERS",
     "ShardedAdapter",
     "adapter_for",
+    "agree",
     "gather_full_values",
     "is_sharded",
     "sharded_types",

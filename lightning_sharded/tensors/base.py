@@ -57,6 +57,13 @@ class ShardedAdapter(Protocol):
         """Gather the whole tensor on every rank (collective for distributed values)."""
         ...
 
+    def groups(self, value: Any) -> list[Any]:
+        """Process groups whose all-reduces, one after the other, reach every rank that holds ``value``.
+
+        Empty when ``value`` lives on one rank only (or no process group exists): nothing to agree with.
+        """
+        ...
+
 
 def full_if_sharded(source: Any) -> torch.Tensor:
     """``source`` as a global tensor: gathered if it is sharded (of any kind), as it is otherwise."""

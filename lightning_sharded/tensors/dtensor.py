@@ -62,3 +62,8 @@ class DTensorAdapter:
 
     def to_full(self, value: Any) -> torch.Tensor:
         return value.full_tensor()  # type: ignore[no-any-return]
+
+    def groups(self, value: Any) -> list[Any]:
+        mesh = value.device_mesh
+        # Reducing along each mesh dimension in turn reaches the whole mesh.
+        return [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]

@@ -77,6 +77,12 @@ class ShardedTensorAdapter:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return full
 
+    def groups(self, value: Any) -> list[Any]:
+        group = value._process_group
+        if not dist.is_initialized() or dist.get_world_size(group) <= 1:
+            return []
+        return [group]
+
 
 def _index(shard_metadata: Any) -> tuple[slice, ...]:
     return tuple(

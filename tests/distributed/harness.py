@@ -37,14 +37,21 @@ class Batch:
         for world, jobs in sorted(self.jobs.items(), reverse=True):
             jobs_file = self.root / f"jobs-{world}-{len(self.outs)}.pt"
             torch.save(jobs, jobs_file)
-            try:
-                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
-            except AssertionError as ex:
-                # The free port can be taken by another process between choosing and binding it.
-                if not _port_taken(str(ex)):
-                    raise
-                run_ranks(SCENARIO, world, "batch", str(jobs_file), timeout=timeout, env=self.env)
+            run_batch(SCENARIO, world, jobs_file, timeout=timeout, env=self.env)
         self.jobs = {}
+
+
+def run_batch(
+    script: Path, world: int, jobs_file: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> None:
+    """``script batch JOBS_FILE`` on ``world`` ranks; once more if the free port was taken meanwhile."""
+    try:
+        run_ranks(script, world, "batch", str(jobs_file), timeout=timeout, env=env)
+    except AssertionError as ex:
+        # The free port can be taken by another process between choosing and binding it.
+        if not _port_taken(str(ex)):
+            raise
+        run_ranks(script, world, "batch", str(jobs_file), timeout=timeout, env=env)
 
 
 def _port_taken(output: str) -> bool:

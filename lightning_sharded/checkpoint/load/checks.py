@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.state_dicts import PARAM_GROUPS, PARAMS, STATE, has_fsdp1
@@ -136,8 +137,12 @@ def set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str,
 
 
 def named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """``(name, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``."""
-    names = {id(param): name for name, param in model.named_parameters()}
+    """``(clean FQN, parameter)`` in the optimizer's order; a ``KeyError`` for a parameter not in ``model``.
+
+    Names are those of ``get_optimizer_state_dict`` (no ``_orig_mod.``, ``_checkpoint_wrapped_module.``...),
+    so a checkpoint saved through one wrapping loads into another.
+    """
+    names = parameter_names(model)
     return [(names[id(param)], param) for group in optimizer.param_groups for param in group[PARAMS]]
 
 

@@ -7,6 +7,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint import collective, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
@@ -165,11 +166,21 @@ def _dcp_load(backend: Backend, state: dict[str, Any], path: Location) -> None:
 def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> dict[str, Any]:
     """The Lightning metadata dict of a sharded checkpoint (``meta.pt`` at ``path``).
 
+    ``weights_only`` goes to ``torch.load`` as ``fit()`` was given it (Lightning's rule: the user
+    resumes their own run); a type torch refuses is named, with what to do.
+
     Raises:
-        CheckpointError: it cannot be read, or is not a dict.
+        CheckpointError: it cannot be read, holds a type ``torch.load`` refuses, or is not a dict.
     """
     try:
         metadata = backend.torch_load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as ex:  # Lightning's rule: torch.load's weights_only, as given to fit()
+        raise CheckpointError(
+            f"The Lightning metadata {str(path)!r} holds {unpickling.refused_name(ex)}, which torch.load"
+            f" refuses with weights_only={weights_only} (the default is torch's, True). If you trust the"
+            " checkpoint (your own run), resume with trainer.fit(..., weights_only=False), as with stock"
+            " Lightning."
+        ) from None
     except Exception as ex:
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"

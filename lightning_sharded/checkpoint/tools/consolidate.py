@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lightning_sharded.checkpoint import unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
@@ -61,6 +62,7 @@ def consolidate_checkpoint(
     overwrite: bool = False,
     verify: bool = True,
     progress: bool | None = None,
+    weights_only: bool | None = True,
 ) -> Location:
     """Convert a sharded checkpoint directory into one full checkpoint file, in one process.
 
@@ -93,13 +95,16 @@ def consolidate_checkpoint(
         overwrite: Replace a file, an empty directory or a sharded checkpoint at the output.
         verify: Compare every source file's checksum with the manifest first (reads the source twice).
         progress: Show a progress bar on stderr; ``None`` shows one for checkpoints of 64 MiB or more.
+        weights_only: ``True`` (or ``None``): the source's pickles are read safely, as in
+            ``load_checkpoint``; ``False`` unpickles anything, running the file's code.
 
     Returns:
         The path of the output file.
 
     Raises:
         FileNotFoundError: nothing at ``src``.
-        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged (names the file).
+        CheckpointError: ``src`` is not a sharded checkpoint, or is damaged (names the file), or (with
+            ``weights_only``) holds a type that is not allowed.
         ValueError: an unknown ``format``, a ``dtype`` or ``prefix``, or ``dst`` is the source.
         FileExistsError: something is at the output and ``overwrite`` is ``False``.
         IsADirectoryError: the output is a directory that is not a checkpoint.
@@ -121,8 +126,8 @@ def consolidate_checkpoint(
             " instead."
         )
     out = output_file(src, real, dst, overwrite=overwrite)
-    reader = open_sharded(found, verify)
-    meta = read_meta(found.backend, real, weights_only=False)
+    reader = open_sharded(found, verify, weights_only)
+    meta = read_meta(found.backend, real, weights_only)
     flat: dict[str, Any] = reader.read_objects()
     flat.update({key: _Slot(key) for key in reader.tensors})
     nested: dict[str, Any] = {}
@@ -156,7 +161,13 @@ def consolidate_checkpoint(
             raise _write_error(out, err) from err
         _reserve(tmp)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            loaded = torch.load(tmp, mmap=True, weights_only=False, map_location="cpu")
+            loaded = unpickling.safe_load(
+                tmp,
+                what=f"The consolidated file {str(tmp)!r}",
+                weights_only=weights_only,
+                mmap=True,
+                map_location="cpu",
+            )
         try:
             targets = {key: get_path(loaded, path) for key, path in slots.items()}
             with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:

@@ -11,9 +11,17 @@ from typing import Any
 
 import torch
 
-from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint import names, unpickling
+from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
-from lightning_sharded.checkpoint.tools.reader import OfflineReader, leaves, load_full, read_meta
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.tools.reader import (
+    OfflineReader,
+    leaves,
+    load_full,
+    read_meta,
+    safe_torch_load,
+)
 from lightning_sharded.checkpoint.verify import check_found, checkpoint_files
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
@@ -61,6 +69,9 @@ class CheckpointInfo:
         epoch: Lightning epoch, when recorded.
         global_step: Lightning global step, when recorded.
         has_manifest: It has a lightning_sharded manifest.
+        not_unpickled: Entries that hold a type a safe load refuses, by key (dotted path in the
+            Lightning checkpoint dict), with that type; they are listed in ``entries`` with dtype
+            ``"not unpickled"`` and nothing of them was unpickled. Empty when everything opened.
     """
 
     path: str
@@ -73,6 +84,7 @@ class CheckpointInfo:
     epoch: int | None = None
     global_step: int | None = None
     has_manifest: bool = False
+    not_unpickled: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for ``lightning-sharded inspect --json``)."""
@@ -86,32 +98,46 @@ def _value_entry(key: str, value: Any, shards: int = 1) -> EntryInfo:
     return EntryInfo(key, None, type(value).__name__, 0, shards, text)
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> CheckpointInfo:
+def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = True) -> CheckpointInfo:
     """Describe a checkpoint without reading its tensors, after checking that its files are whole.
 
     Sharded: checks every file's presence and size (from the manifest, or from ``.metadata``), then
     reads ``.metadata``, the manifest, ``meta.pt`` and the small non-tensor entries (the optimizers'
     ``param_groups``), which are shown as values. Full: memory-mapped, so the tensors are not read.
 
+    A ``meta.pt`` or full file that holds a type a safe load refuses is still described: it is read
+    again with every refused object left as a placeholder (no code runs), and those entries are
+    listed in ``not_unpickled``.
+
+    Args:
+        path: A sharded checkpoint directory or a full checkpoint file.
+        weights_only: ``True`` (or ``None``): pickles are read safely, as in ``load_checkpoint``;
+            ``False`` unpickles anything, running the file's code.
+
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint; a file missing or of another size (named, with its rank);
-            ``.metadata`` or ``meta.pt`` unreadable.
+            ``.metadata`` or ``meta.pt`` unreadable; or (with ``weights_only``) ``.metadata`` holds a
+            type that is not allowed.
     """
     started = time.perf_counter()
     found = detect(path)
-    info = _inspect_full(found) if found.kind is CheckpointKind.FULL else _inspect_sharded(found)
+    info = (
+        _inspect_full(found, weights_only)
+        if found.kind is CheckpointKind.FULL
+        else _inspect_sharded(found, weights_only)
+    )
     log.info(
         "Inspected %s (%d entries) in %.2fs", found.data, len(info.entries), time.perf_counter() - started
     )
     return info
 
 
-def _inspect_sharded(found: Found) -> CheckpointInfo:
+def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     backend, real, kind = found.backend, found.data, found.kind
-    check_found(found, alone=True)  # presence and sizes: cheap, no data read
+    check_found(found, alone=True, weights_only=weights_only)  # presence and sizes: cheap, no data read
     files = checkpoint_files(found)
-    reader = OfflineReader(backend, real)
+    reader = OfflineReader(backend, real, weights_only)
     chunks: dict[str, int] = {}
     for index in reader.metadata.storage_data or {}:
         chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
@@ -122,8 +148,15 @@ def _inspect_sharded(found: Found) -> CheckpointInfo:
         entries.append(
             EntryInfo(key, list(md.size), str(md.properties.dtype), numel * itemsize, len(md.chunks))
         )
-    for key, value in reader.read_objects().items():
-        entries.append(_value_entry(key, value, chunks.get(key, 1)))
+    refused: dict[str, str] = {}
+    for key in reader.objects:  # one at a time, so a refused entry leaves the others shown
+        try:
+            value = reader.read_objects([key])[key]
+        except unpickling.RefusedPickleError as err:
+            refused[key] = err.name
+            entries.append(EntryInfo(key, None, "not unpickled", 0, chunks.get(key, 1)))
+        else:
+            entries.append(_value_entry(key, value, chunks.get(key, 1)))
     entries.sort(key=lambda e: e.key)
     info = CheckpointInfo(
         path=str(real),
@@ -132,6 +165,7 @@ def _inspect_sharded(found: Found) -> CheckpointInfo:
         total_size=sum(e.size for e in entries),
         files=len(files),
         disk_size=sum(files.values()),
+        not_unpickled=refused,
     )
     manifest = found.manifest
     if manifest is not None:
@@ -145,7 +179,13 @@ def _inspect_sharded(found: Found) -> CheckpointInfo:
         ranks = {r for name in files if (r := names.shard_rank(name)) is not None}
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and names.LIGHTNING_METADATA in files:
-        meta = read_meta(backend, real, weights_only=False)
+        try:
+            meta = read_meta(backend, real, weights_only)
+        except unpickling.RefusedPickleError:
+            meta = unpickling.inert_load(
+                join(real, names.LIGHTNING_METADATA), load=backend.torch_load, map_location="cpu"
+            )
+            _mark_not_unpickled(info, meta)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
 
@@ -164,12 +204,30 @@ def _model_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[
         yield path, obj
 
 
-def _inspect_full(found: Found) -> CheckpointInfo:
+def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
+    """List the placeholders of an :func:`unpickling.inert_load` result in ``info``."""
+    for p, leaf in leaves(checkpoint):
+        if isinstance(leaf, unpickling.NotUnpickled):
+            key = ".".join(map(str, p))
+            info.not_unpickled[key] = leaf.name
+            info.entries.append(EntryInfo(key, None, "not unpickled", 0, 1))
+    info.entries.sort(key=lambda e: e.key)
+
+
+def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
     backend, file = found.backend, found.data
+    refused = False
     try:  # memory-mapped: the tensors are not read (an object is read whole)
-        checkpoint = backend.torch_load(file, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = safe_torch_load(
+            backend, file, "The checkpoint file", weights_only, map_location="cpu", mmap=True
+        )
+    except unpickling.RefusedPickleError:
+        refused = True
+        checkpoint = unpickling.inert_load(file, load=backend.torch_load, map_location="cpu", mmap=True)
+    except CheckpointError:
+        raise
     except Exception:
-        checkpoint = load_full(backend, file, "cpu", weights_only=False)
+        checkpoint = load_full(backend, file, "cpu", weights_only)
     if not isinstance(checkpoint, dict):
         raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
     entries = []
@@ -191,7 +249,7 @@ def _inspect_full(found: Found) -> CheckpointInfo:
                 EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
             )
     entries.sort(key=lambda e: e.key)
-    return CheckpointInfo(
+    info = CheckpointInfo(
         path=str(file),
         kind=CheckpointKind.FULL.value,
         entries=entries,
@@ -201,3 +259,6 @@ def _inspect_full(found: Found) -> CheckpointInfo:
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
     )
+    if refused:
+        _mark_not_unpickled(info, checkpoint)
+    return info

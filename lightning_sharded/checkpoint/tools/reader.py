@@ -7,11 +7,15 @@ Lightning checkpoint is: ``state_dict`` with full tensors, ``optimizer_states`` 
 (``{"state": {index: ...}, "param_groups": [{"params": [index, ...]}]}``, indices in the order of the
 parameter groups, as ``Optimizer.state_dict()`` numbers them), and everything Lightning kept in
 ``meta.pt`` (epoch, global step, loops, callbacks, hyperparameters...).
+
+Every pickle (``.metadata``, ``meta.pt``, DCP's non-tensor entries, a full file) is read safely
+unless the caller passes ``weights_only=False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
 """
 
 from __future__ import annotations
 
 import functools
+import io
 import itertools
 import logging
 import os
@@ -20,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
@@ -39,6 +43,7 @@ __all__ = [
     "map_tensors",
     "open_sharded",
     "read_meta",
+    "safe_torch_load",
     "set_path",
     "to_lightning",
 ]
@@ -50,12 +55,17 @@ VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 
 
 class OfflineReader:
-    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets."""
+    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets.
 
-    def __init__(self, backend: Backend, root: Location) -> None:
+    Every pickle (``.metadata``, the non-tensor entries) is read safely unless ``weights_only`` is
+    ``False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
+    """
+
+    def __init__(self, backend: Backend, root: Location, weights_only: bool | None = True) -> None:
         self.backend = backend
         self.root = root
-        self.metadata: Any = read_index(backend, root)
+        self.weights_only = weights_only
+        self.metadata: Any = read_index(backend, root, weights_only=weights_only)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         entries = self.metadata.state_dict_metadata
@@ -66,10 +76,28 @@ class OfflineReader:
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
 
+    def what(self, fqn: str, relative_path: str | None = None) -> str:
+        """An entry in words, for :func:`unpickling.refused`."""
+        rank = names.shard_rank(relative_path or "")
+        where = (
+            f" (in {relative_path!r}" + (f", written by rank {rank})" if rank is not None else ")")
+            if relative_path
+            else ""
+        )
+        return f"The entry {fqn!r} of the sharded checkpoint {str(self.root)!r}{where}"
+
+    def skip(self, top_level: Callable[[Any], bool]) -> None:
+        """Read none of the entries whose top-level key (``"optimizer_0"``...) ``top_level`` picks."""
+        self.tensors = {k: v for k, v in self.tensors.items() if not top_level(self.path_of(k)[0])}
+        self.objects = [k for k in self.objects if not top_level(self.path_of(k)[0])]
+
     def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        refusals: list[CheckpointError] = []
+        outer = self
 
         class Planner(DefaultLoadPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
@@ -77,10 +105,27 @@ class OfflineReader:
                 if on_tensor is not None:
                     on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
 
+            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+                # DCP's own load_bytes unpickles with weights_only=False.
+                fqn = read_item.dest_index.fqn
+                info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
+                what = outer.what(fqn, str(info.relative_path) if info is not None else None)
+                try:
+                    self.state_dict[fqn] = unpickling.safe_load(
+                        value, what=what, weights_only=outer.weights_only
+                    )
+                except CheckpointError as err:
+                    refusals.append(err)
+                    raise
+
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        reader = self.backend.dcp_reader(self.root)
+        reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
         try:
-            _load_state_dict(state, self.backend.dcp_reader(self.root), planner=planner, no_dist=True)
+            _load_state_dict(state, reader, planner=planner, no_dist=True)
         except (CheckpointException, Exception) as err:
+            if refusals:
+                raise refusals[0] from None
             where = self.diagnose()
             raise CheckpointError(
                 f"Reading the sharded checkpoint {str(self.root)!r} failed"
@@ -94,8 +139,6 @@ class OfflineReader:
 
         Reads one item at a time (memory bounded by the largest chunk).
         """
-        import io
-
         items = sorted(
             (self.metadata.storage_data or {}).items(),
             key=lambda kv: (str(kv[1].relative_path), int(kv[1].offset)),
@@ -110,7 +153,14 @@ class OfflineReader:
                     data = f.read(int(info.length))
                 if len(data) != int(info.length):
                     raise EOFError(f"{len(data)} of {int(info.length)} bytes")
-                torch.load(io.BytesIO(data), map_location="cpu", weights_only=index.fqn in self.tensors)
+                unpickling.safe_load(
+                    io.BytesIO(data),
+                    what=self.what(index.fqn, rel),
+                    weights_only=True if index.fqn in self.tensors else self.weights_only,
+                    map_location="cpu",
+                )
+            except CheckpointError as err:
+                return str(err)
             except Exception as err:
                 return (
                     f"{rel!r}{who} is corrupted: its entry {index.fqn!r} at byte {int(info.offset)} cannot be"
@@ -118,9 +168,13 @@ class OfflineReader:
                 )
         return None
 
-    def read_objects(self) -> dict[str, Any]:
-        """The non-tensor entries (pickled by DCP), e.g. the optimizers' ``param_groups``."""
-        state: dict[str, Any] = dict.fromkeys(self.objects)
+    def read_objects(self, keys: list[str] | None = None) -> dict[str, Any]:
+        """The non-tensor entries (pickled by DCP), e.g. the optimizers' ``param_groups``.
+
+        Args:
+            keys: Read only these entries (default: all of them).
+        """
+        state: dict[str, Any] = dict.fromkeys(self.objects if keys is None else keys)
         if state:
             self._load(state)
         return state
@@ -137,12 +191,26 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {last[-1] if last else ''}"
 
 
-def read_meta(backend: Backend, root: Location, weights_only: bool) -> dict[str, Any]:
-    """The Lightning metadata (``meta.pt``) of the sharded checkpoint at ``root``, as a dict."""
+def safe_torch_load(
+    backend: Backend, file: Location, what: str, weights_only: bool | None, **kwargs: Any
+) -> Any:
+    """``backend.torch_load`` of ``file`` through :func:`unpickling.safe_load` (``what``: the file's
+    kind in words, for a refusal: ``"The checkpoint file"``); ``kwargs`` go to ``torch.load``."""
+    return unpickling.safe_load(
+        file, what=f"{what} {str(file)!r}", weights_only=weights_only, load=backend.torch_load, **kwargs
+    )
+
+
+def read_meta(backend: Backend, root: Location, weights_only: bool | None) -> dict[str, Any]:
+    """The Lightning metadata (``meta.pt``) of the sharded checkpoint at ``root``, as a dict.
+
+    Read safely unless ``weights_only`` is ``False``; a refused type raises
+    :class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`.
+    """
     file = join(root, names.LIGHTNING_METADATA)
     try:
-        meta = backend.torch_load(file, map_location="cpu", weights_only=weights_only)
-    except FileNotFoundError:
+        meta = safe_torch_load(backend, file, "The Lightning metadata", weights_only, map_location="cpu")
+    except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:
         raise CheckpointError(
@@ -222,16 +290,19 @@ def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -
     return checkpoint
 
 
-def open_sharded(found: Found, verify: bool) -> OfflineReader:
-    """Check a sharded checkpoint's files (against its manifest, or its index), then open its index."""
+def open_sharded(found: Found, verify: bool, weights_only: bool | None = True) -> OfflineReader:
+    """Check a sharded checkpoint's files (against its manifest, or its index), then open its index.
+
+    Both read ``.metadata`` safely unless ``weights_only`` is ``False``.
+    """
     if verify and found.manifest is None:
         log.warning(
             "%s has no manifest (it was written without lightning_sharded): there are no checksums to"
             " verify; checked presence and sizes only",
             found.data,
         )
-    check_found(found, verify=verify, alone=True)
-    return OfflineReader(found.backend, found.data)
+    check_found(found, verify=verify, alone=True, weights_only=weights_only)
+    return OfflineReader(found.backend, found.data, weights_only)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -242,7 +313,8 @@ def load_checkpoint(
     map_location: str | torch.device | None = "cpu",
     *,
     verify: bool = False,
-    weights_only: bool = False,
+    weights_only: bool | None = True,
+    optimizer_states: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
 
@@ -255,8 +327,14 @@ def load_checkpoint(
         path: A sharded checkpoint directory or a full checkpoint file.
         map_location: Where to put the tensors (a device or device string).
         verify: Also compare every file's checksum with the manifest before reading.
-        weights_only: Passed to :func:`torch.load`; ``False`` unpickles arbitrary objects (hyperparameters),
-            so only load checkpoints you trust.
+        weights_only: ``True`` (or ``None``, torch's default): every pickle of the checkpoint is read
+            as ``torch.load(weights_only=True)`` reads, with what Lightning writes allowed
+            (:data:`~lightning_sharded.checkpoint.unpickling.LIGHTNING_SAFE_GLOBALS`), so no code from
+            the file runs. ``False`` unpickles anything, running the file's code: only for files you
+            trust.
+        optimizer_states: ``False`` skips the optimizer states of a sharded directory (nothing of them is
+            read; the dict has no ``optimizer_states``): the model state and ``meta.pt`` only, as inference
+            needs.
 
     Returns:
         The checkpoint dict.
@@ -264,14 +342,17 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint, or a file missing, truncated or (with ``verify``) corrupted;
-            the message names the file and the rank that wrote it.
+            the message names the file and the rank that wrote it. Also, with ``weights_only``, a
+            checkpoint that holds a type that is not allowed; the message names it.
     """
     found = detect(path)
     real = found.data
     if found.kind is CheckpointKind.FULL:
         return load_full(found.backend, real, map_location, weights_only)
-    reader = open_sharded(found, verify)
+    reader = open_sharded(found, verify, weights_only)
     meta = read_meta(found.backend, real, weights_only)
+    if not optimizer_states:
+        reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()
     targets = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
@@ -288,10 +369,17 @@ def load_checkpoint(
     return checkpoint
 
 
-def load_full(backend: Backend, file: Location, map_location: Any, weights_only: bool) -> dict[str, Any]:
-    """A full checkpoint file as ``torch.load`` returns it, checked to be a dict."""
+def load_full(
+    backend: Backend, file: Location, map_location: Any, weights_only: bool | None
+) -> dict[str, Any]:
+    """A full checkpoint file as ``torch.load`` returns it, checked to be a dict; read safely unless
+    ``weights_only`` is ``False``."""
     try:
-        checkpoint = backend.torch_load(file, map_location=map_location, weights_only=weights_only)
+        checkpoint = safe_torch_load(
+            backend, file, "The checkpoint file", weights_only, map_location=map_location
+        )
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(
             f"The checkpoint file {str(file)!r} cannot be read ({type(err).__name__}: {first_line(err)}):"

@@ -1,0 +1,120 @@
+"""Names through the wrappers torch and Lightning put around modules: raw state-dict keys and clean FQNs.
+
+A wrapper holds the module it wraps as a child (``FullyShardedDataParallel._fsdp_wrapped_module``,
+``CheckpointWrapper._checkpoint_wrapped_module``, ``OptimizedModule._orig_mod``,
+``DistributedDataParallel.module``, Fabric's ``_FabricModule._original_module``). For each such edge,
+recognised by the parent's class and the child's identity (never by the name alone), this module
+knows two spellings of the path part:
+
+- *raw*: how ``nn.Module.state_dict()`` spells a parameter's key through it. FSDP1 and the
+  activation-checkpoint wrapper drop their part (their own hooks strip it), ``_FabricModule``
+  delegates its ``state_dict`` to the original module; ``torch.compile`` and DDP keep theirs;
+- *clean*: the fully-qualified name ``torch.distributed.checkpoint.state_dict`` gives
+  (``get_model_state_dict`` / ``get_optimizer_state_dict``): no wrapper part at all.
+
+Every class is looked up in ``sys.modules``: an instance cannot exist before its module was imported,
+so nothing is imported here (``torch._dynamo`` and FSDP are slow to import).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["WRAPPER_PARTS", "Edge", "clean_prefix", "edges", "parameter_names"]
+
+
+@dataclass(frozen=True)
+class _Wrapper:
+    module: str  # where the class lives (looked up in sys.modules)
+    cls: str
+    inner: str  # the child that is the wrapped module
+    keeps_part: bool  # whether state_dict() keeps the part in parameter keys
+    skip: tuple[str, ...] = ()  # children that are other views of the wrapped module
+
+
+_WRAPPERS = (
+    _Wrapper("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel",
+             "_fsdp_wrapped_module", keeps_part=False),
+    _Wrapper("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper",
+             "_checkpoint_wrapped_module", keeps_part=False),
+    _Wrapper("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod", keeps_part=True),
+    _Wrapper("torch.nn.parallel.distributed", "DistributedDataParallel", "module", keeps_part=True),
+    _Wrapper("lightning.fabric.wrappers", "_FabricModule", "_original_module", keeps_part=False,
+             skip=("_forward_module",)),
+)  # fmt: skip
+
+#: Path parts that only wrappers add; a prefix handed to a hook may contain them (see :func:`clean_prefix`).
+WRAPPER_PARTS = frozenset({w.inner for w in _WRAPPERS} | {part for w in _WRAPPERS for part in w.skip})
+
+
+@dataclass(frozen=True)
+class Edge:
+    """How a child's name appears in the raw and the clean spelling of a path (``"name."`` or ``""``)."""
+
+    raw: str
+    clean: str
+
+
+def _present() -> list[tuple[type, _Wrapper]]:
+    found = []
+    for wrapper in _WRAPPERS:
+        module = sys.modules.get(wrapper.module)
+        cls = getattr(module, wrapper.cls, None) if module is not None else None
+        if isinstance(cls, type):
+            found.append((cls, wrapper))
+    return found
+
+
+def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
+    """``(name, child, edge)`` for the children of ``parent`` to walk, in registration order.
+
+    A wrapper's wrapped module comes with its part removed from the clean spelling (and from the raw one
+    where ``state_dict()`` removes it); other views of the wrapped module (Fabric's ``_forward_module``)
+    are not walked, since ``state_dict()`` does not visit them either.
+    """
+    wrapper = next((w for cls, w in _present() if isinstance(parent, cls)), None)
+    for name, child in parent._modules.items():
+        if child is None:
+            continue
+        if wrapper is not None and name in wrapper.skip:
+            continue
+        if wrapper is not None and name == wrapper.inner:
+            yield name, child, Edge(raw=name + "." if wrapper.keeps_part else "", clean="")
+        else:
+            yield name, child, Edge(raw=name + ".", clean=name + ".")
+
+
+def clean_prefix(prefix: str) -> str:
+    """``prefix`` without the wrapper parts an enclosing module may have put in it (``"_orig_mod."``...).
+
+    Only a fallback spelling: the hooks see their root's prefix as a string, not the modules above it.
+    """
+    parts = [part for part in prefix.split(".")[:-1] if part not in WRAPPER_PARTS]
+    return "".join(part + "." for part in parts)
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> clean FQN`` for every parameter of ``model``, as torch's state-dict helpers name it.
+
+    Visits modules and parameters in ``named_parameters()`` order and keeps the first name of a shared
+    parameter, as ``named_parameters()`` does.
+    """
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module]] = [("", model)]
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for name, param in module._parameters.items():
+            if isinstance(param, torch.Tensor):
+                names.setdefault(id(param), path + name)
+        children = [(path + edge.clean, child) for _, child, edge in edges(module)]
+        stack.extend(reversed(children))
+    return names

@@ -1,0 +1,111 @@
+"""Every pickle of a checkpoint, read without unpickling it: what a safe load would refuse.
+
+``verify`` never runs code from a checkpoint, with or without ``--unsafe-unpickle``:
+:func:`refused_pickles` reads the globals of each ``torch.save`` archive statically (a full file,
+``meta.pt``, DCP's non-tensor entries inside the shard files; only their ``data.pkl``) and DCP's
+``.metadata`` with the restricted unpickler, which refuses before building anything else.
+:func:`check_pickles` turns the findings into the one refusal, or into notes for a file the user trusts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_sharded.checkpoint import names, unpickling
+from lightning_sharded.checkpoint.backends import Backend, Location, basename, join
+from lightning_sharded.checkpoint.dcp_index import read_index
+from lightning_sharded.checkpoint.detect import CheckpointKind
+from lightning_sharded.checkpoint.problems import Problem, damaged
+
+__all__ = ["check_pickles", "refused_pickles"]
+
+
+def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> list[tuple[str, str]]:
+    """Each pickle of the checkpoint at ``root`` that a safe load would refuse, as ``(what, names)``.
+
+    Runs nothing from the files; each shard file is opened once.
+
+    Raises:
+        CheckpointError: a pickle that cannot be read at all (not a ``torch.save`` archive, cut short):
+            the checkpoint is damaged, and the message names the file, the entry, its byte and rank.
+    """
+    if kind is CheckpointKind.FULL:
+        with backend.open_file(root) as f:
+            found = _globals_or_raise(root, f, basename(root), "its pickle")
+        return [(f"The checkpoint file {str(root)!r}", ", ".join(found))] if found else []
+    try:
+        metadata = read_index(backend, root, weights_only=True)
+    except unpickling.RefusedPickleError as err:
+        return [(err.what, err.name)]
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        # An item stored transformed (compressed...) is read only by DCP's load, which reads it safely.
+        if index.fqn in objects and not info.transform_descriptors:
+            by_file.setdefault(str(info.relative_path), []).append(
+                (int(info.offset), int(info.length), index.fqn)
+            )
+    refused: list[tuple[str, str]] = []
+    for rel in sorted(by_file):
+        rank = names.shard_rank(rel)
+        who = f", written by rank {rank}" if rank is not None else ""
+        with backend.open_file(join(root, rel)) as f:
+            for offset, length, fqn in sorted(by_file[rel]):
+                f.seek(offset)
+                found = _globals_or_raise(
+                    root, f.read(length), rel, f"its entry {fqn!r} at byte {offset}", rank
+                )
+                if found:
+                    what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
+                    refused.append((what, ", ".join(found)))
+    meta = join(root, names.LIGHTNING_METADATA)
+    if backend.exists(meta):
+        with backend.open_file(meta) as f:
+            found = _globals_or_raise(root, f, names.LIGHTNING_METADATA, "its pickle")
+        if found:
+            refused.append((f"The Lightning metadata {str(meta)!r}", ", ".join(found)))
+    return refused
+
+
+def _globals_or_raise(root: Location, source: Any, rel: str, part: str, rank: int | None = None) -> list[str]:
+    """:func:`unpickling.unsafe_globals` of ``source``; a pickle that cannot be read is damage."""
+    try:
+        return unpickling.unsafe_globals(source)
+    except Exception as err:  # not a torch.save archive, cut short...
+        detail = str(err).splitlines()[0] if str(err) else ""
+        problem = Problem(rel, f"is corrupted: {part} cannot be read ({type(err).__name__}: {detail})", rank)
+        error = damaged(root, [problem])
+        assert error is not None
+        raise error from None
+
+
+def check_pickles(
+    backend: Backend, root: Location, kind: CheckpointKind, weights_only: bool | None
+) -> list[str]:
+    """Check every pickle of a checkpoint without unpickling it.
+
+    Args:
+        backend: Its storage.
+        root: Where its files are.
+        kind: Sharded directory or full file.
+        weights_only: ``True`` or ``None``: a pickle a safe load would refuse is an error. ``False``
+            (for a file the user trusts): each is described in a note instead.
+
+    Returns:
+        The notes (empty when every pickle opens safely, or with ``weights_only``).
+
+    Raises:
+        CheckpointError: with ``weights_only``, the first refused pickle
+            (:class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`); or a pickle that
+            cannot be read at all.
+    """
+    found = refused_pickles(backend, root, kind)
+    if found and unpickling.resolve_weights_only(weights_only):
+        raise unpickling.refused(*found[0])
+    return [
+        f"{what} holds {held}, which a safe load refuses: it opens only with {unpickling.UNSAFE_FLAG}"
+        " (weights_only=False), running code from the file"
+        for what, held in found
+    ]

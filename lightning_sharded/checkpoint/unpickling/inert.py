@@ -1,0 +1,116 @@
+"""Listing a refused checkpoint: a ``torch.save`` file read with every refused object a placeholder.
+
+:func:`inert_load` lets ``inspect`` still describe a full file or ``meta.pt`` that a safe load
+refuses: tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual, and
+every other global is never looked up (no code from the file runs).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import IO, Any
+
+import torch
+
+from lightning_sharded.checkpoint.unpickling.allowed import LIGHTNING_SAFE_GLOBALS, allowed_objects
+
+__all__ = ["NotUnpickled", "inert_load"]
+
+
+class NotUnpickled:
+    """Stands, in what :func:`inert_load` returns, for an object whose type was not allowed.
+
+    Attributes:
+        name: The refused type or function (``"builtins.exec"``).
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<not unpickled: {self.name}>"
+
+    # Whatever the pickle does with the object afterwards does nothing.
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+def _placeholder(name: str) -> type:
+    """A class the unpickler may call or instantiate in place of ``name``: it makes a NotUnpickled."""
+
+    def make(cls: type, *args: Any, **kwargs: Any) -> NotUnpickled:
+        obj = object.__new__(NotUnpickled)
+        obj.name = name
+        return obj
+
+    return type("NotUnpickledType", (), {"__new__": make})
+
+
+#: What :func:`inert_load` builds for real: tensors and plain data (a subset of torch's safe list).
+_INERT_ALLOWED = (
+    "torch._utils._rebuild_tensor",
+    "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_parameter",
+    "torch._utils._rebuild_parameter_with_state",
+    "torch.nn.parameter.Parameter",
+    "torch.Size",
+    "torch.device",
+    "torch.serialization._get_layout",
+    "collections.OrderedDict",
+    "collections.Counter",
+    "builtins.set",
+    "builtins.frozenset",
+    "builtins.bytearray",
+    "builtins.complex",
+    "_codecs.encode",
+)
+
+
+class _InertUnpickler(pickle.Unpickler):
+    """Builds only allowed globals; every other global becomes a :class:`NotUnpickled` maker."""
+
+    def __init__(self, file: IO[bytes], **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self._allowed = allowed_objects((*_INERT_ALLOWED, *LIGHTNING_SAFE_GLOBALS))
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self._allowed:
+            return self._allowed[full]
+        return _placeholder(full)
+
+
+class _InertPickleModule:
+    """What ``torch.load(pickle_module=...)`` takes: ``Unpickler`` and ``load``."""
+
+    __name__ = "lightning_sharded_inert_pickle"
+    Unpickler = _InertUnpickler
+
+    @staticmethod
+    def load(file: IO[bytes], **kwargs: Any) -> Any:
+        return _InertUnpickler(file, **kwargs).load()
+
+
+def inert_load(source: Any, *, load: Callable[..., Any] = torch.load, **kwargs: Any) -> Any:
+    """Read a ``torch.save`` file without running any of its code, for listing a refused checkpoint.
+
+    Tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual; every other
+    global is never looked up: the objects made from it are :class:`NotUnpickled` placeholders that
+    keep its name. Only for describing a file (``inspect``); the result is not the checkpoint.
+
+    Args:
+        source: A path or file object, or what ``load`` takes.
+        load: The loader (``torch.load`` or a wrapper of it), called with ``weights_only=False`` and
+            this restricted ``pickle_module``.
+        **kwargs: Passed to ``load`` (``map_location``, ``mmap``).
+    """
+    return load(source, weights_only=False, pickle_module=_InertPickleModule, **kwargs)

@@ -1,0 +1,178 @@
+"""Reading one pickle of a checkpoint safely, and the one error for a pickle that is refused.
+
+- :func:`safe_load`: ``torch.load`` (full files, ``meta.pt``, DCP's non-tensor items) with
+  :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` added to torch's list.
+- :func:`load_pickle`: a plain pickle (DCP's ``.metadata``) restricted to the classes DCP writes.
+- :func:`unsafe_globals`: the types a ``torch.save`` file holds that would be refused, read
+  statically (nothing is unpickled), for ``verify``.
+- :class:`RefusedPickleError` / :func:`refused`: the refusal, naming the pickle, its file and the type.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import re
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+import torch
+
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.unpickling.allowed import (
+    DCP_METADATA_GLOBALS,
+    allowed_objects,
+    resolve_weights_only,
+    restore_attribute_dicts,
+    safe_globals,
+)
+
+__all__ = [
+    "UNSAFE_FLAG",
+    "RefusedPickleError",
+    "load_pickle",
+    "refused",
+    "refused_name",
+    "safe_load",
+    "unsafe_globals",
+]
+
+#: The command-line flag that opens a trusted checkpoint whatever it holds.
+UNSAFE_FLAG = "--unsafe-unpickle"
+
+
+class RefusedPickleError(CheckpointError):
+    """A checkpoint holds a type that a safe load does not unpickle (a :class:`CheckpointError`).
+
+    Attributes:
+        what: The pickle, in words, with its file.
+        name: The type or function that is not allowed.
+    """
+
+    def __init__(self, what: str, name: str) -> None:
+        super().__init__(
+            f"{what} holds {name}, which is not on the list of types a checkpoint may hold (tensors, plain"
+            " data, what Lightning writes): unpickling it could run code from the file, so nothing was"
+            f" unpickled. If you trust the file, open it with {UNSAFE_FLAG} (command line) or"
+            " weights_only=False (Python); or allow that type with torch.serialization.add_safe_globals."
+        )
+        self.what = what
+        self.name = name
+
+
+def refused(what: str, name: str) -> RefusedPickleError:
+    """The one error for a checkpoint that holds something not on the list.
+
+    Args:
+        what: The pickle, in words, with its file (``"The Lightning metadata '.../meta.pt'"``).
+        name: The type or function that is not allowed (``"builtins.exec"``).
+    """
+    return RefusedPickleError(what, name)
+
+
+_NAME_PATTERNS = (
+    re.compile(r"GLOBAL (\S+) was not an allowed global"),
+    re.compile(r"unsupported GLOBAL (\S+) whose module"),
+    re.compile(r"but got <class '([^']+)'>"),
+    re.compile(r"unrecognized function (.+?)(?: which belongs to|$)", re.MULTILINE),
+)
+
+
+def refused_name(err: BaseException) -> str:
+    """The type or function named by an ``UnpicklingError`` of torch's safe unpickler (or ours)."""
+    text = str(err)
+    for pattern in _NAME_PATTERNS:
+        m = pattern.search(text)
+        if m:
+            return m.group(1).rstrip(".")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"something torch's safe unpickler refuses ({lines[-1] if lines else type(err).__name__})"
+
+
+def safe_load(
+    source: Any,
+    *,
+    what: str,
+    weights_only: bool | None = True,
+    load: Callable[..., Any] = torch.load,
+    **kwargs: Any,
+) -> Any:
+    """``torch.load`` of one checkpoint pickle, safe unless ``weights_only`` is ``False``.
+
+    Args:
+        source: A path, a file object, or what ``load`` takes.
+        what: The pickle in words, with its file, for the error message.
+        weights_only: ``True`` (or ``None``, torch's default): tensors, plain data and
+            :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` only. ``False``: anything, running the file's code.
+        load: The loader, called as ``load(source, weights_only=..., **kwargs)``; ``torch.load`` or a
+            wrapper of it (a backend's ``torch_load`` for URLs).
+        **kwargs: Passed to ``load`` (``map_location``, ``mmap``).
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        CheckpointError: the pickle holds a type that is not allowed (see :func:`refused`).
+    """
+    if not resolve_weights_only(weights_only):
+        return load(source, weights_only=False, **kwargs)
+    with safe_globals() as made:
+        try:
+            obj = load(source, weights_only=True, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise refused(what, refused_name(err)) from None
+    return restore_attribute_dicts(obj, made)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """A pickle reader that builds only the named globals (the standard library's documented way)."""
+
+    def __init__(self, file: IO[bytes], allowed: dict[str, Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self._allowed:
+            return self._allowed[full]
+        raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
+
+
+def load_pickle(
+    file: IO[bytes],
+    *,
+    what: str,
+    weights_only: bool | None = True,
+    allowed: Iterable[str] = DCP_METADATA_GLOBALS,
+) -> Any:
+    """Unpickle a plain pickle (not a ``torch.save`` archive), building only ``allowed`` globals.
+
+    Args:
+        file: The open pickle.
+        what: The pickle in words, with its file, for the error message.
+        weights_only: ``False`` unpickles anything (``pickle.load``).
+        allowed: Full names of the classes and functions it may hold; torch dtypes, layouts and
+            memory formats, and what ``torch.serialization.add_safe_globals`` allowed, always are.
+
+    Raises:
+        CheckpointError: it holds anything else (see :func:`refused`).
+    """
+    if not resolve_weights_only(weights_only):
+        return pickle.load(file)  # the caller asked for it
+    try:
+        return _RestrictedUnpickler(file, allowed_objects(allowed)).load()
+    except pickle.UnpicklingError as err:
+        raise refused(what, refused_name(err)) from None
+
+
+def unsafe_globals(source: str | os.PathLike[str] | IO[bytes] | bytes) -> list[str]:
+    """The globals of a ``torch.save`` archive that a safe load would refuse; nothing is unpickled.
+
+    Read statically (torch's ``get_unsafe_globals_in_checkpoint``) with
+    :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` allowed, so an empty list means :func:`safe_load` opens it.
+    """
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
+    with safe_globals():
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
