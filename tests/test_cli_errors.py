@@ -174,7 +174,7 @@ def test_an_unexpected_error_is_one_line_too(
 ) -> None:
     from lightning_sharded.checkpoint import tools
 
-    def boom(path: object) -> None:
+    def boom(path: object, **kwargs: object) -> None:
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(tools, "inspect_checkpoint", boom)

@@ -227,9 +227,12 @@ def test_hostile_item_inside_a_distcp_file(
     for argv in (["verify", str(hostile_item)], ["consolidate", str(hostile_item), str(out_file)]):
         code, _, err = cli(capsys, *argv)
         assert code == 1 and expected in err, argv
-    # inspect lists non-tensor entries without unpickling them
+    # inspect shows the other entries' values and marks the refused one, without unpickling it
     code, out, _ = cli(capsys, "inspect", str(hostile_item))
-    assert code == 0 and any(line.split()[:3] == [ITEM[1:-1], "-", "object"] for line in out.splitlines())
+    assert code == 0 and any(
+        line.split()[:4] == [ITEM[1:-1], "-", "not", "unpickled"] for line in out.splitlines()
+    )
+    assert inspect_checkpoint(hostile_item).not_unpickled == {ITEM[1:-1]: HOSTILE_NAME}
     assert not marker.exists() and not out_file.exists()
 
     code, _, _ = cli(capsys, "consolidate", str(hostile_item), str(out_file), "--unsafe-unpickle")

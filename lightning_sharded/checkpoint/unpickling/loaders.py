@@ -125,6 +125,10 @@ def safe_load(
     return restore_attribute_dicts(obj, made)
 
 
+class _NotAllowed(pickle.UnpicklingError):
+    """A global that :class:`_RestrictedUnpickler` refuses (any other error is damage, not a refusal)."""
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """A pickle reader that builds only the named globals (the standard library's documented way)."""
 
@@ -136,7 +140,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         full = f"{module}.{name}"
         if full in self._allowed:
             return self._allowed[full]
-        raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
+        raise _NotAllowed(f"GLOBAL {full} was not an allowed global")
 
 
 def load_pickle(
@@ -156,13 +160,14 @@ def load_pickle(
             memory formats, and what ``torch.serialization.add_safe_globals`` allowed, always are.
 
     Raises:
-        CheckpointError: it holds anything else (see :func:`refused`).
+        CheckpointError: it holds anything else (see :func:`refused`). A truncated or corrupt pickle
+            raises what ``pickle`` raises (``UnpicklingError``, ``EOFError``...), for the caller to report.
     """
     if not resolve_weights_only(weights_only):
         return pickle.load(file)  # the caller asked for it
     try:
         return _RestrictedUnpickler(file, allowed_objects(allowed)).load()
-    except pickle.UnpicklingError as err:
+    except _NotAllowed as err:  # a truncated or corrupt pickle raises something else: the caller's damage
         raise refused(what, refused_name(err)) from None
 
 
