@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import shutil
 import warnings
 import zlib
 from pathlib import Path
@@ -214,3 +215,36 @@ def test_with_async_save_loggers_hear_of_a_checkpoint_once_it_is_published(
         time.sleep(0.05)
     assert heard == [True]
     saver.close()
+
+
+def test_a_copy_with_new_file_times_keeps_its_manifest_and_its_checks(tmp_path: Path) -> None:
+    """`cp -r` gives the files new times in any order: the manifest still describes them, so it is used."""
+    from lightning_sharded.checkpoint.verify import verify_checkpoint
+
+    source, copy = tmp_path / "ckpt", tmp_path / "copy"
+    _save(source, step=1)
+    shutil.copytree(source, copy, copy_function=shutil.copyfile)  # no times kept
+    os.utime(copy / ".metadata", (1e10, 1e10))  # `.metadata` newer than the manifest
+    found = detect(copy)
+    assert found.manifest is not None and found.manifest.global_step == 1
+    assert verify_checkpoint(copy).has_manifest
+    shard = next(copy.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: damage, still found by the manifest's checksums
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        verify_checkpoint(copy)
+
+
+def test_a_damaged_metadata_alone_is_damage_not_a_stock_save(tmp_path: Path) -> None:
+    from lightning_sharded.checkpoint.verify import verify_checkpoint
+
+    target = tmp_path / "ckpt"
+    _save(target, step=1)
+    index = target / ".metadata"
+    data = bytearray(index.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    index.write_bytes(bytes(data))
+    assert detect(target).manifest is not None  # meta.pt still matches: not a stock save over ours
+    with pytest.raises(CheckpointError, match=r"'\.metadata'.*is corrupted"):
+        verify_checkpoint(target)

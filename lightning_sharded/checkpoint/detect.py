@@ -8,7 +8,8 @@ messages (the error table in ``docs/checkpoint-format.md``). It only looks at na
 manifest); it changes nothing.
 
 A manifest that no longer describes the files beside it, because a stock Lightning save wrote over
-the checkpoint after ours (``.metadata`` newer than the manifest), is ignored with a warning: the
+the checkpoint after ours (neither ``.metadata`` nor ``meta.pt`` is the file the manifest lists; on
+object storage, a ``.metadata`` beside the published version), is ignored with a warning: the
 checkpoint is then read as the stock one it is, not reported as corrupt.
 """
 
@@ -105,9 +106,9 @@ def detect(path: str | os.PathLike[str]) -> Found:
     shown = str(given)
     if manifest is not None and backend.manifest_is_stale(given, manifest):
         log.warning(
-            "The manifest %s of %r is older than the checkpoint's `.metadata`: a save without"
-            " lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as that save"
-            " left it.",
+            "The manifest %s of %r does not describe the checkpoint's `.metadata` and `meta.pt`: a save"
+            " without lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as"
+            " that save left it.",
             names.MANIFEST_NAME,
             shown,
         )

@@ -235,10 +235,25 @@ class LocalBackend:
         return Manifest.from_json(text, source=str(path))
 
     def manifest_is_stale(self, target: Location, manifest: Manifest) -> bool:
-        # Ours writes the manifest after `.metadata`; a stock save over it rewrites `.metadata` later.
+        # By content, not by file times (a plain `cp -r` reorders those): a stock save over ours
+        # rewrites both `.metadata` (a new save id every time) and `meta.pt`, so neither matches the
+        # manifest any more. One file alone that differs is damage, for the checks to report.
         real = resolve(_path(target))
-        index, ours = self.mtime(real / names.DCP_METADATA), self.mtime(real / names.MANIFEST_NAME)
-        return index is not None and ours is not None and index > ours
+        return all(
+            self._differs(real / name, manifest.entry(name))
+            for name in (names.DCP_METADATA, names.LIGHTNING_METADATA)
+        )
+
+    @staticmethod
+    def _differs(path: Path, entry: FileEntry | None) -> bool:
+        if entry is None:
+            return False
+        try:
+            if os.stat(path).st_size != entry.size:
+                return True
+            return file_checksum(path)[1] != entry.checksum
+        except FileNotFoundError:
+            return False
 
     def unpublished(self, target: Location) -> list[str]:
         return []  # staged versions are siblings, ignored until the next save removes them
