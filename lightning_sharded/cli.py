@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -163,6 +164,35 @@ def _unsafe_unpickle_flag(command: argparse.ArgumentParser) -> None:
     )
 
 
+#: The subcommands that read a checkpoint: (one-line summary, description), in the order of ``--help``.
+_CHECKPOINT_COMMANDS = {
+    "inspect": (
+        "list the entries of a checkpoint, its size, epoch and step",
+        "List the entries of a checkpoint (tensors with shape, dtype and size; other values as they"
+        " are), its files, world size, epoch and step, after checking that every file is there with its"
+        " size. Reads no tensor data.",
+    ),
+    "verify": (
+        "check every file of a checkpoint (presence, size, checksum)",
+        "Check every file of a checkpoint: presence, size and checksum (reads every byte).",
+    ),
+    "consolidate": (
+        "convert a sharded directory into one full file",
+        "Convert a sharded checkpoint directory into one full checkpoint file that plain torch.load and"
+        " stock Lightning read. Verifies the source's checksums first, and never replaces anything"
+        " without --force.",
+    ),
+}
+
+
+def _checkpoint_command(commands: Any, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that reads a checkpoint: ``--unsafe-unpickle``, ``-v`` and ``--debug`` included."""
+    command: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description)
+    _unsafe_unpickle_flag(command)
+    _common_options(command, top=False)
+    return command
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -172,33 +202,14 @@ def _parser() -> argparse.ArgumentParser:
     _common_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     path_help = "a sharded checkpoint directory or a full checkpoint file"
-    inspect = commands.add_parser(
-        "inspect",
-        help="list the entries of a checkpoint, its size, epoch and step",
-        description="List the entries of a checkpoint (tensors with shape, dtype and size; other values"
-        " as they are), its files, world size, epoch and step, after checking that every file is there"
-        " with its size. Reads no tensor data.",
+    inspect, verify, consolidate = (
+        _checkpoint_command(commands, name, summary, description)
+        for name, (summary, description) in _CHECKPOINT_COMMANDS.items()
     )
     inspect.add_argument("path", metavar="PATH", help=path_help)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
-    _unsafe_unpickle_flag(inspect)
-    _common_options(inspect, top=False)
-    verify = commands.add_parser(
-        "verify",
-        help="check every file of a checkpoint (presence, size, checksum)",
-        description="Check every file of a checkpoint: presence, size and checksum (reads every byte).",
-    )
     verify.add_argument("path", metavar="PATH", help=path_help)
     verify.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _unsafe_unpickle_flag(verify)
-    _common_options(verify, top=False)
-    consolidate = commands.add_parser(
-        "consolidate",
-        help="convert a sharded directory into one full file",
-        description="Convert a sharded checkpoint directory into one full checkpoint file that plain"
-        " torch.load and stock Lightning read. Verifies the source's checksums first, and never"
-        " replaces anything without --force.",
-    )
     consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory")
     consolidate.add_argument(
         "dst",
@@ -216,8 +227,6 @@ def _parser() -> argparse.ArgumentParser:
         "--no-verify", action="store_true", help="do not compare the source's checksums first"
     )
     consolidate.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _unsafe_unpickle_flag(consolidate)
-    _common_options(consolidate, top=False)
     commands.add_parser(
         "demo",
         help="train, save and resume a sharded model on CPU (options: demo --help)",
