@@ -13,7 +13,6 @@ Usage: ranks started by ``launch.run_ranks(script, 2, OUT, "mp", "fsdp", "stock-
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
-from tests.distributed.stock_lightning import StockCpuFSDP  # noqa: E402
+from tests.distributed.stock_lightning import StockCpuFSDP, main  # noqa: E402
 from tests.distributed.tiny_models import TinyModel  # noqa: E402
 
 HPARAMS: dict[str, Any] = {
@@ -100,17 +99,5 @@ def run(out: Path, name: str) -> None:
     trainer.fit(PickleModel(**HPARAMS))
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    for name in sys.argv[2:]:
-        run(out, name)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    # As in stock_lightning.py: several Trainers in one process may abort at interpreter teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 if __name__ == "__main__":
-    main()
+    main(run)  # stock_lightning.main: each case, then the same exit

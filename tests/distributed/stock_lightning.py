@@ -88,7 +88,8 @@ def run(out: Path, name: str) -> None:
         torch.save(expected, out / f"{name}.expected.pt")
 
 
-def main() -> None:
+def main(run: Any = run) -> None:
+    """Run each case named on the command line (``OUT NAME...``) with ``run(out, name)``, then exit."""
     out = Path(sys.argv[1])
     for name in sys.argv[2:]:
         run(out, name)
