@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy, ShardedStateMixin
 from lightning_sharded.tensors import to_full
+from tests.distributed.wrap_models import full_state_values
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -128,29 +129,14 @@ def strategy(layout: str) -> Any:
 
 
 def full_values(trainer: L.Trainer, model: LlamaModule) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
     from torch.distributed.tensor import DTensor
 
-    root = trainer.strategy.model
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    values: dict[str, Any] = {"global_step": trainer.global_step, "keys": sorted(get_model_state_dict(root))}
+    values = full_state_values(trainer, lambda key: key.endswith((".router_table", ".tp_scale")))
     q_proj = model.llm.model.layers[0].self_attn.q_proj.weight
     values["info.q_proj_placements"] = str(q_proj.placements) if isinstance(q_proj, DTensor) else "plain"
-    for key, value in get_model_state_dict(root, options=options).items():
-        if not key.endswith((".router_table", ".tp_scale")):
-            values[f"model.{key}"] = value.detach().clone()
     for index, layer in enumerate(model.layers()):
         values[f"attr.{index}.router_table"] = to_full(layer.router_table).clone()
         values[f"attr.{index}.tp_scale"] = to_full(layer.tp_scale).clone()
-    for index, opt in enumerate(trainer.optimizers):
-        state = get_optimizer_state_dict(root, opt, options=options)
-        for name, entries in state["state"].items():
-            for entry, value in entries.items():
-                values[f"opt{index}.{name}.{entry}"] = torch.as_tensor(value).clone()
     return values
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded.tensors import to_full  # noqa: E402
-from tests.distributed.wrap_models import WrapModel, strategy_for  # noqa: E402
+from tests.distributed.wrap_models import WrapModel, full_state_values, strategy_for  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
@@ -39,28 +39,12 @@ def write(out: str, value: Any) -> None:
 
 
 def full_values(trainer: L.Trainer, model: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
+    values = full_state_values(
+        trainer, lambda key: key.endswith((".table", ".cache")) or key in ("table", "cache")
     )
-
-    root = trainer.strategy.model
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    values: dict[str, Any] = {"global_step": trainer.global_step}
-    sharded_keys = sorted(get_model_state_dict(root))
-    values["keys"] = sharded_keys
-    for key, value in get_model_state_dict(root, options=options).items():
-        if not any(key.endswith(name) for name in (".table", ".cache")) and key not in ("table", "cache"):
-            values[f"model.{key}"] = value.detach().clone()
     for place, holder in model.holders().items():
         for name in ("table", "cache"):
             values[f"attr.{place}.{name}"] = to_full(getattr(holder, name)).clone()
-    for index, opt in enumerate(trainer.optimizers):
-        state = get_optimizer_state_dict(root, opt, options=options)
-        for name, entries in state["state"].items():
-            for entry, value in entries.items():
-                values[f"opt{index}.{name}.{entry}"] = torch.as_tensor(value).clone()
     return values
 
 

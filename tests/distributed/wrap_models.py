@@ -163,3 +163,30 @@ class WrapModel(ShardedStateMixin, L.LightningModule):
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(1)
         return DataLoader(TensorDataset(torch.randn(16, DIM, generator=generator)), batch_size=4)
+
+
+def full_state_values(trainer: L.Trainer, skip: Any) -> dict[str, Any]:
+    """``global_step``, the model's keys, and its full model and optimizer state, for exact comparisons.
+
+    Args:
+        trainer: A fitted (or fitting) Trainer; collective over its ranks.
+        skip: ``skip(key)`` is true for model keys the caller records itself (the sharded attributes).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    root = trainer.strategy.model
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    values: dict[str, Any] = {"global_step": trainer.global_step, "keys": sorted(get_model_state_dict(root))}
+    for key, value in get_model_state_dict(root, options=options).items():
+        if not skip(key):
+            values[f"model.{key}"] = value.detach().clone()
+    for index, opt in enumerate(trainer.optimizers):
+        state = get_optimizer_state_dict(root, opt, options=options)
+        for name, entries in state["state"].items():
+            for entry, value in entries.items():
+                values[f"opt{index}.{name}.{entry}"] = torch.as_tensor(value).clone()
+    return values
