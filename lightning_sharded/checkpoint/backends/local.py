@@ -340,18 +340,24 @@ class LocalBackend:
         return ChecksummingWriter(staging, **kwargs)
 
     def write_bytes(self, loc: Location, data: bytes) -> None:
+        _path(loc).parent.mkdir(parents=True, exist_ok=True)
         with open(loc, "wb") as f:
             f.write(data)
 
     def seal_own(
         self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
     ) -> list[FileEntry]:
-        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``), on its own
-        # node; rank 0 takes everything else in :meth:`seal`.
+        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``) and the files it
+        # reports having written (its per-rank state), on its own node; rank 0 takes everything else in
+        # :meth:`seal`.
         if rank == 0:
             return []
         prefix = f"__{rank}_"
-        own = [rel for rel in _walk(_path(staging)) if "/" not in rel and rel.startswith(prefix)]
+        own = [
+            rel
+            for rel in _walk(_path(staging))
+            if ("/" not in rel and rel.startswith(prefix)) or rel in written
+        ]
         return [_entry(_path(staging), rel, rank, written) for rel in own]
 
     def seal(
