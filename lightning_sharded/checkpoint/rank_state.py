@@ -259,20 +259,18 @@ def restore(
     if has_loader:  # a full file: every rank has every state; a directory: rank 0 reads them, shares
         same_loaders = loaders_agree() if states is not None else collective.decide(loaders_agree)
     what = (
-        f"The checkpoint {path!r} holds the per-rank state of the {saved} rank(s) that saved it; this run has"
-        f" {world_size}. Not restored: the random number generator states (torch, CUDA, random, numpy) of"
-        " each rank, which belong to a rank that does not exist now: every rank keeps its generators as"
-        " they are (call `lightning.seed_everything` for a reproducible continuation)"
+        f"The per-rank state of {path!r} was saved by {saved} rank(s), this run has {world_size}. The random"
+        " number generator states (torch, CUDA, random, numpy) were not restored: they belong to ranks"
+        " that do not exist now, so every rank keeps its generators as they are (call"
+        " `lightning.seed_everything` for a reproducible continuation)."
     )
-    if not has_loader:
-        what += "."
-    elif same_loaders:
-        what += ". The train dataloader state, the same on every saved rank, was restored on every rank."
-    else:
+    if same_loaders:
+        what += " The train dataloader state, the same on every saved rank, was restored on every rank."
+    elif has_loader:
         _set_loader_state(metadata, None)
         what += (
-            "; and the train dataloader state, which differs between the saved ranks (each had its own"
-            " position or shuffle): every rank's train dataloader starts from its beginning."
+            " The train dataloader state was not restored either: it differs between the saved ranks (each"
+            " had its own position or shuffle), so every train dataloader starts from its beginning."
         )
     what += " The model and optimizer states were restored (resharded)."
     return RankRestore(warning=what, saved_world_size=saved)

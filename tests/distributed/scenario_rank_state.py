@@ -5,29 +5,36 @@ draws in the dataset), a ``torchdata`` ``StatefulDataLoader`` with its own shuff
 seeds differently, no distributed sampler), and a ``DTensor`` attribute updated with random numbers
 at every step, trained for 20 steps of 10-batch epochs with ``ModelCheckpoint(every_n_train_steps=7)``.
 
-Usage: ``python scenario_rank_state.py OUT PHASE`` (results: ``OUT/<case>.<phase>.rank<R>.pt``):
+Usage: ``python scenario_rank_state.py OUT``: imports once, then forks the 2 ranks of each phase in
+turn (new processes, as a launcher would start them, without paying the imports again); results go
+to ``OUT/<case>.<phase>.rank<R>.pt``.
 
 - ``unbroken`` (2 ranks): every case of :data:`CASES` trains 20 steps unbroken and saves at step 7
   (and 14); records each step's loss and the final local shards of parameters and attribute;
 - ``resume`` (2 ranks, new processes, other seeds): every case resumes from its step-7 checkpoint and
   records the same; then stock Lightning's ``ModelParallelStrategy`` resumes the ``mp-sharded``
-  checkpoint (``stock-mp``);
-- ``smaller`` (1 rank): a plain single-device Trainer without this library resumes the ``fsdp-full``
-  file (``stock-single``); then the ``mp-sharded`` directory and the ``fsdp-full`` file resume at 1
-  rank with the library's strategies, recording the warnings (``smaller-mp``, ``smaller-fsdp``).
+  checkpoint (``stock-mp``). Then rank 1 leaves and rank 0 goes on alone (a group of one, so no third
+  launch): a plain single-device Trainer without this library resumes the ``fsdp-full`` file
+  (``stock-single``); the ``mp-sharded`` directory and the ``fsdp-full`` file resume at 1 rank with
+  the library's strategies, recording the warnings (``smaller-mp-sharded``, ``smaller-fsdp-full``).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
+import time
 import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+#: Seconds each phase may take before its ranks are killed.
+TIMEOUT_S = 240
 
 import lightning as L  # noqa: E402
 import numpy as np  # noqa: E402
@@ -137,7 +144,9 @@ class Record(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.start_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int
+    ) -> None:
         self.losses[trainer.global_step] = float(outputs["loss"].item())
 
 
@@ -201,7 +210,9 @@ def resume(out: Path, case: str) -> None:
     record = Record()
     t = trainer(strategy_for(name, kind), 2, [record])
     t.fit(ExactModel(), ckpt_path=checkpoint_of(out, case))
-    result(out, case, "resume", {"losses": record.losses, "values": local_values(t), "start": record.start_step})
+    result(
+        out, case, "resume", {"losses": record.losses, "values": local_values(t), "start": record.start_step}
+    )
 
 
 def stock_mp(out: Path) -> None:
@@ -230,7 +241,12 @@ def stock_single(out: Path) -> None:
     record = Start()
     t = trainer("auto", 1, [record])
     t.fit(ExactModel(), ckpt_path=checkpoint_of(out, "fsdp-full"))
-    result(out, "stock-single", "resume", {"losses": record.losses, "start": record.start_step, "state": record.start_state})
+    result(
+        out,
+        "stock-single",
+        "resume",
+        {"losses": record.losses, "start": record.start_step, "state": record.start_state},
+    )
 
 
 def smaller(out: Path, case: str) -> None:
@@ -241,7 +257,12 @@ def smaller(out: Path, case: str) -> None:
         t = trainer(strategy_for(name, kind), 1, [record])
         t.fit(ExactModel(), ckpt_path=checkpoint_of(out, case))
     messages = [str(w.message) for w in caught if "per-rank state" in str(w.message)]
-    value = {"losses": record.losses, "start": record.start_step, "state": record.start_state, "warnings": messages}
+    value = {
+        "losses": record.losses,
+        "start": record.start_step,
+        "state": record.start_state,
+        "warnings": messages,
+    }
     result(out, f"smaller-{case}", "resume", value)
 
 
@@ -253,25 +274,79 @@ def run(out: Path, label: str, job: Any) -> None:
         raise
 
 
-def main() -> None:
-    out, phase = Path(sys.argv[1]), sys.argv[2]
-    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+def alone() -> None:
+    """Leave the 2-rank group; rank 0 goes on as a world of one (a new group, on a new port)."""
+    from lightning_sharded._launch import free_port
+
+    dist.destroy_process_group()
+    if rank() != 0:
+        sys.stdout.flush()
+        os._exit(0)
+    os.environ.update(WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(free_port()))
+
+
+def phase_of_rank(out: Path, phase: str) -> None:
+    """One rank's part of ``phase`` (in a forked process, with its rank environment set)."""
     if phase == "unbroken":
         for case in CASES:
             run(out, case, lambda case=case: unbroken(out, case))
-    elif phase == "resume":
-        for case in CASES:
-            run(out, case, lambda case=case: resume(out, case))
-        run(out, "stock-mp", lambda: stock_mp(out))
-    else:
-        run(out, "stock-single", lambda: stock_single(out))
-        for case in ("mp-sharded", "fsdp-full"):
-            run(out, case, lambda case=case: smaller(out, case))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # two Trainers' C++ threads may abort the interpreter's teardown (see stock_lightning.py)
+        return
+    for case in CASES:
+        run(out, case, lambda case=case: resume(out, case))
+    run(out, "stock-mp", lambda: stock_mp(out))
+    alone()
+    run(out, "stock-single", lambda: stock_single(out))
+    for case in ("mp-sharded", "fsdp-full"):
+        run(out, f"smaller-{case}", lambda case=case: smaller(out, case))
+
+
+def fork_ranks(out: Path, phase: str) -> list[int]:
+    """Fork 2 ranks for ``phase`` (new processes, sharing only the imports), wait; their exit codes."""
+    from lightning_sharded._launch import free_port, rank_env
+
+    port = free_port()
+    pids = []
+    for r in range(2):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.environ.update(rank_env(r, 2, port, REPO))
+                torch.set_num_threads(1)
+                phase_of_rank(out, phase)
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # no interpreter teardown in a fork (see stock_lightning.py)
+        pids.append(pid)
+    deadline = time.monotonic() + TIMEOUT_S
+    codes: dict[int, int] = {}
+    while len(codes) < len(pids):
+        for i, pid in enumerate(pids):
+            if i not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[i] = os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            for i, pid in enumerate(pids):
+                if i not in codes:
+                    os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    return [codes[i] for i in range(len(pids))]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    for phase in ("unbroken", "resume"):
+        codes = fork_ranks(out, phase)
+        if codes != [0, 0]:
+            raise SystemExit(f"the {phase} ranks exited with {codes}")
 
 
 if __name__ == "__main__":
