@@ -8,6 +8,7 @@ One run of ``tests/distributed/scenario_rank_state.py`` (see its docstring) serv
 
 from __future__ import annotations
 
+import collections
 import logging
 import shutil
 import subprocess
@@ -20,7 +21,8 @@ import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, Manifest
+from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.manifest import MANIFEST_NAME, FileEntry, Manifest
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from lightning_sharded.cli import main as cli
 from tests._compare import assert_same
@@ -161,3 +163,24 @@ def test_consolidate_keeps_rank_zeros_loader_state_and_says_it_drops_the_rest(
     rank0 = torch.load(path / "rank_state" / "rank-00000.pt", weights_only=True)["train_dataloader"]
     assert_same(plain["loops"]["fit_loop"]["state_dict"]["combined_loader"], rank0)
     assert inspect_checkpoint(full).rank_state_ranks is None
+
+
+def test_verify_refuses_a_rank_file_holding_an_unsafe_type(out: Path, tmp_path: Path) -> None:
+    """The per-rank files are pickles too: verify checks them statically, as it checks meta.pt."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint_of(out, "fsdp-sharded"), copy)
+    rank_file = copy / "rank_state" / "rank-00001.pt"
+    state = torch.load(rank_file, weights_only=True)
+    state["train_dataloader"] = collections.Counter(a=1)  # not on torch's weights_only list
+    torch.save(state, rank_file)
+    manifest = Manifest.from_json((copy / MANIFEST_NAME).read_text())
+    size, crc = file_checksum(rank_file)
+    manifest.files = [
+        FileEntry(e.path, size, crc, e.rank) if e.path == "rank_state/rank-00001.pt" else e
+        for e in manifest.files
+    ]
+    (copy / MANIFEST_NAME).write_text(manifest.to_json())
+    named = r"The per-rank state 'rank_state/rank-00001\.pt' .*\(rank 1\)"
+    with pytest.raises(CheckpointError, match=named) as err:
+        verify_checkpoint(copy)
+    assert "collections.Counter" in str(err.value)
