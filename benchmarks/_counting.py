@@ -60,7 +60,7 @@ def file_class(path: str, rank: int) -> str:
 
 
 def origin() -> str:
-    """``"dcp"`` inside a DCP save or load, ``"ours"`` inside lightning_sharded otherwise, else ``"other"``."""
+    """The caller: ``"dcp"`` (in a DCP save or load), ``"ours"`` (in lightning_sharded), else ``"other"``."""
     frame = sys._getframe(2)
     ours = False
     while frame is not None:
@@ -131,7 +131,7 @@ class Tally:
         self.collective_bytes[(where, kind)] += nbytes
 
     def summary(self) -> dict[str, Any]:
-        """Counts as plain dicts: ``{origin: {kind: {class: n}}}`` and collectives ``{origin: {kind: [n, bytes]}}``."""
+        """Counts as dicts: ``{origin: {kind: {class: n}}}``, collectives ``{origin: {kind: [n, bytes]}}``."""
 
         def nest(counter: Counter[tuple[str, str, str]]) -> dict[str, Any]:
             out: dict[str, Any] = {}
@@ -318,17 +318,25 @@ class SimWorld:
             object_list[k] = self._as_rank(obj, k)
         return _nbytes(obj) * self.world_size
 
-    def gather_object(self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, **_: Any) -> int:
+    def gather_object(
+        self, obj: Any, object_gather_list: list[Any] | None = None, dst: int = 0, **_: Any
+    ) -> int:
         self._last_gathered = obj
         if self.rank != dst or object_gather_list is None:
             return _nbytes(obj)
         for k in range(self.world_size):
             object_gather_list[k] = self._as_rank(obj, k)
+        flush = getattr(self.replicate, "flush", None)
+        if flush is not None:  # files of the other ranks put in place in one batch
+            flush()
         return _nbytes(obj) * self.world_size
 
     def scatter_object_list(
-        self, scatter_object_output_list: list[Any], scatter_object_input_list: list[Any] | None = None,
-        src: int = 0, **_: Any
+        self,
+        scatter_object_output_list: list[Any],
+        scatter_object_input_list: list[Any] | None = None,
+        src: int = 0,
+        **_: Any,
     ) -> int:
         from torch.distributed.checkpoint.planner import LoadPlan
 
@@ -440,27 +448,30 @@ def instrument(tally: Tally, world: SimWorld | None, *, files: bool = True) -> I
         patch(builtins, "open", counted_open)
         patch(io, "open", counted_open)
         patch(os, "open", counted_os_open)
-    for name, kind in () if not files else (
-        ("stat", "stat"),
-        ("lstat", "stat"),
-        ("listdir", "list"),
-        ("mkdir", "mkdir"),
-        ("rename", "rename"),
-        ("replace", "rename"),
-        ("unlink", "unlink"),
-        ("remove", "unlink"),
-        ("rmdir", "rmdir"),
-        ("fsync", "fsync"),
-        ("pread", "read"),
+    for name, kind in (
+        ()
+        if not files
+        else (
+            ("stat", "stat"),
+            ("lstat", "stat"),
+            ("listdir", "list"),
+            ("mkdir", "mkdir"),
+            ("rename", "rename"),
+            ("replace", "rename"),
+            ("unlink", "unlink"),
+            ("remove", "unlink"),
+            ("rmdir", "rmdir"),
+            ("fsync", "fsync"),
+            ("pread", "read"),
+        )
     ):
         wrap(name, kind)
 
     with contextlib.suppress(ImportError):
         if not files:
             raise ImportError
-        import s3fs.core
-
         import fsspec.asyn
+        import s3fs.core
 
         real_call = s3fs.core.S3FileSystem._call_s3
         real_sync = fsspec.asyn.sync
@@ -478,6 +489,8 @@ def instrument(tally: Tally, world: SimWorld | None, *, files: bool = True) -> I
                 tally.s3_origin = None
 
         patch(fsspec.asyn, "sync", counted_sync)
+        if getattr(s3fs.core, "sync", None) is real_sync:  # s3fs's own reference to it (file reads)
+            patch(s3fs.core, "sync", counted_sync)
         patch(s3fs.core.S3FileSystem, "_call_s3", counted_call)
         patch(s3fs.core.S3FileSystem, "call_s3", fsspec.asyn.sync_wrapper(counted_call))
 
@@ -511,7 +524,14 @@ def instrument(tally: Tally, world: SimWorld | None, *, files: bool = True) -> I
 
     for name in ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list"):
         object_collective(name)
-    for name in ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor"):
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "barrier",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+    ):
         tensor_collective(name)
     try:
         yield

@@ -149,14 +149,21 @@ class S3:
         root = str(staging).removeprefix("s3://")
 
         figures: dict[str, tuple[int, str]] = {}
+        pending: list[tuple[str, str]] = []
 
         def copy(mine: str, other: str) -> tuple[int, str]:
-            fs.copy(f"{root}/{mine}", f"{root}/{other}")
+            pending.append((f"{root}/{mine}", f"{root}/{other}"))
             if mine not in figures:
                 data = fs.cat_file(f"{root}/{mine}")
                 figures[mine] = len(data), f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
             return figures[mine]
 
+        def flush() -> None:  # server-side copies, many at a time
+            if pending:
+                fs.copy([a for a, _ in pending], [b for _, b in pending])
+                pending.clear()
+
+        copy.flush = flush  # type: ignore[attr-defined]
         return copy
 
     def cleanup_strays(self, target: Any) -> None:
@@ -271,7 +278,15 @@ RUNS: dict[tuple[str, str], Callable[..., None]] = {
 
 
 def one_rank(
-    store: Any, impl: str, phase: str, target: Any, rank: int, world_size: int, tape: list[bytes], *, count: bool
+    store: Any,
+    impl: str,
+    phase: str,
+    target: Any,
+    rank: int,
+    world_size: int,
+    tape: list[bytes],
+    *,
+    count: bool,
 ) -> dict[str, Any]:
     """Run one rank's ``phase`` (save or load); counts when ``count``, else times."""
     root = str(getattr(store, "root", tempfile.gettempdir()))
@@ -302,7 +317,9 @@ def one_rank(
     return result
 
 
-def run_size(store: Any, world_size: int, *, times: bool, impls: tuple[str, ...] = ("ours", "stock")) -> dict[str, Any]:
+def run_size(
+    store: Any, world_size: int, *, times: bool, impls: tuple[str, ...] = ("ours", "stock")
+) -> dict[str, Any]:
     """Every run at one N: for each implementation, save then load, rank 0 then rank N-1."""
     other = world_size - 1
     out: dict[str, Any] = {}
@@ -326,14 +343,21 @@ def run_size(store: Any, world_size: int, *, times: bool, impls: tuple[str, ...]
 # ------------------------------------------------------------------------------------------ report
 
 
-def total(figures: dict[str, Any], section: str, *, who: str = "ours", classes: tuple[str, ...] = SHARED) -> int:
+def total(
+    figures: dict[str, Any], section: str, *, who: str = "ours", classes: tuple[str, ...] = SHARED
+) -> int:
     """Operations of ``who`` on files of ``classes`` in one rank's run (``section``: files or s3)."""
     return sum(
-        n for kinds in figures.get(section, {}).get(who, {}).values() for cls, n in kinds.items() if cls in classes
+        n
+        for kinds in figures.get(section, {}).get(who, {}).values()
+        for cls, n in kinds.items()
+        if cls in classes
     )
 
 
-def by_kind(figures: dict[str, Any], section: str, who: str, classes: tuple[str, ...] = SHARED) -> dict[str, int]:
+def by_kind(
+    figures: dict[str, Any], section: str, who: str, classes: tuple[str, ...] = SHARED
+) -> dict[str, int]:
     out: dict[str, int] = {}
     for kind, per_class in figures.get(section, {}).get(who, {}).items():
         n = sum(v for cls, v in per_class.items() if cls in classes)
@@ -356,7 +380,15 @@ def growth(sizes: list[int], values: list[float]) -> str:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     den = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in points) / den if den else 0.0
-    name = "constant" if slope < 0.15 else "sublinear" if slope < 0.8 else "linear" if slope < 1.25 else "superlinear"
+    name = (
+        "constant"
+        if slope < 0.15
+        else "sublinear"
+        if slope < 0.8
+        else "linear"
+        if slope < 1.25
+        else "superlinear"
+    )
     return f"{name} (N^{slope:.2f})"
 
 
@@ -373,25 +405,39 @@ def rows(report: dict[str, Any], backend: str) -> list[tuple[str, list[float]]]:
     section = "s3" if backend == "s3" else "files"
     for phase in ("save", "load"):
         for rank_label, pick in (("rank 0", lambda n: "0"), ("rank N-1", None)):
+
             def fig(d: dict[str, Any], impl: str, phase: str = phase, pick: Any = pick) -> dict[str, Any]:
                 ranks = d[impl][phase]
                 key = "0" if pick is not None else max(ranks, key=int)
                 return ranks[key]
 
             add(f"{phase} {rank_label}: ours, shared-file ops", lambda d, f=fig: total(f(d, "ours"), section))
-            add(f"{phase} {rank_label}: DCP, shared-file ops", lambda d, f=fig: total(f(d, "ours"), section, who="dcp"))
+            add(
+                f"{phase} {rank_label}: DCP, shared-file ops",
+                lambda d, f=fig: total(f(d, "ours"), section, who="dcp"),
+            )
             add(
                 f"{phase} {rank_label}: stock, shared-file ops",
-                lambda d, f=fig: total(f(d, "stock"), section, who="dcp") + total(f(d, "stock"), section, who="other"),
+                lambda d, f=fig: (
+                    total(f(d, "stock"), section, who="dcp") + total(f(d, "stock"), section, who="other")
+                ),
             )
             add(
                 f"{phase} {rank_label}: ours, all ops",
                 lambda d, f=fig: total(f(d, "ours"), section, classes=(*SHARED, "own shard", "other shards")),
             )
             add(f"{phase} {rank_label}: ours, collectives", lambda d, f=fig: collectives(f(d, "ours"))[0])
-            add(f"{phase} {rank_label}: ours, collective bytes", lambda d, f=fig: collectives(f(d, "ours"))[1])
-            add(f"{phase} {rank_label}: DCP, collective bytes", lambda d, f=fig: collectives(f(d, "ours"), "dcp")[1])
-            add(f"{phase} {rank_label}: ours, Python peak bytes", lambda d, f=fig: f(d, "ours")["peak_python_bytes"])
+            add(
+                f"{phase} {rank_label}: ours, collective bytes", lambda d, f=fig: collectives(f(d, "ours"))[1]
+            )
+            add(
+                f"{phase} {rank_label}: DCP, collective bytes",
+                lambda d, f=fig: collectives(f(d, "ours"), "dcp")[1],
+            )
+            add(
+                f"{phase} {rank_label}: ours, Python peak bytes",
+                lambda d, f=fig: f(d, "ours")["peak_python_bytes"],
+            )
             add(f"{phase} {rank_label}: ours, CPU s", lambda d, f=fig: f(d, "ours")["cpu_s"])
             add(f"{phase} {rank_label}: stock, CPU s", lambda d, f=fig: f(d, "stock")["cpu_s"])
     add("manifest bytes", lambda d: d["ours"]["manifest_bytes"])
@@ -413,7 +459,9 @@ def markdown(report: dict[str, Any]) -> str:
             "|---|" + "---:|" * len(sizes) + "---|",
         ]
         for label, values in rows(report, backend):
-            shown = [f"{v:.3f}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}" for v in values]
+            shown = [
+                f"{v:.3f}" if isinstance(v, float) and not v.is_integer() else f"{int(v)}" for v in values
+            ]
             lines.append(f"| {label} | " + " | ".join(shown) + f" | {growth(sizes, values)} |")
         lines.append("")
     return "\n".join(lines)
@@ -467,17 +515,26 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def save(report: dict[str, Any], out: Path) -> None:
+    """The figures so far (after each N: a long run stopped early keeps what it measured)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N up to 64")
     parser.add_argument("--sizes", help="comma-separated world sizes")
     parser.add_argument("--no-s3", action="store_true", help="local directories only")
+    parser.add_argument("--s3-sizes", help="world sizes on S3 (default: those of --sizes)")
     parser.add_argument("--no-times", action="store_true", help="counts only (no timing pass, no plot)")
     parser.add_argument("--no-stock", action="store_true", help="our layer only, without stock DCP's runs")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (a temp dir)")
     args = parser.parse_args(argv)
-    sizes = [int(n) for n in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
+    sizes = (
+        [int(n) for n in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
+    )
     times = not args.no_times
     impls = ("ours",) if args.no_stock else ("ours", "stock")
     report: dict[str, Any] = {"sizes": sizes, "rows_per_rank": ROWS}
@@ -490,18 +547,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             started = time.perf_counter()
             report["local"][str(n)] = run_size(store, n, times=times, impls=impls)
             print(f"local N={n}: {time.perf_counter() - started:.1f}s", flush=True)
+            save(report, args.out)
         if not args.no_s3:
             from tests.s3_server import S3Server
 
             with S3Server() as server:
                 store = S3(server.url("scale"))
                 report["s3"] = {}
-                for n in sizes:
+                s3_sizes = [int(n) for n in args.s3_sizes.split(",")] if args.s3_sizes else sizes
+                for n in s3_sizes:
                     started = time.perf_counter()
                     report["s3"][str(n)] = run_size(store, n, times=times, impls=impls)
                     print(f"s3 N={n}: {time.perf_counter() - started:.1f}s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+                    save(report, args.out)
+    save(report, args.out)
     if times:
         (args.out / "scale.md").write_text(markdown(report) + "\n")
         plot(report, args.out / "scale.png")
@@ -509,5 +568,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+def render(out: Path) -> None:
+    """Write ``scale.md`` and ``scale.png`` from a saved ``scale.json`` (``--render``)."""
+    report = json.loads((out / "scale.json").read_text())
+    (out / "scale.md").write_text(markdown(report) + "\n")
+    plot(report, out / "scale.png")
+    print(markdown(report))
+
+
 if __name__ == "__main__":
-    main()
+    if "--render" in sys.argv:
+        render(Path(sys.argv[sys.argv.index("--render") + 1]))
+    else:
+        main()

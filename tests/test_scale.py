@@ -46,7 +46,9 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads((out / "scale.json").read_text())  # type: ignore[no-any-return]
 
 
-def ops(figures: dict[str, Any], section: str, who: tuple[str, ...], classes: tuple[str, ...]) -> dict[str, int]:
+def ops(
+    figures: dict[str, Any], section: str, who: tuple[str, ...], classes: tuple[str, ...]
+) -> dict[str, int]:
     """``{"<origin> <kind> <class>": n}`` of one rank's run, for the origins and file classes asked."""
     return {
         f"{origin} {kind} {cls}": n
@@ -94,10 +96,9 @@ def test_per_rank_operations_on_shared_files_do_not_grow_with_n(report: dict[str
         assert at_8 == at_64, (phase, rank, at_8, at_64)
         if rank == "last":
             assert ops(large, section, ("ours",), ("other shards",)) == {}, (phase, large[section])
-        assert (
-            {k: n for k, (n, _) in small["collectives"].get("ours", {}).items()}
-            == {k: n for k, (n, _) in large["collectives"].get("ours", {}).items()}
-        ), (phase, rank)
+        assert {k: n for k, (n, _) in small["collectives"].get("ours", {}).items()} == {
+            k: n for k, (n, _) in large["collectives"].get("ours", {}).items()
+        }, (phase, rank)
 
 
 def test_our_s3_requests_per_rank_other_than_0(report: dict[str, Any]) -> None:

@@ -223,8 +223,9 @@ def check_found(
 
     With a manifest: rank 0 checks presence and sizes of every file (one listing), every other rank
     those of the files it wrote (one ``stat`` each), so no rank does work that grows with the number of
-    ranks; with ``verify`` each file's checksum is computed by one rank only. Without one: the shard files against the DCP index. The
-    findings of all ranks are gathered, so every rank raises the same error, or none does. With
+    ranks; with ``verify`` each file's checksum is computed by one rank only. Without one: the shard
+    files against the DCP index (rank 0). The findings of all ranks are gathered, so every rank raises
+    the same error, or none does. With
     ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
     ``weights_only`` is how a checkpoint without a manifest has its ``.metadata`` read
     (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
