@@ -124,3 +124,26 @@ def test_manifest_grows_linearly_with_a_small_constant(report: dict[str, Any]) -
     small, large = (report["local"][n]["ours"]["manifest_bytes"] for n in ("8", "64"))
     per_file = (large - small) / (64 - 8)
     assert 0 < per_file < 120, per_file
+
+
+def test_a_reader_given_the_index_never_reads_metadata(tmp_path: Path) -> None:
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, fsspec_reader
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}}
+    _save_state_dict(state, ChecksummingWriter(tmp_path), no_dist=True)
+    index = DirectReader(tmp_path).read_metadata()
+    (tmp_path / ".metadata").unlink()  # any read of it would now fail
+    for reader in (DirectReader(tmp_path, metadata=index), fsspec_reader(f"file://{tmp_path}", index)):
+        given = reader.read_metadata()
+        assert given.state_dict_metadata == index.state_dict_metadata
+        assert given.storage_meta.load_id == reader.load_id  # this load's id, on a copy
+        target = {"model": {"w": torch.zeros(2, 3)}}
+        _load_state_dict(target, reader, no_dist=True)
+        assert torch.equal(target["model"]["w"], state["model"]["w"])
+    with pytest.raises(FileNotFoundError):
+        DirectReader(tmp_path).read_metadata()
