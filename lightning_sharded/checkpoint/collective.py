@@ -25,7 +25,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Ranks", "agree", "all_gather", "broadcast", "decide", "describe", "ranks"]
+__all__ = ["Ranks", "agree", "all_gather", "broadcast", "decide", "describe", "gather", "ranks"]
 
 T = TypeVar("T")
 
@@ -76,6 +76,21 @@ def all_gather(obj: Any, where: Ranks) -> list[Any]:
 
     out: list[Any] = [None] * where.world_size
     dist.all_gather_object(out, obj, group=where.group)
+    return out
+
+
+def gather(obj: Any, where: Ranks) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank 0; ``None`` on the others (collective).
+
+    For what only rank 0 needs (the manifest entries of every rank): each rank receives nothing, where
+    :func:`all_gather` would send every rank all N objects.
+    """
+    if where.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
+    dist.gather_object(obj, out, dst=where.src, group=where.group)
     return out
 
 

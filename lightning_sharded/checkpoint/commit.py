@@ -143,26 +143,23 @@ def commit_directory(
         own_error = err
     report = (entries, None if own_error is None else collective.describe(own_error))
     try:
-        reports = collective.all_gather(report, where)
+        # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
+        # outcome rank 0 broadcasts below, so no rank receives N ranks' entries.
+        reports = collective.gather(report, where)
     except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
         raise _lost_rank(target, "after writing, before publishing", err, backend.place) from err
-    failures = [(r, msg) for r, (_, msg) in enumerate(reports) if msg is not None]
-    if failures:
-        if rank == 0:
-            with contextlib.suppress(Exception):
-                backend.discard(staging)
-        if own_error is not None:
-            raise own_error
-        who = ", ".join(f"rank {r} ({msg})" for r, msg in failures)
-        raise CheckpointError(
-            f"Saving the checkpoint {str(target)!r} failed on {who}. The partial save was removed and the"
-            f" previous checkpoint at that {backend.place}, if any, is unchanged."
-        )
 
-    # 3. rank 0: the rest of the files, the manifest, the publish.
-    outcome: str | None = None
+    # 3. rank 0: the rest of the files, the manifest, the publish. The outcome: None (published), or
+    # ("write", who failed) or ("publish", why).
+    outcome: tuple[str, str] | None = None
     publishing = False
-    if rank == 0:
+    failures = [(r, msg) for r, (_, msg) in enumerate(reports or []) if msg is not None]
+    if rank == 0 and failures:
+        with contextlib.suppress(Exception):
+            backend.discard(staging)
+        outcome = ("write", ", ".join(f"rank {r} ({msg})" for r, msg in failures))
+    elif rank == 0:
+        assert reports is not None
         try:
             t_seal = time.perf_counter()
             everything = backend.seal(
@@ -194,22 +191,33 @@ def commit_directory(
                 time.perf_counter() - t_pub,
             )
         except Exception as err:
-            outcome = collective.describe(err)
+            outcome = ("publish", collective.describe(err))
             if not publishing:
                 with contextlib.suppress(Exception):
                     backend.discard(staging)
-    else:
+    elif own_error is None:
         fault(FaultPoint.BEFORE_MANIFEST, rank)
         fault(FaultPoint.BEFORE_PUBLISH, rank)
     try:
         outcome = collective.broadcast(outcome, where)
     except Exception as err:
+        if own_error is not None:  # this rank failed itself: its own error says more
+            raise own_error from err
         raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
-    if outcome is not None:
+    if outcome is None:
+        return
+    stage, message = outcome
+    if stage == "write":
+        if own_error is not None:
+            raise own_error
         raise CheckpointError(
-            f"Publishing the checkpoint {str(target)!r} failed on rank 0: {outcome}. The previous"
-            f" checkpoint at that {backend.place}, if any, is unchanged; check the storage and save again."
+            f"Saving the checkpoint {str(target)!r} failed on {message}. The partial save was removed and the"
+            f" previous checkpoint at that {backend.place}, if any, is unchanged."
         )
+    raise CheckpointError(
+        f"Publishing the checkpoint {str(target)!r} failed on rank 0: {message}. The previous"
+        f" checkpoint at that {backend.place}, if any, is unchanged; check the storage and save again."
+    )
 
 
 def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:

@@ -100,6 +100,8 @@ class ShardedLayout:
         optimizer_count: how many ``optimizer_N`` keys there are (``0..N-1`` without gaps).
         entries: every flattened DCP key to its global shape, or ``None`` for bytes entries.
         dtypes: every flattened DCP key of a tensor to its element type.
+        metadata: the DCP ``Metadata`` itself (read once, shared with every rank by a load, and given
+            to the DCP readers so that they do not read ``.metadata`` again).
     """
 
     path: Location
@@ -108,6 +110,7 @@ class ShardedLayout:
     optimizer_count: int
     entries: dict[str, tuple[int, ...] | None] = field(repr=False)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict, repr=False)
+    metadata: Any = field(default=None, repr=False, compare=False)
 
 
 def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLayout:
@@ -168,4 +171,4 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
             f"The sharded checkpoint {str(data)!r} has optimizer keys"
             f" {[names.optimizer_key(i) for i in indices]} with gaps; expected optimizer_0 ... optimizer_N-1."
         )
-    return ShardedLayout(data, model_key, model_entries, len(indices), entries, dtypes)
+    return ShardedLayout(data, model_key, model_entries, len(indices), entries, dtypes, metadata)

@@ -1,7 +1,8 @@
 """Checks of checkpoint files: presence and sizes on every load, checksums on request.
 
 - :func:`check_found` (collective when a process group is up): a sharded checkpoint against its
-  manifest before a load; presence and sizes always (one listing), checksums with ``verify=True``,
+  manifest before a load; presence and sizes always (rank 0: one listing; every other rank: its own
+  files), checksums with ``verify=True``,
   each file read by one rank only (the files are split across the ranks by size) and the findings
   gathered, so every rank raises the same error or none does. Without a manifest, the shard files
   are checked against the DCP index.
@@ -17,6 +18,7 @@ Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import time
@@ -102,6 +104,24 @@ def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list
     return problems
 
 
+def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
+    """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
+    checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
+    files each (rank 0 checks every file with one listing)."""
+    problems: list[Problem] = []
+    for entry in manifest.files:
+        if entry.rank != rank:
+            continue
+        found = _size_or_none(backend, data, entry.path)
+        if found is None:
+            problems.append(Problem(entry.path, "is missing", entry.rank))
+        elif found != entry.size:
+            how = "truncated" if found < entry.size else "longer than written"
+            what = f"is {how}: {found} bytes, the manifest says {entry.size}"
+            problems.append(Problem(entry.path, what, entry.rank, found, entry.size))
+    return problems
+
+
 def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
     try:
         return backend.size(join(base, rel))
@@ -163,12 +183,12 @@ def checkpoint_files(found: Found) -> dict[str, int]:
 def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
     """``entries`` in ``parts`` lists of about equal bytes (largest first to the least loaded); the same
     split on every rank."""
-    loads = [0] * parts
     split: list[list[FileEntry]] = [[] for _ in range(parts)]
+    loads = [(0, i) for i in range(parts)]  # a heap of (bytes so far, part): the least loaded first
     for entry in sorted(entries, key=lambda e: (-e.size, e.path)):
-        least = min(range(parts), key=lambda i: (loads[i], i))
+        load, least = heapq.heappop(loads)
         split[least].append(entry)
-        loads[least] += entry.size
+        heapq.heappush(loads, (load + entry.size, least))
     return split
 
 
@@ -201,9 +221,11 @@ def check_found(
 ) -> None:
     """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
 
-    With a manifest: every rank checks presence and sizes (one listing); with ``verify`` each file's
-    checksum is computed by one rank only. Without one: the shard files against the DCP index. The
-    findings of all ranks are gathered, so every rank raises the same error, or none does. With
+    With a manifest: rank 0 checks presence and sizes of every file (one listing), every other rank
+    those of the files it wrote (one ``stat`` each), so no rank does work that grows with the number of
+    ranks; with ``verify`` each file's checksum is computed by one rank only. Without one: the shard
+    files against the DCP index (rank 0). The findings of all ranks are gathered, so every rank raises
+    the same error, or none does. With
     ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
     ``weights_only`` is how a checkpoint without a manifest has its ``.metadata`` read
     (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
@@ -219,12 +241,14 @@ def check_found(
         if manifest is None:
             index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
             mine = index_problems(backend, data, index) if index is not None else []
-        else:
+        elif where.rank == 0:
             mine = _size_problems(backend, data, manifest)
-            if verify:
-                bad = {p.path for p in mine}
-                share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
-                mine += _checksum_problems(backend, data, manifest, share[where.rank])
+        else:
+            mine = _own_size_problems(backend, data, manifest, where.rank)
+        if manifest is not None and verify:
+            bad = {p.path for p in mine}
+            share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
+            mine += _checksum_problems(backend, data, manifest, share[where.rank])
         report: tuple[list[Problem], str | None] = (mine, None)
     except CheckpointError as err:
         report = ([], str(err))
@@ -244,11 +268,16 @@ def check_found(
     error = damaged(data, merged)
     if error is None:
         return
-    # Presence and sizes are checked by every rank: say so when only some saw a problem.
-    partial = sorted({r for key, rs in seen_by.items() if "corrupted" not in key[1] for r in rs})
-    if partial and any(
-        0 < len(rs) < where.world_size for key, rs in seen_by.items() if "corrupted" not in key[1]
-    ):
+    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
+    # one of them saw a problem.
+    writer = {e.path: e.rank for e in manifest.files} if manifest is not None else {}
+
+    def checkers(path: str) -> set[int]:
+        return {r for r in (0, writer.get(path, 0)) if r < where.world_size}
+
+    size_problems = {key: set(rs) for key, rs in seen_by.items() if "corrupted" not in key[1]}
+    partial = sorted({r for rs in size_problems.values() for r in rs})
+    if partial and any(not checkers(key[0]) <= rs for key, rs in size_problems.items()):
         shown = ", ".join(map(str, partial))
         raise CheckpointError(
             f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"

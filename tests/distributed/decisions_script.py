@@ -103,10 +103,19 @@ def main(out: Path) -> None:
         files.pop("__1_0.distcp", None)
         return files
 
+    real_size = backend.size
+
+    def stale_size(self: Any, loc: Any) -> int:
+        if Path(loc).name == "__1_0.distcp":
+            raise FileNotFoundError(loc)
+        return real_size(self, loc)
+
+    # Rank 1's view of its own shard is stale (an NFS attribute cache): it lists and stats it missing.
     if rank == 1:
         backend.list_files = stale_listing  # type: ignore[method-assign]
+        backend.size = stale_size  # type: ignore[method-assign]
     case("shard")
-    backend.list_files = real_list_files  # type: ignore[method-assign]
+    backend.list_files, backend.size = real_list_files, real_size  # type: ignore[method-assign]
 
     def counting(self: Any, loc: Any) -> tuple[int, str]:
         checksummed.append(Path(loc).name)

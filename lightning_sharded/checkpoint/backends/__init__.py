@@ -121,8 +121,12 @@ class Backend(Protocol):
         """``(size, crc32 hex)`` of the file at ``loc``, read once."""
         ...
 
-    def dcp_reader(self, data: Location) -> Any:
-        """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``."""
+    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
+        """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
+
+        ``metadata``: the checkpoint's DCP ``Metadata`` already read (once, on rank 0, and shared); the
+        reader's ``read_metadata`` returns it instead of reading ``.metadata`` again on every rank.
+        """
         ...
 
     # -- the steps of a commit, in order ---------------------------------------------------------

@@ -8,10 +8,18 @@ uncompressed; :class:`DirectReader` reads the tensor's metadata only (``map_loca
 finds the storage record, and ``readinto``-s its bytes into the target's memory: one copy, no
 allocation. Items it cannot do exactly that way (byte items, tensors that are views, narrowed
 reads, dtype or layout differences, extensions) go through torch's own path, item by item.
+
+Both readers here (:class:`DirectReader` locally, :func:`fsspec_reader` for URLs) can be given the
+checkpoint's DCP ``Metadata`` (``.metadata``) already read: ``read_metadata``, which DCP calls on every
+rank of every load, then returns it without touching storage. A load reads ``.metadata`` once, on rank
+0, and broadcasts it (:func:`~lightning_sharded.checkpoint.load.sharded.restore_sharded`); without that,
+N ranks each read it once per ``dcp.load`` call (the model, then each optimizer): a metadata storm on a
+parallel file system, N GET requests (and as many HEAD) per call on S3.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import struct
 from typing import IO, Any, cast
@@ -21,7 +29,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.utils import _create_file_view
 
-__all__ = ["DirectReader"]
+__all__ = ["DirectReader", "GivenMetadata", "fsspec_reader"]
 
 # Smaller tensors are not worth the zip parsing: torch's path.
 _DIRECT_FROM = 1 << 20
@@ -72,8 +80,40 @@ def _readinto(file: Any, offset: int, target: torch.Tensor) -> bool:
     return True
 
 
-class DirectReader(FileSystemReader):
-    """``FileSystemReader`` that reads large tensors directly into their targets (see the module doc)."""
+class GivenMetadata:
+    """A DCP ``StorageReader`` mixin: ``read_metadata`` returns the ``Metadata`` given at construction.
+
+    Args:
+        *args: the reader's own arguments (the checkpoint's path or URL...).
+        metadata: the checkpoint's DCP ``Metadata``, read once elsewhere (rank 0) and shared; ``None``
+            reads ``.metadata`` from storage as the reader would.
+        **kwargs: the reader's own keyword arguments.
+    """
+
+    load_id: str
+
+    def __init__(self, *args: Any, metadata: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._given_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        given = self._given_metadata
+        if given is None or kwargs.get("rank") is not None:  # per-rank metadata: the reader's own
+            return super().read_metadata(*args, **kwargs)  # type: ignore[misc]
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = copy.copy(given)  # this load's id on a copy: the same Metadata serves every load
+        storage_meta = getattr(given, "storage_meta", None)
+        metadata.storage_meta = copy.copy(storage_meta) if storage_meta is not None else StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class DirectReader(GivenMetadata, FileSystemReader):
+    """``FileSystemReader`` that reads large tensors directly into their targets (see the module doc).
+
+    ``metadata=`` (keyword): the checkpoint's DCP ``Metadata`` already read, see :class:`GivenMetadata`.
+    """
 
     def read_data(self, plan: Any, planner: Any) -> Any:
         fallback = []
@@ -120,3 +160,19 @@ class DirectReader(FileSystemReader):
             return False
         planner.commit_tensor(req, target)
         return True
+
+
+_fsspec_reader_class: Any = None
+
+
+def fsspec_reader(url: str, metadata: Any = None) -> Any:
+    """torch's ``FsspecReader`` for ``url``, returning ``metadata`` (when given) from ``read_metadata``.
+
+    Made on first use: importing torch's fsspec reader imports fsspec.
+    """
+    global _fsspec_reader_class
+    if _fsspec_reader_class is None:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        _fsspec_reader_class = type("SharedMetadataFsspecReader", (GivenMetadata, FsspecReader), {})
+    return _fsspec_reader_class(url, metadata=metadata)

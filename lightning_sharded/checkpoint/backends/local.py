@@ -274,8 +274,10 @@ class LocalBackend:
             return None
 
     def list_files(self, loc: Location) -> dict[str, int]:
+        # One stat per file (the entry's type comes with the listing): on rank 0 only, see verify.
         try:
-            return {p.name: p.stat().st_size for p in _path(loc).iterdir() if p.is_file()}
+            with os.scandir(loc) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
         except (FileNotFoundError, NotADirectoryError):
             return {}
 
@@ -305,10 +307,10 @@ class LocalBackend:
     def checksum(self, loc: Location) -> tuple[int, str]:
         return file_checksum(loc)
 
-    def dcp_reader(self, data: Location) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
-        return DirectReader(data)
+        return DirectReader(data, metadata=metadata)
 
     # -------------------------------------------------------------------------------------- commit
 
@@ -347,17 +349,23 @@ class LocalBackend:
     def seal_own(
         self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
     ) -> list[FileEntry]:
-        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``) and the files it
-        # reports having written (its per-rank state), on its own node; rank 0 takes everything else in
-        # :meth:`seal`.
+        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``) and its per-rank
+        # state file, on its own node; rank 0 takes everything else in :meth:`seal`.
+        # With ``written`` (DCP's writer reports the files it wrote) those are this rank's files: no
+        # listing of the staging directory, which holds N ranks' files (N ranks listing N files each
+        # is a metadata storm); a file it did not report is claimed and checksummed by rank 0.
         if rank == 0:
             return []
         prefix = f"__{rank}_"
-        own = [
-            rel
-            for rel in _walk(_path(staging))
-            if ("/" not in rel and rel.startswith(prefix)) or rel in written
-        ]
+        mine = names.rank_state_file(rank)
+
+        def own_file(rel: str) -> bool:
+            return ("/" not in rel and rel.startswith(prefix)) or rel == mine
+
+        if written:
+            own = sorted(rel for rel in written if own_file(rel))
+        else:
+            own = [rel for rel in _walk(_path(staging)) if own_file(rel)]
         return [_entry(_path(staging), rel, rank, written) for rel in own]
 
     def seal(

@@ -236,10 +236,10 @@ class ObjectStoreBackend:
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
 
-    def dcp_reader(self, data: Location) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
+        from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
-        return FsspecReader(_url(data))
+        return fsspec_reader(_url(data), metadata)
 
     # --------------------------------------------------------------------------------------- commit
 

@@ -54,7 +54,10 @@ def restore_sharded(
 
     Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys.
     """
-    layout = collective.agree(lambda: read_sharded_layout(path, backend))
+    # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
+    # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
+    # requests on S3 (see docs/benchmarks.md, "Scale").
+    layout = collective.decide(lambda: read_sharded_layout(path, backend))
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
@@ -67,7 +70,7 @@ def restore_sharded(
     metadata = collective.decide(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
-    _dcp_load(backend, {layout.model_key: to_load}, path)
+    _dcp_load(backend, {layout.model_key: to_load}, path, layout.metadata)
     set_model_state(model, to_load)
 
     for index, optimizer in enumerate(optimizers):
@@ -127,7 +130,7 @@ def _restore_sharded_optimizer(
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
     own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
-    _dcp_load(backend, {key: template}, path)
+    _dcp_load(backend, {key: template}, path, layout.metadata)
     for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
         group[PARAMS] = params
     if from_index:
@@ -149,14 +152,14 @@ def _optimizer_template_from_index(
     return template_like(model, optimizer, stored)
 
 
-def _dcp_load(backend: Backend, state: dict[str, Any], path: Location) -> None:
+def _dcp_load(backend: Backend, state: dict[str, Any], path: Location, metadata: Any) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
     run_dcp(
         lambda: load(
             state,
-            storage_reader=backend.dcp_reader(path),
+            storage_reader=backend.dcp_reader(path, metadata=metadata),
             planner=DefaultLoadPlanner(allow_partial_load=True),
         ),
         f"Loading the sharded checkpoint {str(path)!r}",
