@@ -72,6 +72,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"world size:  {info.world_size if info.world_size is not None else '-'}")
     print(f"epoch:       {info.epoch if info.epoch is not None else '-'}")
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
+    if info.rank_state_ranks is not None:
+        print(f"rank state:  {info.rank_state_ranks} rank(s): RNG and train dataloader state, per rank")
     if info.not_unpickled:
         from lightning_sharded.checkpoint.unpickling import UNSAFE_FLAG
 

@@ -115,7 +115,8 @@ def test_full_saves_and_removals_go_through_a_checkpoint_io_plugin(tmp_path: Pat
     strategy.save_checkpoint({"state_dict": {}, "epoch": 0}, path, storage_options={"acl": "private"})
     strategy.remove_checkpoint(path)
     assert plugin.calls == [
-        ("save", (["epoch", "state_dict"], str(path), {"acl": "private"})),
+        # the per-rank state (save_rank_state=True) goes into a full file, through the plugin too
+        ("save", (["epoch", "lightning_sharded_rank_state", "state_dict"], str(path), {"acl": "private"})),
         ("remove", str(path)),
     ]
     assert not path.exists()

@@ -98,9 +98,11 @@ def test_save_to_s3_and_resume_from_it_at_two_ranks(
     assert len(listed) == 2 and listed[1] == MANIFEST_NAME and listed[0].startswith("data-"), listed
     manifest = json.loads(fs.cat_file(f"{url}/{MANIFEST_NAME}"))
     assert manifest["data_dir"] == listed[0] and manifest["world_size"] == 2
-    stored = {p.rsplit("/", 1)[1]: fs.info(p)["size"] for p in fs.ls(f"{url}/{listed[0]}")}
+    version = f"/{listed[0]}/"
+    stored = {p.split(version, 1)[1]: fs.info(p)["size"] for p in fs.find(f"{url}/{listed[0]}")}
     assert {e["path"]: e["size"] for e in manifest["files"]} == stored
-    assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(stored)
+    rank_files = {"rank_state/rank-00000.pt", "rank_state/rank-00001.pt"}  # the per-rank state
+    assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp", *rank_files} <= set(stored)
 
 
 def test_model_checkpoint_save_top_k_on_s3(fitted: Results, fs: Any, s3: S3Server) -> None:
@@ -224,7 +226,7 @@ def test_verify_catches_a_corrupted_object(
     fitted["mp-sharded"]
     copy(fs, src, url)
     code, out, _ = run_cli(capsys, "verify", url)
-    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 4 files," in out, out
+    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 6 files," in out, out
     version = detect(url).data
     shard = f"{version}/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
@@ -250,7 +252,8 @@ def test_inspect_an_s3_checkpoint(fitted: Results, s3: S3Server, capsys: pytest.
     assert f"path:        {url}/data-" in out
     code, out, _ = run_cli(capsys, "inspect", url, "--json")
     data = json.loads(out)
-    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 4
+    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 6
+    assert data["rank_state_ranks"] == 2  # rank_state/rank-0000{0,1}.pt, nested under the version
     assert any(e["key"].startswith("model.layer1") and e["shards"] == 2 for e in data["entries"])
     code, out, _ = run_cli(capsys, "inspect", s3.url("fits/fsdp-full"))
     assert code == 0 and "kind:        full" in out

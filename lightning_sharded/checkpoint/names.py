@@ -39,6 +39,9 @@ __all__ = [
     "OLD",
     "OPTIMIZER_KEY",
     "OPTIMIZER_STATES",
+    "RANK_STATE_DIR",
+    "RANK_STATE_FILE",
+    "RANK_STATE_KEY",
     "SHARD_FILE",
     "SIBLING_KINDS",
     "STAGING",
@@ -48,6 +51,7 @@ __all__ = [
     "is_checkpoint_member",
     "optimizer_key",
     "owner_name",
+    "rank_state_file",
     "shard_rank",
     "sibling_name",
     "sibling_pattern",
@@ -75,6 +79,14 @@ DATA_PREFIX = "data-"
 #: A version directory on object storage.
 DATA_DIR = re.compile(rf"^{DATA_PREFIX}[0-9a-f]{{24}}$")
 
+#: Folder of a sharded directory with one file per rank: that rank's RNG and train dataloader state.
+RANK_STATE_DIR = "rank_state"
+#: One rank's file in :data:`RANK_STATE_DIR`, with the rank that wrote it.
+RANK_STATE_FILE = re.compile(rf"^{RANK_STATE_DIR}/rank-(\d{{5}})\.pt$")
+#: Top-level key of the Lightning checkpoint for the per-rank state: in a full file every rank's state,
+#: in a sharded directory's ``meta.pt`` only which ranks wrote a :data:`RANK_STATE_DIR` file.
+RANK_STATE_KEY = "lightning_sharded_rank_state"
+
 STAGING = "staging"
 OLD = "old"
 TRASH = "trash"
@@ -84,6 +96,11 @@ SIBLING_KINDS = (STAGING, OLD, TRASH)
 def optimizer_key(index: int) -> str:
     """The top-level key of the ``index``-th optimizer in a sharded directory."""
     return f"optimizer_{index}"
+
+
+def rank_state_file(rank: int) -> str:
+    """The path, relative to a sharded directory, of the per-rank state file of ``rank``."""
+    return f"{RANK_STATE_DIR}/rank-{rank:05d}.pt"
 
 
 def shard_rank(name: str) -> int | None:

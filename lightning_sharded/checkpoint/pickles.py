@@ -2,7 +2,8 @@
 
 ``verify`` never runs code from a checkpoint, with or without ``--unsafe-unpickle``:
 :func:`refused_pickles` reads the globals of each ``torch.save`` archive statically (a full file,
-``meta.pt``, DCP's non-tensor entries inside the shard files; only their ``data.pkl``) and DCP's
+``meta.pt``, the per-rank state files, DCP's non-tensor entries inside the shard files; only their
+``data.pkl``) and DCP's
 ``.metadata`` with the restricted unpickler, which refuses before building anything else.
 :func:`check_pickles` turns the findings into the one refusal, or into notes for a file the user trusts.
 """
@@ -60,6 +61,14 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
                 if found:
                     what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
                     refused.append((what, ", ".join(found)))
+    for rel in _rank_state_files(backend, root):
+        match = names.RANK_STATE_FILE.match(rel)
+        rank = int(match.group(1)) if match else None
+        with backend.open_file(join(root, *rel.split("/"))) as f:
+            found = _globals_or_raise(root, f, rel, "its pickle", rank)
+        if found:
+            what = f"The per-rank state {rel!r} of the sharded checkpoint {str(root)!r} (rank {rank})"
+            refused.append((what, ", ".join(found)))
     meta = join(root, names.LIGHTNING_METADATA)
     if backend.exists(meta):
         with backend.open_file(meta) as f:
@@ -67,6 +76,14 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
         if found:
             refused.append((f"The Lightning metadata {str(meta)!r}", ", ".join(found)))
     return refused
+
+
+def _rank_state_files(backend: Backend, root: Location) -> list[str]:
+    """The per-rank state files of a sharded checkpoint, relative to it (sorted)."""
+    if names.RANK_STATE_DIR not in backend.list_dirs(root):
+        return []
+    listed = (f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR)))
+    return sorted(rel for rel in listed if names.RANK_STATE_FILE.match(rel))
 
 
 def _globals_or_raise(root: Location, source: Any, rel: str, part: str, rank: int | None = None) -> list[str]:

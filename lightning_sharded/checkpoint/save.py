@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,7 @@ def write_sharded_checkpoint(
     *,
     rank: int,
     group: ProcessGroup | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
@@ -60,7 +62,9 @@ def write_sharded_checkpoint(
     in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``). ``metadata`` (the rest of
     the Lightning checkpoint) is written by rank 0. Everything goes to a staging location, checksummed
     while it is written, then published with the manifest: a previous checkpoint at ``path`` stays
-    whole until the new one is complete.
+    whole until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
+    per-rank state file) are written by this rank next to its shards, checksummed and listed in the
+    manifest as its own.
 
     Raises:
         CheckpointError: ``path`` is a non-empty directory that is not a checkpoint (it would be replaced
@@ -82,6 +86,9 @@ def write_sharded_checkpoint(
                 f"Saving the sharded checkpoint to {str(target)!r}",
             )
         checksums: dict[str, tuple[int, str]] = dict(writer.checksums)
+        for rel, data in sorted((extra_files or {}).items()):
+            backend.write_bytes(join(staging, *rel.split("/")), data)
+            checksums[rel] = bytes_checksum(data)
         if rank == 0:
             buffer = io.BytesIO()
             torch.save(metadata, buffer)
@@ -130,6 +137,7 @@ def save_checkpoint(
     sharded: bool,
     model_key: str,
     rank: int,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
 
@@ -143,10 +151,11 @@ def save_checkpoint(
         model_key: top-level key for the model state in a sharded directory (``"model"`` or
             ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
         rank: this process's global rank.
+        extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
-        write_sharded_checkpoint(path, state, metadata, rank=rank)
+        write_sharded_checkpoint(path, state, metadata, rank=rank, extra_files=extra_files)
     else:
         write_full_checkpoint(path, checkpoint, rank=rank)
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_sharded.checkpoint import load, save, state_dicts
+from lightning_sharded.checkpoint import load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
@@ -58,6 +58,11 @@ class ShardedCheckpointing(ParallelStrategy):
 
     #: Compare every file's checksum with the manifest before a load (presence and sizes always are).
     verify: bool = False
+    #: Save each rank's RNG states and train dataloader state with every checkpoint (see
+    #: :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
+    save_rank_state: bool = True
+    #: The RNG states a resume restores in :meth:`on_train_start` (set by :meth:`load_checkpoint`).
+    _pending_rng: dict[str, Any] | None = None
 
     def _init_async_save(self, async_save: bool) -> None:
         if async_save and not self._saves_sharded:
@@ -176,6 +181,7 @@ class ShardedCheckpointing(ParallelStrategy):
         path = location(self.broadcast(filepath))
         start = time.perf_counter()
         hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
+        rank_files = self._add_rank_state(checkpoint)
         if plugin is not None:
             self.wait_for_checkpoint()
             if self.is_global_zero:
@@ -189,7 +195,9 @@ class ShardedCheckpointing(ParallelStrategy):
             rank = self.global_rank
 
             def write(target: Location, staged: Any, group: Any) -> None:
-                save.write_sharded_checkpoint(target, staged[0], staged[1], rank=rank, group=group)
+                save.write_sharded_checkpoint(
+                    target, staged[0], staged[1], rank=rank, group=group, extra_files=rank_files
+                )
 
             self._async_saver.save(path, (state, metadata), write)
             self._defer_logger_notifications()
@@ -200,12 +208,32 @@ class ShardedCheckpointing(ParallelStrategy):
             return
         self.wait_for_checkpoint()  # saves publish in order
         save.save_checkpoint(
-            path, checkpoint, sharded=self._saves_sharded, model_key=self._model_key, rank=self.global_rank
+            path,
+            checkpoint,
+            sharded=self._saves_sharded,
+            model_key=self._model_key,
+            rank=self.global_rank,
+            extra_files=rank_files,
         )
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
         )
+
+    def _add_rank_state(self, checkpoint: dict[str, Any]) -> dict[str, bytes] | None:
+        """Add this rank's RNG and train dataloader state to the save (collective; ``save_rank_state``).
+
+        Sharded: returns this rank's file for the directory, and marks ``meta.pt``. Full: every rank's
+        state is gathered into ``checkpoint`` (rank 0 writes it). Returns ``None`` when nothing is saved.
+        """
+        if not self.save_rank_state:
+            return None
+        own = rank_state.collect(checkpoint, rank=self.global_rank, world_size=self.world_size)
+        if not self._saves_sharded:
+            checkpoint[names.RANK_STATE_KEY] = rank_state.gathered(own)
+            return None
+        checkpoint[names.RANK_STATE_KEY] = rank_state.marker(self.world_size)
+        return {names.rank_state_file(self.global_rank): rank_state.to_bytes(own)}
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
@@ -236,8 +264,41 @@ class ShardedCheckpointing(ParallelStrategy):
                 f" that only one side has. {restored.keys.describe()}"
             )
         what = "model and optimizer states" if optimizers else "model state"
+        metadata = restored.metadata
+        if not fitting:
+            metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
+        else:
+            assert restored.data is not None
+            outcome = rank_state.restore(
+                metadata,
+                restored.data,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                weights_only=weights_only,
+                path=str(path),
+            )
+            self._pending_rng = outcome.rng
+            if outcome.warning is not None:
+                rank_zero_warn(outcome.warning)
+            elif outcome.rng is not None:
+                what += ", and every rank's own RNG and train dataloader states"
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
-        return restored.metadata
+        return metadata
+
+    @override
+    def on_train_start(self) -> None:
+        """Set the RNG states of the checkpoint being resumed, if it had them, on every rank.
+
+        Here, at the last hook before the first batch is fetched: after the train dataloader was set up,
+        its state loaded and its iterator created (which draws random numbers), and after every
+        ``on_train_start`` of callbacks and the LightningModule.
+        """
+        super().on_train_start()
+        pending, self._pending_rng = self._pending_rng, None
+        if pending is not None:
+            skipped = rank_state.set_rng_states(pending)
+            if skipped:
+                rank_zero_warn(f"Not restored from the checkpoint's per-rank state: {', '.join(skipped)}.")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -256,6 +317,7 @@ class ShardedCheckpointing(ParallelStrategy):
     def teardown(self) -> None:
         """Wait for a background save (raising its error: it must not be lost), then tear down as usual."""
         saver, self._async_saver = self._async_saver, None
+        self._pending_rng = None
         try:
             if saver is not None:
                 saver.close()

@@ -48,6 +48,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
         verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (the files
             are split across the ranks); presence and sizes are always checked.
+        save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
+            so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -66,6 +68,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
         verify: bool = False,
+        save_rank_state: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
@@ -73,6 +76,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         self._sharded_state_dict_type = state_dict_type
         self._init_async_save(async_save)
         self.verify = verify
+        self.save_rank_state = save_rank_state
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
@@ -156,6 +160,7 @@ def _signature() -> inspect.Signature:
     params += [
         inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
         inspect.Parameter("verify", keyword, default=False, annotation="bool"),
+        inspect.Parameter("save_rank_state", keyword, default=True, annotation="bool"),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
     ]
     return inspect.Signature(params, return_annotation=None)

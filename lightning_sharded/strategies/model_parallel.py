@@ -56,6 +56,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             of training wait for it and raise its error, if any.
         verify: checksum every file against the manifest before each load (each file is read by one
             rank); presence and sizes are checked on every load anyway.
+        save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
+            so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
 
     Example::
 
@@ -77,6 +79,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         fully_shard_policy: FullyShardPolicy | None = None,
         async_save: bool = False,
         verify: bool = False,
+        save_rank_state: bool = True,
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -97,6 +100,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._fully_shard_policy = fully_shard_policy
         self._init_async_save(async_save)
         self.verify = verify
+        self.save_rank_state = save_rank_state
 
     @override
     def setup_environment(self) -> None:

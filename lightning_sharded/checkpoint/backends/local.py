@@ -342,24 +342,30 @@ class LocalBackend:
         return ChecksummingWriter(staging, **kwargs)
 
     def write_bytes(self, loc: Location, data: bytes) -> None:
+        _path(loc).parent.mkdir(parents=True, exist_ok=True)
         with open(loc, "wb") as f:
             f.write(data)
 
     def seal_own(
         self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
     ) -> list[FileEntry]:
-        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``), on its own
-        # node; rank 0 takes everything else in :meth:`seal`.
+        # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``) and its per-rank
+        # state file, on its own node; rank 0 takes everything else in :meth:`seal`.
         # With ``written`` (DCP's writer reports the files it wrote) those are this rank's files: no
         # listing of the staging directory, which holds N ranks' files (N ranks listing N files each
         # is a metadata storm); a file it did not report is claimed and checksummed by rank 0.
         if rank == 0:
             return []
         prefix = f"__{rank}_"
+        mine = names.rank_state_file(rank)
+
+        def own_file(rel: str) -> bool:
+            return ("/" not in rel and rel.startswith(prefix)) or rel == mine
+
         if written:
-            own = sorted(rel for rel in written if "/" not in rel and rel.startswith(prefix))
+            own = sorted(rel for rel in written if own_file(rel))
         else:
-            own = [rel for rel in _walk(_path(staging)) if "/" not in rel and rel.startswith(prefix)]
+            own = [rel for rel in _walk(_path(staging)) if own_file(rel)]
         return [_entry(_path(staging), rel, rank, written) for rel in own]
 
     def seal(

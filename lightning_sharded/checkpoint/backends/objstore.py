@@ -305,9 +305,11 @@ class ObjectStoreBackend:
                     f"{entry.path!r} in {staging!r} was written by ranks {claimed[entry.path].rank}"
                     f" and {entry.rank}; DCP names every rank's files apart."
                 )
-            if present.get(entry.path) != entry.size:
+            nested = "/" in entry.path
+            stored = self._size_or_none(staging, entry.path) if nested else present.get(entry.path)
+            if stored != entry.size:
                 raise CheckpointError(
-                    f"{staging}/{entry.path} (rank {entry.rank}) has {present.get(entry.path)} bytes in the"
+                    f"{staging}/{entry.path} (rank {entry.rank}) has {stored} bytes in the"
                     f" store, {entry.size} were written. The store lost or cut the upload; save again."
                 )
             claimed[entry.path] = entry
@@ -318,6 +320,13 @@ class ObjectStoreBackend:
                 " this prefix; make sure only one job saves to a checkpoint URL at a time."
             )
         return sorted(claimed.values(), key=lambda e: e.path)
+
+    def _size_or_none(self, base: Location, rel: str) -> int | None:
+        # A file in a folder of the version (the per-rank state): the flat listing does not show it.
+        try:
+            return self.size(join(base, *rel.split("/")))
+        except FileNotFoundError:
+            return None
 
     def manifest_fields(self, staging: Location) -> dict[str, Any]:
         return {"format_version": OBJECT_STORE_FORMAT_VERSION, "data_dir": basename(staging)}

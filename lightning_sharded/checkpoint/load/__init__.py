@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import KeyReport
@@ -35,6 +36,9 @@ class Restored(NamedTuple):
     metadata: dict[str, Any]
     #: Model keys compared with the checkpoint's (non-empty only for a non-strict load).
     keys: KeyReport
+    #: Where the checkpoint's files were read: the sharded directory (on object storage, its published
+    #: version) or the full file.
+    data: Location | None = None
 
 
 def restore_checkpoint(
@@ -77,7 +81,7 @@ def restore_checkpoint(
         metadata, report = restore_sharded(
             found.backend, found.data, model, optimizers, strict=strict, weights_only=weights_only
         )
-        return Restored(metadata, report)
+        return Restored(metadata, report, found.data)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
     with found.backend.local_file(found.data) as local:
         try:
@@ -88,4 +92,4 @@ def restore_checkpoint(
             if local == found.data:
                 raise
             raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
-    return Restored(metadata, report)
+    return Restored(metadata, report, found.data)

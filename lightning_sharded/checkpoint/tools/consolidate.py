@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lightning_sharded.checkpoint import unpickling
+from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
@@ -128,6 +128,14 @@ def consolidate_checkpoint(
     out = output_file(src, real, dst, overwrite=overwrite)
     reader = open_sharded(found, verify, weights_only)
     meta = read_meta(found.backend, real, weights_only)
+    rank_state = meta.pop(names.RANK_STATE_KEY, None)
+    if isinstance(rank_state, dict):
+        log.info(
+            "%s holds the per-rank state (RNG, train dataloader) of %s rank(s); the output keeps rank 0's"
+            " train dataloader state where Lightning keeps it (the loops) and drops the rest, RNG included",
+            real,
+            rank_state.get("world_size"),
+        )
     flat: dict[str, Any] = reader.read_objects()
     flat.update({key: _Slot(key) for key in reader.tensors})
     nested: dict[str, Any] = {}

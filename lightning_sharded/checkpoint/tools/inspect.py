@@ -69,6 +69,8 @@ class CheckpointInfo:
         epoch: Lightning epoch, when recorded.
         global_step: Lightning global step, when recorded.
         has_manifest: It has a lightning_sharded manifest.
+        rank_state_ranks: Number of ranks whose own state (RNG, train dataloader) the checkpoint holds
+            (``save_rank_state``); ``None`` when it holds none. Not listed in ``entries``.
         not_unpickled: Entries that hold a type a safe load refuses, by key (dotted path in the
             Lightning checkpoint dict), with that type; they are listed in ``entries`` with dtype
             ``"not unpickled"`` and nothing of them was unpickled. Empty when everything opened.
@@ -84,6 +86,7 @@ class CheckpointInfo:
     epoch: int | None = None
     global_step: int | None = None
     has_manifest: bool = False
+    rank_state_ranks: int | None = None
     not_unpickled: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -166,6 +169,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         files=len(files),
         disk_size=sum(files.values()),
         not_unpickled=refused,
+        rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
     )
     manifest = found.manifest
     if manifest is not None:
@@ -240,9 +244,10 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
                 )
             else:
                 entries.append(_value_entry(name, leaf))
-    for path, leaf in leaves(
-        {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    ):
+    rank_state = checkpoint.get(names.RANK_STATE_KEY)
+    ranks = rank_state.get("ranks") if isinstance(rank_state, dict) else None
+    skipped = ("state_dict", "optimizer_states", names.RANK_STATE_KEY)
+    for path, leaf in leaves({k: v for k, v in checkpoint.items() if k not in skipped}):
         if isinstance(leaf, torch.Tensor):  # e.g. a callback's best score
             name = ".".join(map(str, path))
             entries.append(
@@ -258,6 +263,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
         disk_size=backend.size(file),
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
+        rank_state_ranks=len(ranks) if isinstance(ranks, list) and ranks else None,
     )
     if refused:
         _mark_not_unpickled(info, checkpoint)

@@ -1,0 +1,276 @@
+"""Each rank's own state: its random number generators and its train dataloader position.
+
+Lightning builds the checkpoint on every rank but writes rank 0's non-tensor part only, and saves no
+random number generator (RNG) state at all. What this module keeps, per rank (see
+``docs/checkpoint-format.md#per-rank-state``):
+
+- the RNG states: torch's CPU generator, CUDA's of every device when CUDA is initialized, Python's
+  ``random``, and NumPy's global ``np.random`` when NumPy is imported (stored as plain lists, so a
+  ``weights_only`` load reads it);
+- the train dataloader state, as Lightning's fit loop keeps it for its combined loader
+  (``loops.fit_loop.state_dict.combined_loader``: what each ``StatefulDataLoader`` returns).
+
+Where it goes: in a sharded directory, one file per rank (:func:`~.names.rank_state_file`), written
+by that rank, checksummed and listed in the manifest, with a marker in ``meta.pt`` under
+:data:`~.names.RANK_STATE_KEY`; in a full file, every rank's state under that key (gathered on rank 0).
+
+:func:`restore` runs in the strategy's ``load_checkpoint``: it gives each rank its own dataloader
+state in the Lightning checkpoint (Lightning then loads it where it always does) and returns the RNG
+states, which the strategy sets in its ``on_train_start`` hook, the last moment before the first
+batch is fetched.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint.backends import Location, backend_for, join
+from lightning_sharded.checkpoint.errors import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "RankRestore",
+    "collect",
+    "gathered",
+    "loader_state",
+    "marker",
+    "restore",
+    "rng_states",
+    "set_rng_states",
+    "to_bytes",
+]
+
+#: Version of the per-rank state's layout.
+FORMAT = 1
+#: Keys of one rank's state.
+RANK = "rank"
+WORLD_SIZE = "world_size"
+RNG = "rng"
+LOADER = "train_dataloader"
+#: Keys of the RNG states.
+TORCH = "torch"
+CUDA = "torch.cuda"
+PYTHON = "python"
+NUMPY = "numpy"
+#: Where Lightning's fit loop keeps the combined loader's state in a checkpoint.
+_LOOP_PATH = ("loops", "fit_loop", "state_dict")
+_COMBINED_LOADER = "combined_loader"
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states: torch CPU, CUDA (when initialized), ``random``, NumPy (when imported).
+
+    Every value is a tensor or plain Python data, so ``torch.load(weights_only=True)`` reads it.
+    """
+    states: dict[str, Any] = {TORCH: torch.get_rng_state(), PYTHON: random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states[CUDA] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+        states[NUMPY] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> list[str]:
+    """Set the RNG states :func:`rng_states` returned; returns the ones that could not be set, with why."""
+    skipped: list[str] = []
+    torch.set_rng_state(states[TORCH])
+    version, internal, gauss = states[PYTHON]
+    random.setstate((version, tuple(internal), gauss))
+    if NUMPY in states:
+        import numpy
+
+        name, keys, pos, has_gauss, cached = states[NUMPY]
+        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    cuda = states.get(CUDA)
+    if cuda:
+        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            skipped.append(f"CUDA (saved for {len(cuda)} device(s), {count} available now)")
+    return skipped
+
+
+def loader_state(checkpoint: Mapping[str, Any]) -> Any:
+    """This rank's train dataloader state in a Lightning checkpoint dict, or ``None`` when it has none."""
+    loop: Any = checkpoint
+    for key in _LOOP_PATH:
+        loop = loop.get(key) if isinstance(loop, Mapping) else None
+    return loop.get(_COMBINED_LOADER) if isinstance(loop, Mapping) else None
+
+
+def _set_loader_state(checkpoint: dict[str, Any], state: Any) -> None:
+    loop: Any = checkpoint
+    for key in _LOOP_PATH:
+        loop = loop.get(key) if isinstance(loop, dict) else None
+    if not isinstance(loop, dict):
+        return
+    if state is None:
+        loop.pop(_COMBINED_LOADER, None)
+    else:
+        loop[_COMBINED_LOADER] = state
+
+
+def collect(checkpoint: Mapping[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's state now: RNG states and the train dataloader state of ``checkpoint`` (this rank's)."""
+    return {
+        "format": FORMAT,
+        RANK: rank,
+        WORLD_SIZE: world_size,
+        RNG: rng_states(),
+        LOADER: loader_state(checkpoint),
+    }
+
+
+def to_bytes(state: Mapping[str, Any]) -> bytes:
+    """One rank's state as the bytes of its file (``torch.save``)."""
+    buffer = io.BytesIO()
+    torch.save(dict(state), buffer)
+    return buffer.getvalue()
+
+
+def marker(world_size: int) -> dict[str, Any]:
+    """What ``meta.pt`` of a sharded directory records: every rank of ``world_size`` wrote its file."""
+    return {"format": FORMAT, WORLD_SIZE: world_size, "dir": names.RANK_STATE_DIR}
+
+
+def gathered(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Every rank's ``state`` (collective, all ranks), as a full file keeps it under the checkpoint key."""
+    states = collective.all_gather(dict(state), collective.ranks())
+    return {"format": FORMAT, WORLD_SIZE: len(states), "ranks": states}
+
+
+@dataclass
+class RankRestore:
+    """What :func:`restore` decided for this rank.
+
+    Attributes:
+        rng: The RNG states to set where training continues (``None``: leave the generators alone).
+        warning: What was not restored and why (one message for ``rank_zero_warn``), or ``None``.
+        saved_world_size: Ranks that saved per-rank state; ``None`` when the checkpoint has none.
+    """
+
+    rng: dict[str, Any] | None = None
+    warning: str | None = None
+    saved_world_size: int | None = None
+
+
+def _read(loc: Location, rank: int, weights_only: bool | None) -> dict[str, Any]:
+    backend = backend_for(loc)
+    try:
+        state = backend.torch_load(loc, map_location="cpu", weights_only=weights_only)
+    except Exception as ex:
+        raise CheckpointError(
+            f"Could not read the per-rank state {str(loc)!r} of rank {rank}: {ex!r}. Resume from another"
+            " checkpoint, or save with `save_rank_state=False` and delete the folder"
+            f" {names.RANK_STATE_DIR!r} to resume without it."
+        ) from ex
+    if not isinstance(state, dict) or state.get(RANK) != rank or RNG not in state:
+        raise CheckpointError(
+            f"The per-rank state {str(loc)!r} is not rank {rank}'s state written by lightning_sharded."
+            " Resume from another checkpoint."
+        )
+    return state
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal structure and values, tensors compared exactly."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and bool(a == b)
+
+
+def restore(
+    metadata: dict[str, Any],
+    data: Location,
+    *,
+    rank: int,
+    world_size: int,
+    weights_only: bool | None,
+    path: str,
+) -> RankRestore:
+    """Take the per-rank state out of a loaded checkpoint's ``metadata`` and decide what to restore.
+
+    Collective (every rank calls it with its own ``metadata``). ``metadata`` loses
+    :data:`~.names.RANK_STATE_KEY`; at the same world size its train dataloader state becomes this
+    rank's own, and the returned :attr:`RankRestore.rng` is this rank's RNG states. At another world
+    size the RNG states are not restored, nor the dataloader state unless every saved rank had the same
+    one (then it is kept, on every rank); :attr:`RankRestore.warning` says which and why.
+
+    Args:
+        metadata: The Lightning checkpoint without model and optimizer states (``Restored.metadata``).
+        data: Where the checkpoint's files are (``Restored.data``): a sharded directory or a full file.
+        rank: This process's global rank.
+        world_size: The number of ranks now.
+        weights_only: ``torch.load``'s, as ``fit()`` was given it, for the per-rank files.
+        path: The checkpoint path as the user gave it, for messages.
+
+    Raises:
+        CheckpointError: a per-rank file cannot be read, or holds another rank's state; on every rank.
+    """
+    entry = metadata.pop(names.RANK_STATE_KEY, None)
+    if not isinstance(entry, dict) or not isinstance(entry.get(WORLD_SIZE), int):
+        return RankRestore()
+    saved = int(entry[WORLD_SIZE])
+    states: list[dict[str, Any]] | None = entry.get("ranks")
+    if saved == world_size:
+        if states is not None:
+            own = states[rank]
+            if not isinstance(own, dict) or own.get(RANK) != rank or RNG not in own:
+                raise CheckpointError(
+                    f"The per-rank state of rank {rank} in {path!r} ({names.RANK_STATE_KEY!r}) is not rank"
+                    f" {rank}'s state written by lightning_sharded. Resume from another checkpoint."
+                )
+        else:
+            own = collective.agree(lambda: _read(join(data, names.rank_state_file(rank)), rank, weights_only))
+        _set_loader_state(metadata, own.get(LOADER))
+        return RankRestore(rng=own[RNG], saved_world_size=saved)
+
+    def loaders_agree() -> bool:
+        loaders = (
+            [s.get(LOADER) for s in states]
+            if states is not None
+            else [_read(join(data, names.rank_state_file(r)), r, weights_only)[LOADER] for r in range(saved)]
+        )
+        return all(_same(loaders[0], other) for other in loaders[1:])
+
+    has_loader = loader_state(metadata) is not None
+    same_loaders = False
+    if has_loader:  # a full file: every rank has every state; a directory: rank 0 reads them, shares
+        same_loaders = loaders_agree() if states is not None else collective.decide(loaders_agree)
+    what = (
+        f"The per-rank state of {path!r} was saved by {saved} rank(s), this run has {world_size}. The random"
+        " number generator states (torch, CUDA, random, numpy) were not restored: they belong to ranks"
+        " that do not exist now, so every rank keeps its generators as they are (call"
+        " `lightning.seed_everything` for a reproducible continuation)."
+    )
+    if same_loaders:
+        what += " The train dataloader state, the same on every saved rank, was restored on every rank."
+    elif has_loader:
+        _set_loader_state(metadata, None)
+        what += (
+            " The train dataloader state was not restored either: it differs between the saved ranks (each"
+            " had its own position or shuffle), so every train dataloader starts from its beginning."
+        )
+    what += " The model and optimizer states were restored (resharded)."
+    return RankRestore(warning=what, saved_world_size=saved)
