@@ -223,7 +223,9 @@ def export_safetensors(
             written[name] = f.figures()
         return written
 
-    _commit_directory_alone(out, write, {"format": "safetensors", "source": str(found.data), "tensors": len(entries)})
+    _commit_directory_alone(
+        out, write, {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
+    )
     log.info(
         "Exported %d tensors (%s) of %s into %s, %d file(s), in %.2fs",
         len(entries),
@@ -245,7 +247,9 @@ def _read_config(config: str | os.PathLike[str] | None) -> bytes | None:
         if not isinstance(json.loads(data), dict):
             raise ValueError("not a JSON object")
     except FileNotFoundError:
-        raise FileNotFoundError(f"There is no config file at {str(path)!r} to copy beside the weights.") from None
+        raise FileNotFoundError(
+            f"There is no config file at {str(path)!r} to copy beside the weights."
+        ) from None
     except ValueError as err:
         raise ValueError(
             f"The config {str(path)!r} is not a JSON object ({err}): pass the config.json of the model"
@@ -277,7 +281,7 @@ class _Checksummed:
         self.file: IO[bytes] | None = None
 
     def __enter__(self) -> _Checksummed:
-        self.file = open(self.path, "xb")  # noqa: SIM115 - closed in __exit__
+        self.file = open(self.path, "xb")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -293,14 +297,16 @@ class _Checksummed:
     def write_tensor(self, value: torch.Tensor) -> None:
         if value.numel() == 0:
             return
-        raw = value.reshape(-1).view(torch.uint8).numpy()
-        self.write(memoryview(raw).cast("B"))
+        raw: Any = value.reshape(-1).view(torch.uint8).numpy()  # no copy: the tensor's own bytes
+        self.write(memoryview(raw))
 
     def figures(self) -> tuple[int, str]:
         return self.size, f"{self.crc & 0xFFFFFFFF:08x}"
 
 
-def _commit_directory_alone(target: Path, write: Callable[[Path], dict[str, tuple[int, str]]], metadata: dict[str, Any]) -> None:
+def _commit_directory_alone(
+    target: Path, write: Callable[[Path], dict[str, tuple[int, str]]], metadata: dict[str, Any]
+) -> None:
     """Write a directory at ``target`` atomically, in this process alone (no collective, even inside a
     job with a process group): staged beside it, sealed with a manifest, published by rename; the
     steps of :func:`~lightning_sharded.checkpoint.commit.commit_directory` for one rank."""

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.futures import Future
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.backends import Location, location
@@ -175,9 +175,13 @@ def _root(module: nn.Module) -> nn.Module:
     """The module to take the state dict of: a LightningModule that FSDP1 wrapped is its wrapper's."""
     trainer = module.__dict__.get("_trainer")
     wrapped = getattr(getattr(trainer, "strategy", None), "model", None)
-    if isinstance(wrapped, nn.Module) and wrapped is not module and has_fsdp1(wrapped):
-        if any(m is module for m in wrapped.modules()):
-            return wrapped
+    if (
+        isinstance(wrapped, nn.Module)
+        and wrapped is not module
+        and has_fsdp1(wrapped)
+        and any(m is module for m in wrapped.modules())
+    ):
+        return wrapped
     return module
 
 
@@ -200,7 +204,9 @@ def _tied_keys(root: nn.Module, prefix: str, loaded: set[str]) -> set[str]:
 def _list_source(path: str | os.PathLike[str], prefix: str, weights_only: bool | None) -> _Listing:
     """Rank 0: what is at ``path`` and what it holds (keys, shapes, dtypes)."""
     given = location(path)
-    if isinstance(given, Path) and (is_weights_dir(given) or (given.is_file() and given.name.endswith(SUFFIX))):
+    if isinstance(given, Path) and (
+        is_weights_dir(given) or (given.is_file() and given.name.endswith(SUFFIX))
+    ):
         return _list_safetensors(given)
     found = detect(path)
     if found.kind is CheckpointKind.FULL:
@@ -295,9 +301,14 @@ def _read(listing: _Listing, targets: dict[str, Any], weights_only: bool | None)
         reader = backend_for(listing.data).dcp_reader(listing.data)
         reader.read_metadata = lambda *args, **kwargs: listing.metadata  # read once, safely, on rank 0
         state: dict[str, Any] = {listing.model_key: targets}
-        run_dcp(lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)), what)
+        run_dcp(
+            lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)),
+            what,
+        )
         return
-    slicer = _SafetensorsSlices(listing) if listing.kind == "safetensors" else _FullSlices(listing, weights_only)
+    slicer = (
+        _SafetensorsSlices(listing) if listing.kind == "safetensors" else _FullSlices(listing, weights_only)
+    )
     try:
         run_dcp(
             lambda: load(
@@ -375,7 +386,9 @@ class _SliceReader(StorageReader):
                 key: TensorStorageMetadata(
                     properties=TensorProperties(dtype=listing.dtypes[key]),
                     size=torch.Size(shape),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))],
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
+                    ],
                 )
                 for key, shape in listing.shapes.items()
             }
@@ -418,4 +431,3 @@ class _SliceReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         return True
-

@@ -79,7 +79,9 @@ def parse_size(value: int | str) -> int:
         ValueError: not a positive size.
     """
     if isinstance(value, bool):
-        raise ValueError(f"max_shard_size must be a size such as '5GB', '500MB' or a number of bytes, not {value!r}.")
+        raise ValueError(
+            f"max_shard_size must be a size such as '5GB', '500MB' or a number of bytes, not {value!r}."
+        )
     if isinstance(value, int):
         size = value
     else:
@@ -110,7 +112,9 @@ def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
             raise ValueError(f"Unknown dtype {value!r}: use one of {sorted(TARGET_DTYPES)}.")
         return dtype
     if not isinstance(value, torch.dtype) or not value.is_floating_point or value not in DTYPE_NAMES:
-        raise ValueError(f"dtype must be a floating dtype safetensors stores (torch.bfloat16...), not {value!r}.")
+        raise ValueError(
+            f"dtype must be a floating dtype safetensors stores (torch.bfloat16...), not {value!r}."
+        )
     return value
 
 
@@ -184,18 +188,24 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Entry]:
         head = f.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < length <= 100 << 20:
-            raise ValueError(f"{str(path)!r} is not a safetensors file: its first 8 bytes are not a header length.")
+            raise ValueError(
+                f"{str(path)!r} is not a safetensors file: its first 8 bytes are not a header length."
+            )
         try:
             header = json.loads(f.read(length))
         except ValueError as err:
-            raise ValueError(f"{str(path)!r} is not a safetensors file: its header is not JSON ({err}).") from None
+            raise ValueError(
+                f"{str(path)!r} is not a safetensors file: its header is not JSON ({err})."
+            ) from None
     out: dict[str, Entry] = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = _DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
         if dtype is None:
-            raise ValueError(f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {info!r}.")
+            raise ValueError(
+                f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {info!r}."
+            )
         out[key] = Entry(key, tuple(int(n) for n in info["shape"]), dtype)
     return out
 
