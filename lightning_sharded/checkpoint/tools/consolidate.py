@@ -86,7 +86,7 @@ def consolidate_checkpoint(
     exceed ``max_shard_size``; only the model's ``state_dict`` (sharded attributes included), keys less
     ``prefix`` (keys without it are left out), floating tensors cast to ``dtype``; ``config`` copied
     beside as ``config.json``. ``transformers``' ``from_pretrained(dst)`` loads it. Written tensor by
-    tensor (memory: one batch of 64 MiB or the largest tensor), staged and published atomically, with
+    tensor (memory: one batch of 16 MiB or the largest tensor), staged and published atomically, with
     the same destination and verify-first rules. See ``docs/huggingface.md``.
 
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output

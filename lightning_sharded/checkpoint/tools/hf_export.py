@@ -5,7 +5,8 @@ directory of either strategy, ours or stock, or a full file; local or a URL). On
 ``state_dict`` is written (sharded attributes included: they are in it under their keys); keys keep
 their names, less ``prefix``. The output is written tensor by tensor: every shape and dtype is known
 from the source's index first, so each file's header goes down before its data, and the data is
-read (a batch of tensors of at most :data:`BATCH_BYTES`, or one larger tensor), cast and appended.
+read (a batch of tensors of at most :data:`BATCH_BYTES`, 16 MiB, or one larger tensor), cast and
+appended.
 Memory holds one batch, never a file or the model.
 
 The destination follows the tools' rules (:mod:`~lightning_sharded.checkpoint.destination`); the
@@ -56,7 +57,7 @@ __all__ = ["BATCH_BYTES", "export_safetensors"]
 log = logging.getLogger(__name__)
 
 #: Tensors are read from the source in batches of about this many bytes (a larger tensor alone).
-BATCH_BYTES = 64 << 20
+BATCH_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
