@@ -99,16 +99,14 @@ def make_checkpoint(path: Path, mib: int, largest_mib: int) -> tuple[int, int, i
 
 def child(op: str, src: str, dst: str, layers: int, largest: int) -> dict[str, float]:
     """Runs in a fresh process: one operation, with its memory growth."""
-    import torch
-
-    from lightning_sharded import consolidate_checkpoint, load_checkpoint, load_pretrained
-
     # Everything each operation imports is imported before the baseline: only its data counts.
     import safetensors.torch  # noqa: F401
-    import torch.distributed.checkpoint.default_planner  # noqa: F401
-    import torch.distributed.checkpoint.state_dict_loader  # noqa: F401
+    import torch
+    import torch.distributed.checkpoint.default_planner
+    import torch.distributed.checkpoint.state_dict_loader
 
     import lightning_sharded.checkpoint.tools.hf_export  # noqa: F401
+    from lightning_sharded import consolidate_checkpoint, load_checkpoint, load_pretrained
 
     module = _module(layers, largest) if op.startswith("load") else None
     base_anon, base_rss = _status("RssAnon"), _status("VmRSS")

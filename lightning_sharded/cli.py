@@ -211,7 +211,7 @@ _CHECKPOINT_COMMANDS = {
         "Check every file of a checkpoint: presence, size and checksum (reads every byte).",
     ),
     "consolidate": (
-        "convert a sharded directory into one full file, or into Hugging Face safetensors",
+        "convert a sharded directory into one full file or safetensors",
         "Convert a sharded checkpoint directory into one full checkpoint file that plain torch.load and"
         " stock Lightning read, or (--format safetensors) a checkpoint's weights into a Hugging Face"
         " directory that from_pretrained loads. Verifies the source's checksums first, and never replaces"

@@ -5,7 +5,8 @@ One launch of ``tests/distributed/scenario_hf.py`` at 2 processes (``HFRuns``): 
 ``scenario_llama.py`` trained under tensor parallelism x FSDP2 and saved sharded; a reference Llama's
 ``save_pretrained`` weights (one file, and several with an index) and a full file loaded into TP x FSDP2
 (1 x 2), FSDP2 (2 x 1) and FSDP1; the sharded checkpoint loaded back; strict errors on both ranks.
-The exports then run here, in one process, from that checkpoint. Values are compared exactly.
+The exports then run here, in one process, from that checkpoint; ``docs/huggingface.md``'s fine-tuning
+script runs in the launch too (tensor parallel over both ranks). Values are compared exactly.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint, load_pret
 from lightning_sharded.cli import main
 from tests.distributed import scenario_llama
 from tests.distributed.harness import Results, run_batch
+from tests.test_docs import blocks
 
 pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).parent / "distributed" / "scenario_hf.py"
+DOC = Path(__file__).parents[1] / "docs" / "huggingface.md"
 
 #: name: (kind, layout, source in the root folder, prefix)
 LOADS = {
@@ -66,6 +69,19 @@ class HFRuns:
             add(name, kind=kind, layout=layout, source=str(root / source), prefix=prefix)
         add("sharded>1x2", kind="load-sharded", layout="1x2", source=str(self.ckpt))
         add("errors", kind="errors", source=str(root / "hf-one"))
+        self.doc = root / "doc"  # docs/huggingface.md's finetune.py, with its stand-in weights made here
+        self.doc.mkdir()
+        (script,) = [text for language, text in blocks(DOC) if text.startswith("# finetune.py\n")]
+        (self.doc / "finetune.py").write_text(script)
+        namespace: dict[str, Any] = {}
+        exec(compile(script, "finetune.py", "exec"), namespace)  # defines, runs nothing (not __main__)
+        cwd = os.getcwd()
+        os.chdir(self.doc)
+        try:
+            namespace["make_stand_in"]()  # two ranks would both write it: made once, here
+        finally:
+            os.chdir(cwd)
+        add("doc", kind="script", script=str(self.doc / "finetune.py"), cwd=str(self.doc))
         torch.save(jobs, root / "jobs.pt")
         run_batch(SCRIPT, 2, root / "jobs.pt", timeout=420)
         self.results = Results(self.outs)
@@ -328,3 +344,30 @@ def test_load_pretrained_keeps_tied_weights_tied(tmp_path: Path) -> None:
     assert load_pretrained(model, tmp_path / "tied") == ([], [])
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, source.model.embed_tokens.weight)
+
+
+def test_docs_page_runs_as_written(runs: HFRuns, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/huggingface.md: ``finetune.py`` ran in the launch (``DEVICES=2``: tensor parallel over both
+    ranks); here its export command (the CLI's ``main``, in this process) and the ``from_pretrained``
+    snippet, in the folder it ran in."""
+    import shlex
+
+    from tests.test_docs import printed
+
+    assert runs["doc"] == {"ran": True}
+    assert (runs.doc / "finetuned.ckpt" / ".metadata").is_file()
+    doc = blocks(DOC)
+    (commands,) = [text for language, text in doc if language == "bash"]
+    lines = commands.splitlines()
+    assert lines[0] == "python finetune.py"
+    old = os.getcwd()
+    os.chdir(runs.doc)
+    try:
+        assert main(shlex.split(lines[1])[1:]) == 0
+        out = capsys.readouterr().out
+        assert printed(lines[2].removeprefix("# "), out), out
+        snippets = [text for language, text in doc if language == "python" and not text.startswith("# ")]
+        assert len(snippets) == 1
+        exec(compile(snippets[0], str(DOC), "exec"), {})
+    finally:
+        os.chdir(old)

@@ -15,6 +15,8 @@ writes its result (or ``{"failed": traceback}``) to ``out`` from rank 0 (``error
   attributes included) into ``layout``, no prefix.
 - ``errors``: plain modules with a process group up: each rank's error for a strict load with the
   wrong prefix, and for weights of another shape.
+- ``script``: a script of the docs (``docs/huggingface.md``'s ``finetune.py``) run in ``cwd`` with
+  ``DEVICES`` set to the world size.
 """
 
 from __future__ import annotations
@@ -137,10 +139,10 @@ def fit(job: dict[str, Any]) -> None:
 
 
 def load(job: dict[str, Any]) -> None:
-    from lightning_sharded.checkpoint.tools import pretrained
+    from lightning_sharded.checkpoint.tools import weight_sources
 
     reads: list[tuple[str, list[tuple[int, int]]]] = []
-    kinds = (pretrained._SafetensorsSlices, pretrained._FullSlices)
+    kinds = (weight_sources.SafetensorsSlices, weight_sources.FullSlices)
     originals = [kind.get for kind in kinds]
 
     def recording(original: Any) -> Any:
@@ -190,7 +192,21 @@ def errors(job: dict[str, Any]) -> None:
     torch.save(found, f"{job['out']}.rank{RANK}")
 
 
-JOBS = {"fit": fit, "load": load, "load-sharded": load_sharded, "errors": errors}
+def script(job: dict[str, Any]) -> None:
+    """A documented script, as ``DEVICES=<world> python SCRIPT`` in ``cwd`` would run it."""
+    import runpy
+
+    old = os.getcwd()
+    os.chdir(job["cwd"])
+    os.environ["DEVICES"] = os.environ.get("WORLD_SIZE", "1")
+    try:
+        runpy.run_path(job["script"], run_name="__main__")
+    finally:
+        os.chdir(old)
+    write(job["out"], {"ran": True})
+
+
+JOBS = {"fit": fit, "load": load, "load-sharded": load_sharded, "errors": errors, "script": script}
 
 
 def main(jobs_file: str) -> None:
