@@ -198,7 +198,9 @@ def script(job: dict[str, Any]) -> None:
 
     old = os.getcwd()
     os.chdir(job["cwd"])
-    os.environ["DEVICES"] = os.environ.get("WORLD_SIZE", "1")
+    os.environ["DEVICES"] = str(
+        scenario_llama.WORLD
+    )  # the launch's (a Trainer's teardown may drop WORLD_SIZE)
     try:
         runpy.run_path(job["script"], run_name="__main__")
     finally:
@@ -215,6 +217,7 @@ def main(jobs_file: str) -> None:
         try:
             JOBS[job["kind"]](job)
         except BaseException:
+            print(f"rank {RANK}: job {job['kind']} failed:\n{traceback.format_exc()}", flush=True)
             write(job["out"], {"failed": traceback.format_exc()})
         if dist.is_initialized():
             dist.barrier()

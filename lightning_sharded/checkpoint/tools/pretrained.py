@@ -85,7 +85,7 @@ def load_pretrained(
         CheckpointError: ``path`` holds no weights, keys differ under ``strict``, a shape differs, or a
             file is damaged; the same error on every rank, before anything of the module changed.
     """
-    listing = collective.decide(lambda: list_source(path, prefix, weights_only))
+    listing = collective.decide(lambda: list_source(path, weights_only))
     root = _root(module)
     state = model_state_dict(root, full=False)
     selected = {key: value for key, value in state.items() if key.startswith(prefix) and _is_tensor(value)}

@@ -68,7 +68,7 @@ class Listing:
     metadata: Any = None
 
 
-def list_source(path: str | os.PathLike[str], prefix: str, weights_only: bool | None) -> Listing:
+def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> Listing:
     """Rank 0: what is at ``path`` and what it holds (keys, shapes, dtypes)."""
     given = location(path)
     if isinstance(given, Path) and (
