@@ -16,6 +16,7 @@ from lightning_sharded.mixin import ShardedStateMixin
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint, inspect_checkpoint, load_checkpoint
+    from lightning_sharded.checkpoint.tools.pretrained import load_pretrained
     from lightning_sharded.checkpoint.verify import verify_checkpoint
     from lightning_sharded.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
 
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ShardedFSDPStrategy": "lightning_sharded.strategies.fsdp",
     "ShardedModelParallelStrategy": "lightning_sharded.strategies.model_parallel",
+    "load_pretrained": "lightning_sharded.checkpoint.tools.pretrained",
     # the checkpoint package's own lazy exports
     **dict.fromkeys(
         ("consolidate_checkpoint", "inspect_checkpoint", "load_checkpoint", "verify_checkpoint"),
@@ -45,6 +47,7 @@ __all__ = [
     "has_sharded_state_hooks",
     "inspect_checkpoint",
     "load_checkpoint",
+    "load_pretrained",
     "register_sharded_state_hooks",
     "verify_checkpoint",
 ]

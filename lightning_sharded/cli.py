@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -107,14 +108,47 @@ def _consolidate(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.backends import backend_for
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
+    hf_only = {
+        "--dtype": args.dtype,
+        "--prefix": args.prefix,
+        "--max-shard-size": args.max_shard_size,
+        "--config": args.config,
+    }
+    given = [flag for flag, value in hf_only.items() if value is not None]
+    if args.format != "safetensors" and given:
+        print(
+            f"{_PROG} consolidate: error: {', '.join(given)} apply to --format safetensors only (the"
+            " lightning format keeps every key in its own dtype).",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     out = consolidate_checkpoint(
         args.src,
         args.dst,
+        format=args.format,
         overwrite=args.force,
         verify=not args.no_verify,
         progress=False if args.no_progress else None,
         weights_only=not args.unsafe_unpickle,
+        **(
+            {
+                "dtype": args.dtype,
+                "prefix": args.prefix,
+                "max_shard_size": args.max_shard_size or "5GB",
+                "config": args.config,
+            }
+            if args.format == "safetensors"
+            else {}
+        ),
     )
+    if isinstance(out, Path) and out.is_dir():  # --format safetensors
+        files = sorted(p for p in out.iterdir() if p.name.endswith(".safetensors"))
+        print(
+            f"Wrote {out} ({len(files)} safetensors file{'s' if len(files) != 1 else ''},"
+            f" {_size(sum(p.stat().st_size for p in files))}): load it with transformers' from_pretrained,"
+            " or into a sharded model with lightning_sharded.load_pretrained."
+        )
+        return EXIT_OK
     print(
         f"Wrote {out} ({_size(backend_for(out).size(out))}): load it with torch.load, or resume from it with"
         " Lightning."
@@ -179,10 +213,11 @@ _CHECKPOINT_COMMANDS = {
         "Check every file of a checkpoint: presence, size and checksum (reads every byte).",
     ),
     "consolidate": (
-        "convert a sharded directory into one full file",
+        "convert a sharded directory into one full file or safetensors",
         "Convert a sharded checkpoint directory into one full checkpoint file that plain torch.load and"
-        " stock Lightning read. Verifies the source's checksums first, and never replaces anything"
-        " without --force.",
+        " stock Lightning read, or (--format safetensors) a checkpoint's weights into a Hugging Face"
+        " directory that from_pretrained loads. Verifies the source's checksums first, and never replaces"
+        " anything without --force.",
     ),
 }
 
@@ -212,12 +247,16 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
     verify.add_argument("path", metavar="PATH", help=path_help)
     verify.add_argument("--no-progress", action="store_true", help="no progress bar")
-    consolidate.add_argument("src", metavar="SRC", help="the sharded checkpoint directory")
+    consolidate.add_argument(
+        "src",
+        metavar="SRC",
+        help="the sharded checkpoint directory (--format safetensors: or a full checkpoint file)",
+    )
     consolidate.add_argument(
         "dst",
         metavar="DST",
-        help="the full checkpoint file to write; ending with a slash (runs/): a file inside that directory,"
-        " named as SRC",
+        help="the full checkpoint file to write (--format safetensors: the directory); ending with a slash"
+        " (runs/): inside that directory, named as SRC",
     )
     consolidate.add_argument(
         "--force",
@@ -229,6 +268,32 @@ def _parser() -> argparse.ArgumentParser:
         "--no-verify", action="store_true", help="do not compare the source's checksums first"
     )
     consolidate.add_argument("--no-progress", action="store_true", help="no progress bar")
+    consolidate.add_argument(
+        "--format",
+        choices=("lightning", "safetensors"),
+        default="lightning",
+        help="lightning: one full checkpoint file (default); safetensors: a Hugging Face directory DST"
+        " (model.safetensors, or files and model.safetensors.index.json) of the model's weights",
+    )
+    consolidate.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="safetensors: cast floating tensors to this dtype (default: keep each tensor's)",
+    )
+    consolidate.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="safetensors: export the keys that start with PREFIX, without it (llm. for self.llm)",
+    )
+    consolidate.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="safetensors: the largest file (default 5GB; 500MB, 2GiB, or bytes); above it, several files"
+        " and an index",
+    )
+    consolidate.add_argument(
+        "--config", metavar="CONFIG_JSON", help="safetensors: a config.json to copy beside the weights"
+    )
     commands.add_parser(
         "demo",
         help="train, save and resume a sharded model on CPU (options: demo --help)",

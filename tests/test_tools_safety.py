@@ -159,11 +159,11 @@ def test_an_unwritable_destination_is_one_clear_oserror(sharded_ckpt: Path, tmp_
     assert not dst.exists() and leftovers(dst) == []
 
 
-def test_only_the_lightning_format(sharded_ckpt: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"Unknown format 'safetensors'.*\['lightning'\]"):
-        consolidate(sharded_ckpt, tmp_path / "out", format="safetensors")
-    for kwargs in ({"dtype": torch.bfloat16}, {"prefix": "model."}):
-        with pytest.raises(ValueError, match="Leave dtype and prefix at None"):
+def test_only_the_known_formats(sharded_ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"Unknown format 'onnx'.*\['lightning', 'safetensors'\]"):
+        consolidate(sharded_ckpt, tmp_path / "out", format="onnx")
+    for kwargs in ({"dtype": torch.bfloat16}, {"prefix": "model."}, {"config": "config.json"}):
+        with pytest.raises(ValueError, match="Leave dtype, prefix and config at None"):
             consolidate(sharded_ckpt, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
 

@@ -39,7 +39,7 @@ __all__ = ["FORMATS", "consolidate_checkpoint"]
 log = logging.getLogger(__name__)
 
 #: The output formats of :func:`consolidate_checkpoint`.
-FORMATS = ("lightning",)
+FORMATS = ("lightning", "safetensors")
 
 
 # ----------------------------------------------------------------------------------- consolidate
@@ -57,14 +57,17 @@ def consolidate_checkpoint(
     dst: str | os.PathLike[str],
     *,
     format: str = "lightning",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     prefix: str | None = None,
     overwrite: bool = False,
     verify: bool = True,
     progress: bool | None = None,
     weights_only: bool | None = True,
+    max_shard_size: int | str = "5GB",
+    config: str | os.PathLike[str] | None = None,
 ) -> Location:
-    """Convert a sharded checkpoint directory into one full checkpoint file, in one process.
+    """Convert a sharded checkpoint directory into one full checkpoint file, or a checkpoint's weights
+    into a Hugging Face safetensors directory; in one process.
 
     The output is what stock Lightning writes for a single device: plain :func:`torch.load` reads it,
     ``Trainer.fit(ckpt_path=dst)`` resumes from it (optimizer state in ``optimizer_states``) and
@@ -76,6 +79,15 @@ def consolidate_checkpoint(
     else; ``dst`` ending with ``/`` means inside that directory. Then, with ``verify`` (the default),
     every source file's checksum is compared with the manifest, so a corrupted shard fails here, naming
     the file, instead of being copied into a new file with fresh, matching checksums.
+
+    With ``format="safetensors"`` the source may be any checkpoint (sharded or a full file, local or a
+    URL) and ``dst`` is a local directory in Hugging Face's layout: ``model.safetensors``, or
+    ``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` when the weights
+    exceed ``max_shard_size``; only the model's ``state_dict`` (sharded attributes included), keys less
+    ``prefix`` (keys without it are left out), floating tensors cast to ``dtype``; ``config`` copied
+    beside as ``config.json``. ``transformers``' ``from_pretrained(dst)`` loads it. Written tensor by
+    tensor (memory: one batch of 16 MiB or the largest tensor), staged and published atomically, with
+    the same destination and verify-first rules. See ``docs/huggingface.md``.
 
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
     is first written with every tensor's space reserved but empty (``torch.serialization.skip_data``),
@@ -89,33 +101,56 @@ def consolidate_checkpoint(
         dst: The output file, or a directory to write it into (with a trailing ``/``: then the file
             takes the source's name), or an fsspec URL (``s3://...``: written locally first, then
             uploaded as one object).
-        format: ``"lightning"``, a full Lightning checkpoint file (the only format so far).
-        dtype: Not supported by the ``"lightning"`` format (it keeps every dtype); must be ``None``.
-        prefix: Not supported by the ``"lightning"`` format (it keeps every key); must be ``None``.
+        format: ``"lightning"``, a full Lightning checkpoint file, or ``"safetensors"``, a Hugging Face
+            weights directory.
+        dtype: ``"safetensors"`` only: cast floating tensors to it (``torch.bfloat16`` or
+            ``"bfloat16"``, ``"float16"``, ``"float32"``); ``None`` keeps every dtype.
+        prefix: ``"safetensors"`` only: export the keys that start with it, without it (``"llm."``
+            for a LightningModule that holds the Hugging Face model as ``self.llm``).
         overwrite: Replace a file, an empty directory or a sharded checkpoint at the output.
         verify: Compare every source file's checksum with the manifest first (reads the source twice).
         progress: Show a progress bar on stderr; ``None`` shows one for checkpoints of 64 MiB or more.
         weights_only: ``True`` (or ``None``): the source's pickles are read safely, as in
             ``load_checkpoint``; ``False`` unpickles anything, running the file's code.
+        max_shard_size: ``"safetensors"`` only: the largest file, ``"5GB"`` (10**9 bytes per GB, as
+            Hugging Face counts), ``"500MB"``, ``"2GiB"`` or a number of bytes; a larger tensor gets a
+            file of its own.
+        config: ``"safetensors"`` only: a ``config.json`` to copy beside the weights.
 
     Returns:
-        The path of the output file.
+        The path of the output file (the output directory for ``"safetensors"``).
 
     Raises:
         FileNotFoundError: nothing at ``src``.
         CheckpointError: ``src`` is not a sharded checkpoint, or is damaged (names the file), or (with
             ``weights_only``) holds a type that is not allowed.
-        ValueError: an unknown ``format``, a ``dtype`` or ``prefix``, or ``dst`` is the source.
+        ValueError: an unknown ``format``, a ``dtype`` or ``prefix`` with ``"lightning"``, an unknown
+            ``dtype`` or ``max_shard_size``, a URL ``dst`` for ``"safetensors"``, or ``dst`` is the source.
         FileExistsError: something is at the output and ``overwrite`` is ``False``.
         IsADirectoryError: the output is a directory that is not a checkpoint.
         OSError: the output cannot be written (its message names it); nothing was written.
     """
     if format not in FORMATS:
         raise ValueError(f"Unknown format {format!r} for consolidate_checkpoint: use one of {list(FORMATS)}.")
-    if dtype is not None or prefix is not None:
+    if format == "safetensors":
+        from lightning_sharded.checkpoint.tools.hf_export import export_safetensors
+
+        return export_safetensors(
+            src,
+            dst,
+            dtype=dtype,
+            prefix=prefix,
+            max_shard_size=max_shard_size,
+            config=config,
+            overwrite=overwrite,
+            verify=verify,
+            progress=progress,
+            weights_only=weights_only,
+        )
+    if dtype is not None or prefix is not None or config is not None:
         raise ValueError(
             "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
-            " its own dtype. Leave dtype and prefix at None."
+            " its own dtype. Leave dtype, prefix and config at None (they are for format='safetensors')."
         )
     started = time.perf_counter()
     found = detect(src)

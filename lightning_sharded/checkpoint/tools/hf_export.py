@@ -1,0 +1,327 @@
+"""``consolidate_checkpoint(format="safetensors")``: a checkpoint's weights as a Hugging Face directory.
+
+The source is any checkpoint :func:`~lightning_sharded.checkpoint.detect.detect` finds (a sharded
+directory of either strategy, ours or stock, or a full file; local or a URL). Only the model's
+``state_dict`` is written (sharded attributes included: they are in it under their keys); keys keep
+their names, less ``prefix``. The output is written tensor by tensor: every shape and dtype is known
+from the source's index first, so each file's header goes down before its data, and the data is
+read (a batch of tensors of at most :data:`BATCH_BYTES`, 16 MiB, or one larger tensor), cast and
+appended.
+Memory holds one batch, never a file or the model.
+
+The destination follows the tools' rules (:mod:`~lightning_sharded.checkpoint.destination`); the
+directory is staged beside it, its files checksummed while written and fsynced, a manifest added
+(so a later export may replace it with ``overwrite=True``, and ``lightning-sharded verify`` finds
+damage), then published by one rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Location, basename, is_url
+from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.destination import output_file
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import Manifest
+from lightning_sharded.checkpoint.progress import format_size, progress_bar
+from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
+from lightning_sharded.checkpoint.tools.safetensors_format import (
+    CONFIG_NAME,
+    DTYPE_NAMES,
+    INDEX_NAME,
+    Entry,
+    encode_header,
+    file_name,
+    parse_dtype,
+    parse_size,
+    plan_files,
+    storage_order,
+)
+
+__all__ = ["BATCH_BYTES", "export_safetensors"]
+
+log = logging.getLogger(__name__)
+
+#: Tensors are read from the source in batches of about this many bytes (a larger tensor alone).
+BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One model tensor of the source: its key there, its key in the output, shape and dtype."""
+
+    source_key: str
+    out_key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _Source:
+    """The model tensors of a checkpoint, and a way to read some of them into given buffers."""
+
+    def __init__(self, tensors: list[_Tensor], read: Callable[[dict[str, torch.Tensor]], None]) -> None:
+        self.tensors = tensors
+        self.read = read
+
+
+def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefix: str) -> _Source:
+    reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
+    tops = {reader.path_of(key)[0] for key in reader.tensors} | {reader.path_of(k)[0] for k in reader.objects}
+    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
+    if model_key is None:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(found.path)!r} has no model state (none of the keys"
+            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))}): there are no"
+            " weights to export."
+        )
+    tensors = []
+    for key, md in reader.tensors.items():
+        path = reader.path_of(key)
+        if path[0] != model_key:
+            continue
+        name = ".".join(str(p) for p in path[1:])
+        if name.startswith(prefix):
+            tensors.append(_Tensor(key, name[len(prefix) :], tuple(md.size), md.properties.dtype))
+    skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
+    if skipped:
+        log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
+
+    def read(targets: dict[str, torch.Tensor]) -> None:
+        reader.read_tensors(targets, None)
+
+    return _Source(tensors, read)
+
+
+def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:
+    # Memory-mapped where local: a tensor is read when it is copied out, one at a time.
+    mmap = {"mmap": True} if isinstance(found.data, Path) else {}
+    try:
+        checkpoint = safe_torch_load(
+            found.backend, found.data, "The checkpoint file", weights_only, map_location="cpu", **mmap
+        )
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"The checkpoint file {str(found.data)!r} cannot be read ({first_line(err)}): it is truncated or"
+            " corrupt, or not a checkpoint."
+        ) from err
+    if not isinstance(checkpoint, dict):
+        checkpoint = {}
+    state = checkpoint.get(names.STATE_DICT, checkpoint)
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f"The checkpoint file {str(found.path)!r} has no model weights: neither a 'state_dict' of"
+            " tensors (a Lightning checkpoint) nor a dict of tensors (a saved state_dict)."
+        )
+    tensors = [
+        _Tensor(key, key[len(prefix) :], tuple(value.shape), value.dtype)
+        for key, value in state.items()
+        if isinstance(value, torch.Tensor) and key.startswith(prefix)
+    ]
+
+    def read(targets: dict[str, torch.Tensor]) -> None:
+        for key, target in targets.items():
+            target.copy_(state[key])
+
+    return _Source(tensors, read)
+
+
+def export_safetensors(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | str | None,
+    prefix: str | None,
+    max_shard_size: int | str,
+    config: str | os.PathLike[str] | None,
+    overwrite: bool,
+    verify: bool,
+    progress: bool | None,
+    weights_only: bool | None,
+) -> Location:
+    """The ``format="safetensors"`` of :func:`~.consolidate.consolidate_checkpoint`; see there."""
+    started = time.perf_counter()
+    target_dtype = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    prefix = prefix or ""
+    if is_url(os.fspath(dst)):
+        raise ValueError(
+            f"consolidate_checkpoint(format='safetensors') writes a local directory, not {os.fspath(dst)!r}:"
+            " export to a local path, then upload the directory."
+        )
+    config_bytes = _read_config(config)
+    found = detect(src)
+    out = output_file(src, found.data, dst, overwrite=overwrite)
+    assert isinstance(out, Path)
+    if found.kind is CheckpointKind.SHARDED:
+        source = _sharded_source(found, verify, weights_only, prefix)
+    else:
+        source = _full_source(found, weights_only, prefix)
+    if not source.tensors:
+        raise CheckpointError(
+            f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"
+            " nothing to export. Check the prefix (`lightning-sharded inspect` lists the keys)."
+        )
+    tensors = {t.out_key: t for t in source.tensors}
+    for t in source.tensors:
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(
+                f"The tensor {t.source_key!r} of {str(src)!r} is {t.dtype}, which safetensors cannot store."
+            )
+    entries = [
+        Entry(t.out_key, t.shape, target_dtype if target_dtype and t.dtype.is_floating_point else t.dtype)
+        for t in source.tensors
+    ]
+    files = plan_files(entries, max_bytes)
+    total = sum(e.nbytes for e in entries)
+
+    def write(staging: Path) -> dict[str, tuple[int, str]]:
+        written: dict[str, tuple[int, str]] = {}
+        weight_map: dict[str, str] = {}
+        with progress_bar(total, progress, f"exporting {basename(found.data)}") as tick:
+            for index, group in enumerate(files, start=1):
+                name = file_name(index, len(files))
+                ordered = storage_order(group)
+                with _Checksummed(staging / name) as f:
+                    f.write(encode_header(ordered))
+                    for batch in _batches(ordered):
+                        buffers = {
+                            tensors[e.key].source_key: torch.empty(e.shape, dtype=tensors[e.key].dtype)
+                            for e in batch
+                        }
+                        source.read(buffers)
+                        for e in batch:
+                            value = buffers.pop(tensors[e.key].source_key).to(e.dtype).contiguous()
+                            f.write_tensor(value)
+                            tick(e.nbytes)
+                            del value
+                written[name] = f.figures()
+                weight_map.update(dict.fromkeys((e.key for e in group), name))
+        extra: dict[str, bytes] = {}
+        if len(files) > 1:
+            index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            extra[INDEX_NAME] = (json.dumps(index_doc, indent=2) + "\n").encode()
+        if config_bytes is not None:
+            extra[CONFIG_NAME] = config_bytes
+        for name, data in extra.items():
+            with _Checksummed(staging / name) as f:
+                f.write(data)
+            written[name] = f.figures()
+        return written
+
+    _commit_directory_alone(
+        out, write, {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
+    )
+    log.info(
+        "Exported %d tensors (%s) of %s into %s, %d file(s), in %.2fs",
+        len(entries),
+        format_size(total),
+        found.data,
+        out,
+        len(files),
+        time.perf_counter() - started,
+    )
+    return out
+
+
+def _read_config(config: str | os.PathLike[str] | None) -> bytes | None:
+    if config is None:
+        return None
+    path = Path(config)
+    try:
+        data = path.read_bytes()
+        if not isinstance(json.loads(data), dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"There is no config file at {str(path)!r} to copy beside the weights."
+        ) from None
+    except ValueError as err:
+        raise ValueError(
+            f"The config {str(path)!r} is not a JSON object ({err}): pass the config.json of the model"
+            " (`model.config.save_pretrained(DIR)` writes one)."
+        ) from None
+    return data
+
+
+def _batches(entries: list[Entry]) -> Iterator[list[Entry]]:
+    batch: list[Entry] = []
+    size = 0
+    for entry in entries:
+        if batch and size + entry.nbytes > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(entry)
+        size += entry.nbytes
+    if batch:
+        yield batch
+
+
+class _Checksummed:
+    """A new local file whose size and CRC-32 are computed as it is written."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.crc = 0
+        self.size = 0
+        self.file: IO[bytes] | None = None
+
+    def __enter__(self) -> _Checksummed:
+        self.file = open(self.path, "xb")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.file is not None
+        self.file.close()
+
+    def write(self, data: bytes | memoryview) -> None:
+        assert self.file is not None
+        self.file.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+
+    def write_tensor(self, value: torch.Tensor) -> None:
+        if value.numel() == 0:
+            return
+        raw: Any = value.reshape(-1).view(torch.uint8).numpy()  # no copy: the tensor's own bytes
+        self.write(memoryview(raw))
+
+    def figures(self) -> tuple[int, str]:
+        return self.size, f"{self.crc & 0xFFFFFFFF:08x}"
+
+
+def _commit_directory_alone(
+    target: Path, write: Callable[[Path], dict[str, tuple[int, str]]], metadata: dict[str, Any]
+) -> None:
+    """Write a directory at ``target`` atomically, in this process alone (no collective, even inside a
+    job with a process group): staged beside it, sealed with a manifest, published by rename; the
+    steps of :func:`~lightning_sharded.checkpoint.commit.commit_directory` for one rank."""
+    backend = LocalBackend()
+    previous = backend.prepare(target, directory=True)
+    staging = backend.stage(target, directory=True)
+    assert isinstance(staging, Path)
+    try:
+        written = write(staging)
+        entries = backend.seal(staging, [], written)
+        manifest = Manifest(files=entries, world_size=1, metadata=metadata)
+        backend.write_manifest(staging, manifest)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            backend.discard(staging)
+        raise
+    backend.publish(staging, target, manifest, previous, rank=0)

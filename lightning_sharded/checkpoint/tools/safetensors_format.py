@@ -1,0 +1,257 @@
+"""The safetensors file format and Hugging Face's layout of a weights directory, read and written here.
+
+A ``.safetensors`` file is an 8-byte little-endian header length ``N``, a JSON header of ``N`` bytes
+(``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
+offsets relative to the end of the header) and the tensors' raw bytes, in that order
+(https://huggingface.co/docs/safetensors/index#format). Knowing every shape and dtype first, a
+writer can put the header down, then stream the tensors one by one: memory holds one tensor, never a
+file. A directory holds ``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` files and
+``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
+
+Standard library and torch only (the ``safetensors`` package is needed to read slices lazily only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CONFIG_NAME",
+    "DTYPE_NAMES",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "Entry",
+    "encode_header",
+    "file_name",
+    "is_weights_dir",
+    "parse_dtype",
+    "parse_size",
+    "plan_files",
+    "read_header",
+    "weight_files",
+]
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+SUFFIX = ".safetensors"
+
+#: torch dtype to the safetensors name of it.
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+#: The dtypes the export converts floating tensors to, by the names the CLI accepts.
+TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
+
+
+def parse_size(value: int | str) -> int:
+    """A size in bytes from ``5000000``, ``"5GB"`` (10**9, as Hugging Face counts), ``"500MB"``, ``"2GiB"``.
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(
+            f"max_shard_size must be a size such as '5GB', '500MB' or a number of bytes, not {value!r}."
+        )
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).upper() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"max_shard_size {value!r} is not a size: use a number of bytes or a number with a unit"
+                " (B, KB, MB, GB, TB, KiB, MiB, GiB), such as '5GB' or '500MB'."
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"max_shard_size must be positive, not {value!r}.")
+    return size
+
+
+def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
+    """``None``, a floating torch dtype, or its name (``"bfloat16"``, ``"float16"``, ``"float32"``).
+
+    Raises:
+        ValueError: another value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        dtype = TARGET_DTYPES.get(value.removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"Unknown dtype {value!r}: use one of {sorted(TARGET_DTYPES)}.")
+        return dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point or value not in DTYPE_NAMES:
+        raise ValueError(
+            f"dtype must be a floating dtype safetensors stores (torch.bfloat16...), not {value!r}."
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the output: its key, shape and dtype as stored."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for n in self.shape:
+            numel *= n
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def file_name(index: int, count: int) -> str:
+    """``model-00001-of-00003.safetensors`` (1-based), or ``model.safetensors`` for a single file."""
+    return SINGLE_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}{SUFFIX}"
+
+
+def plan_files(entries: Sequence[Entry], max_bytes: int) -> list[list[Entry]]:
+    """Entries split into files of at most ``max_bytes`` each, in order, as ``save_pretrained`` does.
+
+    A tensor larger than ``max_bytes`` gets a file of its own.
+    """
+    files: list[list[Entry]] = [[]]
+    size = 0
+    for entry in entries:
+        if files[-1] and size + entry.nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(entry)
+        size += entry.nbytes
+    return files if files[0] else []
+
+
+def storage_order(entries: Iterable[Entry]) -> list[Entry]:
+    """The order of the tensors' bytes in a file: widest element first, then by key, as the
+    ``safetensors`` package writes them, so every tensor is aligned on its element size."""
+    return sorted(entries, key=lambda e: (-torch.empty((), dtype=e.dtype).element_size(), e.key))
+
+
+def encode_header(entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length and the JSON header (padded with spaces to 8 bytes) for ``entries``, whose
+    bytes then follow in the given order."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for entry in entries:
+        header[entry.key] = {
+            "dtype": DTYPE_NAMES[entry.dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Entry]:
+    """The tensors a ``.safetensors`` file holds, from its header (reads the header only).
+
+    Raises:
+        ValueError: the file is not a safetensors file (its message names it).
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < length <= 100 << 20:
+            raise ValueError(
+                f"{str(path)!r} is not a safetensors file: its first 8 bytes are not a header length."
+            )
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:
+            raise ValueError(
+                f"{str(path)!r} is not a safetensors file: its header is not JSON ({err})."
+            ) from None
+    out: dict[str, Entry] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+        if dtype is None:
+            raise ValueError(
+                f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {info!r}."
+            )
+        out[key] = Entry(key, tuple(int(n) for n in info["shape"]), dtype)
+    return out
+
+
+def is_weights_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory in Hugging Face's layout (an index or ``.safetensors`` files)."""
+    return path.is_dir() and ((path / INDEX_NAME).is_file() or any(path.glob(f"*{SUFFIX}")))
+
+
+def weight_files(path: Path) -> dict[str, Path]:
+    """``{key: file}`` for a Hugging Face weights directory or one ``.safetensors`` file.
+
+    A directory with an index is read through its ``weight_map``; without one, its
+    ``model.safetensors`` (or its only ``.safetensors`` file) is read.
+
+    Raises:
+        FileNotFoundError: the index names a file that is not there, or there is no weights file.
+        ValueError: the index is not Hugging Face's.
+    """
+    if path.is_file():
+        return dict.fromkeys(read_header(path), path)
+    index = path / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise ValueError(
+                f"{str(index)!r} is not a Hugging Face index: it has no 'weight_map' object."
+            ) from None
+        files = {name: path / name for name in sorted(set(weight_map.values()))}
+        for name, file in files.items():
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"{str(index)!r} names the weights file {name!r}, which is not in {str(path)!r}. Copy the"
+                    " whole directory again."
+                )
+        return {key: files[name] for key, name in weight_map.items()}
+    candidates = sorted(path.glob(f"*{SUFFIX}"))
+    single = path / SINGLE_NAME
+    if single.is_file():
+        candidates = [single]
+    if len(candidates) != 1:
+        raise FileNotFoundError(
+            f"{str(path)!r} has no {INDEX_NAME} and {len(candidates)} .safetensors files"
+            f" ({', '.join(p.name for p in candidates[:5])}): expected {SINGLE_NAME}, or an index that"
+            " names the files."
+        )
+    return dict.fromkeys(read_header(candidates[0]), candidates[0])

@@ -1,0 +1,300 @@
+"""Where ``load_pretrained`` reads weights from: what a source holds, and a DCP reader of its slices.
+
+:func:`list_source` (rank 0) tells a Hugging Face directory or ``.safetensors`` file, a full checkpoint
+file and a sharded checkpoint directory apart and lists their tensors (:class:`Listing`, sent to every
+rank). :func:`read_weights` then loads targets through one ``torch.distributed.checkpoint.load``: a
+sharded checkpoint through its own DCP reader (resharding), the other sources through
+:class:`SliceReader`, which answers each read item (a box of a whole stored tensor) with that slice
+only: ``safetensors``' ``get_slice`` for safetensors files, a view of the memory-mapped tensor for a
+full file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends import Location, location
+from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
+from lightning_sharded.checkpoint.tools.safetensors_format import (
+    SUFFIX,
+    is_weights_dir,
+    read_header,
+    weight_files,
+)
+
+__all__ = [
+    "FullSlices",
+    "Listing",
+    "SafetensorsSlices",
+    "SliceReader",
+    "full_state",
+    "list_source",
+    "read_weights",
+]
+
+
+@dataclass
+class Listing:
+    """What a source holds, found on rank 0 and sent to every rank (picklable).
+
+    Attributes:
+        kind: ``"safetensors"``, ``"full"`` or ``"sharded"``.
+        shown: The source in words, for messages.
+        shapes: Each key (as the source names it, without any model prefix) to its global shape.
+        dtypes: Each key to its stored dtype.
+        files: ``"safetensors"``: each key's file; ``"full"``: the file, under the key ``""``.
+        data: ``"sharded"``: where its files are.
+        model_key: ``"sharded"``: ``"model"`` or ``"state_dict"``.
+        metadata: ``"sharded"``: the DCP index, read once, safely.
+    """
+
+    kind: str
+    shown: str
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    data: Location | None = None
+    model_key: str = ""
+    metadata: Any = None
+
+
+def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> Listing:
+    """Rank 0: what is at ``path`` and what it holds (keys, shapes, dtypes)."""
+    given = location(path)
+    if isinstance(given, Path) and (
+        is_weights_dir(given) or (given.is_file() and given.name.endswith(SUFFIX))
+    ):
+        return _list_safetensors(given)
+    found = detect(path)
+    if found.kind is CheckpointKind.FULL:
+        state = full_state(found.backend, found.data, weights_only)
+        listing = Listing("full", str(given), files={"": str(found.data)})
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                listing.shapes[key] = tuple(value.shape)
+                listing.dtypes[key] = value.dtype
+        return listing
+    reader = open_sharded(found, False, weights_only)
+    tops = {reader.path_of(key)[0] for key in reader.tensors}
+    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
+    if model_key is None:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(given)!r} has no model tensors (none of the keys"
+            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))})."
+        )
+    listing = Listing("sharded", str(given), data=found.data, model_key=model_key, metadata=reader.metadata)
+    for key, md in reader.tensors.items():
+        where = reader.path_of(key)
+        if where[0] == model_key:
+            name = ".".join(str(p) for p in where[1:])
+            listing.shapes[name] = tuple(md.size)
+            listing.dtypes[name] = md.properties.dtype
+    return listing
+
+
+def _list_safetensors(path: Path) -> Listing:
+    try:
+        files = weight_files(path)
+        listing = Listing("safetensors", str(path))
+        headers: dict[Path, Any] = {}
+        for key, file in sorted(files.items()):
+            if file not in headers:
+                headers[file] = read_header(file)
+            entry = headers[file].get(key)
+            if entry is None:
+                raise CheckpointError(
+                    f"The index of {str(path)!r} puts {key!r} in {file.name!r}, which does not hold it. Copy"
+                    " the whole directory again."
+                )
+            listing.shapes[key] = entry.shape
+            listing.dtypes[key] = entry.dtype
+            listing.files[key] = str(file)
+    except ValueError as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(str(err)) from None
+    if not listing.shapes:
+        raise CheckpointError(f"The weights {str(path)!r} hold no tensor.")
+    return listing
+
+
+def full_state(backend: Any, file: Location, weights_only: bool | None) -> dict[str, Any]:
+    """The ``state_dict`` of a full checkpoint file (or the file's dict of tensors), memory-mapped
+    where local, so a tensor is read when it is copied out."""
+    mmap = {"mmap": True} if isinstance(file, Path) else {}
+    try:
+        checkpoint = safe_torch_load(
+            backend, file, "The checkpoint file", weights_only, map_location="cpu", **mmap
+        )
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}): it is truncated or"
+            " corrupt, or not a checkpoint."
+        ) from err
+    state = checkpoint.get(names.STATE_DICT, checkpoint) if isinstance(checkpoint, dict) else None
+    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f"The checkpoint file {str(file)!r} holds no weights: neither a 'state_dict' of tensors (a"
+            " Lightning checkpoint) nor a dict of tensors (a saved state_dict)."
+        )
+    return state
+
+
+# -------------------------------------------------------------------------------------- reading
+
+
+def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool | None) -> None:
+    """One DCP load of ``targets`` (source key to the module's sharded or plain tensor), in place."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    what = f"Loading the pretrained weights {listing.shown!r}"
+    if listing.kind == "sharded":
+        from lightning_sharded.checkpoint.backends import backend_for
+
+        assert listing.data is not None
+        reader = backend_for(listing.data).dcp_reader(listing.data)
+        reader.read_metadata = lambda *args, **kwargs: listing.metadata  # read once, safely, on rank 0
+        state: dict[str, Any] = {listing.model_key: targets}
+        run_dcp(
+            lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)),
+            what,
+        )
+        return
+    slicer = (
+        SafetensorsSlices(listing) if listing.kind == "safetensors" else FullSlices(listing, weights_only)
+    )
+    try:
+        run_dcp(
+            lambda: load(
+                dict(targets),
+                storage_reader=SliceReader(listing, slicer),
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+            ),
+            what,
+        )
+    finally:
+        slicer.close()
+
+
+class SafetensorsSlices:
+    """``get(key, slices)`` from the ``.safetensors`` files, lazily: only the slice is read."""
+
+    def __init__(self, listing: Listing) -> None:
+        try:
+            from safetensors import safe_open
+        except ImportError:  # pragma: no cover - transformers installs it
+            raise ImportError(
+                "Loading safetensors weights needs the `safetensors` package: pip install safetensors"
+            ) from None
+        self._open = safe_open
+        self.listing = listing
+        self.handles: dict[str, Any] = {}
+
+    def get(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        file = self.listing.files[key]
+        handle = self.handles.get(file)
+        if handle is None:
+            handle = self.handles[file] = self._open(file, framework="pt", device="cpu")
+        if not slices:
+            return handle.get_tensor(key)  # type: ignore[no-any-return]
+        return handle.get_slice(key)[slices]  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.handles.clear()
+
+
+class FullSlices:
+    """``get(key, slices)`` from a full checkpoint file, memory-mapped where local."""
+
+    def __init__(self, listing: Listing, weights_only: bool | None) -> None:
+        from lightning_sharded.checkpoint.backends import backend_for
+
+        file = location(listing.files[""])
+        self.state: dict[str, Any] | None = full_state(backend_for(file), file, weights_only)
+
+    def get(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        assert self.state is not None
+        value: torch.Tensor = self.state[key]
+        return value[slices] if slices else value
+
+    def close(self) -> None:
+        self.state = None
+
+
+class SliceReader(StorageReader):
+    """A DCP ``StorageReader`` over a source whose tensors are whole (one chunk each): each read item
+    is a slice, copied out of the source into the planner's target (cast to its dtype)."""
+
+    def __init__(self, listing: Listing, slicer: SafetensorsSlices | FullSlices) -> None:
+        super().__init__()
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            Metadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        self.slicer = slicer
+        self.metadata = Metadata(
+            state_dict_metadata={
+                key: TensorStorageMetadata(
+                    properties=TensorProperties(dtype=listing.dtypes[key]),
+                    size=torch.Size(shape),
+                    chunks=[
+                        ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
+                    ],
+                )
+                for key, shape in listing.shapes.items()
+            }
+        )
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass  # Override to do nothing: the source is fixed at construction.
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass  # Override to do nothing: the metadata was built from the listing every rank has.
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        for item in plan.items:
+            slices = tuple(
+                slice(int(offset), int(offset) + int(length))
+                for offset, length in zip(item.storage_offsets, item.lengths, strict=True)
+            )
+            value = self.slicer.get(item.storage_index.fqn, slices)
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(value.shape):
+                raise CheckpointError(
+                    f"Reading {item.storage_index.fqn!r}: a slice of shape {list(value.shape)} for a target"
+                    f" of shape {list(target.shape)}."
+                )
+            target.copy_(value)
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()  # DCP waits on a torch future
+        done.set_result(None)
+        return done
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
