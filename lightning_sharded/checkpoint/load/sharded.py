@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, names, unpickling
+from lightning_sharded.checkpoint import collective, fsdp1, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
@@ -68,7 +68,12 @@ def restore_sharded(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
     _dcp_load(backend, {layout.model_key: to_load}, path)
-    set_model_state(model, to_load)
+    if fsdp1.supported(model):
+        # The parameters were read into views of the flat shards; the rest (buffers...) loads as usual.
+        with fsdp1.views():
+            set_model_state(model, to_load)
+    else:
+        set_model_state(model, to_load)
 
     for index, optimizer in enumerate(optimizers):
         _restore_sharded_optimizer(backend, path, layout, model, optimizer, index, strict=strict)
@@ -86,7 +91,14 @@ def _restore_sharded_optimizer(
     strict: bool,
 ) -> None:
     key = names.optimizer_key(index)
-    template = _optimizer_template_from_index(model, optimizer, layout, key)
+    stored = _stored_optimizer_entries(layout, key)
+    template = template_like(model, optimizer, stored)
+    fsdp1_local = None
+    if template is None:
+        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
+        fast = fsdp1.optimizer_template(model, optimizer, stored)
+        if fast is not None:
+            template, fsdp1_local = fast
     from_index = template is not None
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
@@ -130,23 +142,25 @@ def _restore_sharded_optimizer(
     _dcp_load(backend, {key: template}, path)
     for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
         group[PARAMS] = params
-    if from_index:
+    if fsdp1_local is not None:
+        fsdp1.load_optimizer_state(optimizer, template, fsdp1_local)
+    elif from_index:
         optimizer.load_state_dict(key_by_index(template))
     else:
         set_optimizer_state(model, optimizer, template)
 
 
-def _optimizer_template_from_index(
-    model: nn.Module, optimizer: Optimizer, layout: ShardedLayout, key: str
-) -> dict[str, Any] | None:
-    """An empty, name-keyed optimizer state shaped like the checkpoint's; see :func:`template_like`."""
+def _stored_optimizer_entries(
+    layout: ShardedLayout, key: str
+) -> dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]:
+    """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
     prefix = f"{key}.{STATE}."
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
     for flat_key in sorted(layout.entries):
         if flat_key.startswith(prefix):
             name, _, entry = flat_key[len(prefix) :].rpartition(".")
             stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
-    return template_like(model, optimizer, stored)
+    return stored
 
 
 def _dcp_load(backend: Backend, state: dict[str, Any], path: Location) -> None:
