@@ -17,7 +17,7 @@ them in place: the bytes land in the flat parameter and in the optimizer state d
 
 Used by :mod:`~lightning_sharded.checkpoint.state_dicts` and the sharded load when :func:`supported`
 says the model fits (every FSDP unit ``FULL_SHARD`` or ``SHARD_GRAD_OP``, ``use_orig_params=True``, no
-shared parameters, no device mesh, no buffer mixed precision); anything else takes torch's path.
+shared parameters, no device mesh); anything else takes torch's path.
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ def _layouts(handle: Any) -> list[_ParamLayout]:
 #: What :func:`views` uses of torch's private FSDP1 hook module; without any of them, torch's path runs.
 _TORCH_NAMES = (
     "_common_pre_state_dict_hook",
+    "_common_unshard_post_state_dict_hook",
+    "_should_unshard_params",
     "_replace_by_prefix",
     "_has_fsdp_params",
     "_module_handle",
@@ -191,7 +193,7 @@ def supported(model: nn.Module) -> bool:
             return False
         if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
             return False
-        if unit._mixed_precision_enabled_for_buffers() or unit._state_dict_config.offload_to_cpu:
+        if unit._state_dict_config.offload_to_cpu:
             return False
         handle = unit._handle
         if handle is None:
@@ -287,19 +289,28 @@ def views() -> Iterator[None]:
 
     def pre_save(fsdp_state: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         sdu._common_pre_state_dict_hook(module, fsdp_state)
+        if sdu._should_unshard_params(fsdp_state):
+            # torch's post hook leaves this context; nothing was gathered, so there is nothing to undo.
+            fsdp_state._unshard_params_ctx[module] = contextlib.nullcontext()
 
     def post_save(
         module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
     ) -> dict[str, Any]:
-        sdu._replace_by_prefix(state_dict, prefix + FSDP_PREFIX, prefix)
-        if not state_dict or not sdu._has_fsdp_params(fsdp_state, module):
-            return state_dict
+        if not sdu._has_fsdp_params(fsdp_state, module):
+            done: dict[str, Any] = sdu._common_unshard_post_state_dict_hook(
+                module, fsdp_state, state_dict, prefix, None
+            )
+            return done
         handle = sdu._module_handle(fsdp_state, module)
-        for index, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state)):
-            key = prefix + fqn
-            if key not in state_dict:
-                raise AssertionError(f"FSDP assumes {key} is in the state_dict; it has {list(state_dict)}")
-            state_dict[key] = _param_tensor(handle, index)
+        index = {fqn: i for i, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state))}
+
+        def param_hook(state_dict: dict[str, Any], prefix: str, fqn: str) -> None:
+            state_dict[fqn] = _param_tensor(handle, index[fqn[len(prefix) :]])
+
+        # torch's own post hook (prefixes, buffers and their dtypes), with views for the parameters.
+        state_dict = sdu._common_unshard_post_state_dict_hook(
+            module, fsdp_state, state_dict, prefix, param_hook
+        )
         state_dict.pop(prefix + FLAT_PARAM, None)
         return state_dict
 

@@ -8,7 +8,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -67,21 +67,27 @@ def restore_sharded(
     metadata = collective.decide(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
-    _dcp_load(backend, {layout.model_key: to_load}, path)
+    # Every optimizer's template is built and checked before anything is read, then one DCP pass reads
+    # the model and all optimizer states (one planning round, each file read once, in order).
+    prepared = [
+        _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
+        for index, optimizer in enumerate(optimizers)
+    ]
+    state: dict[str, Any] = {layout.model_key: to_load}
+    state.update((key, template) for key, template, _ in prepared)
+    _dcp_load(backend, state, path)
     if fsdp1.supported(model):
         # The parameters were read into views of the flat shards; the rest (buffers...) loads as usual.
         with fsdp1.views():
             set_model_state(model, to_load)
     else:
         set_model_state(model, to_load)
-
-    for index, optimizer in enumerate(optimizers):
-        _restore_sharded_optimizer(backend, path, layout, model, optimizer, index, strict=strict)
+    for _, _, finish in prepared:
+        finish()
     return metadata, report
 
 
-def _restore_sharded_optimizer(
-    backend: Backend,
+def _prepare_optimizer(
     path: Location,
     layout: ShardedLayout,
     model: nn.Module,
@@ -89,7 +95,8 @@ def _restore_sharded_optimizer(
     index: int,
     *,
     strict: bool,
-) -> None:
+) -> tuple[str, dict[str, Any], Callable[[], None]]:
+    """``(key, template to read into, what loads it into the optimizer once read)``; checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
     template = template_like(model, optimizer, stored)
@@ -139,15 +146,19 @@ def _restore_sharded_optimizer(
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
     own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
-    _dcp_load(backend, {key: template}, path)
-    for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
-        group[PARAMS] = params
-    if fsdp1_local is not None:
-        fsdp1.load_optimizer_state(optimizer, template, fsdp1_local)
-    elif from_index:
-        optimizer.load_state_dict(key_by_index(template))
-    else:
-        set_optimizer_state(model, optimizer, template)
+    loaded = template
+
+    def finish() -> None:
+        for group, params in zip(loaded[PARAM_GROUPS], own_params, strict=True):
+            group[PARAMS] = params
+        if fsdp1_local is not None:
+            fsdp1.load_optimizer_state(optimizer, loaded, fsdp1_local)
+        elif from_index:
+            optimizer.load_state_dict(key_by_index(loaded))
+        else:
+            set_optimizer_state(model, optimizer, loaded)
+
+    return key, template, finish
 
 
 def _stored_optimizer_entries(
