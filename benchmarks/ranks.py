@@ -18,6 +18,8 @@ others). Cases:
   memory (``VmHWM``, reset through ``/proc/self/clear_refs`` before the restore).
 - ``async-ours-mp``, ``async-ours-fsdp``: ``async_save=True``: how long ``save_checkpoint`` blocks the
   training loop, against a synchronous save of the same state in the same process.
+- ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` against without,
+  alternating; its checkpoint stays for the offline tools' figures.
 - ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a matmul-bound training step
   (``--batch`` rows) while an async save is in flight, against the steps just before it without one.
 
@@ -474,6 +476,39 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def verify_case(args: argparse.Namespace) -> dict[str, Any]:
+    """Resume with ``verify=True`` against without, alternating, from one ShardedModelParallel checkpoint.
+
+    The checkpoint is left at ``DIR/kept.ckpt`` for the offline tools' figures of ``benchmarks/run.py``.
+    """
+    world = dist.get_world_size()
+    ckpt = args.dir / "kept.ckpt"
+
+    class SaveOnce(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            settle()
+            trainer.save_checkpoint(ckpt)
+
+    model = BenchModel(args.width, args.layers, shard_layers=True)
+    trainer = trainer_for(make_strategy("ours-mp", world), [SaveOnce()])
+    trainer.fit(model)
+    del trainer, model
+    gc.collect()
+    record: dict[str, Any] = {"plain load s": [], "verify load s": [], "bytes": tree_bytes(ckpt)}
+    for _ in range(args.repeats):
+        for verify in (False, True):
+            evict(ckpt)
+            restore: dict[str, float] = {}
+            model = BenchModel(args.width, args.layers, shard_layers=True)
+            trainer = trainer_for(make_strategy("ours-mp", world, verify=verify))
+            with timing_restore(trainer, restore):
+                trainer.fit(model, ckpt_path=ckpt)
+            record["verify load s" if verify else "plain load s"].append(restore["restore s"])
+            del trainer, model
+            gc.collect()
+    return record
+
+
 class _Rows(torch.utils.data.Dataset[tuple[torch.Tensor]]):
     """The same random row, as often as a long fit asks (a compute-bound step needs no real data)."""
 
@@ -515,7 +550,7 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     strategy_name = name.removeprefix("throughput-")
     ckpt = args.dir / f"{name}.ckpt"
     record: dict[str, Any] = {"steady steps/s": [], "saving steps/s": [], "save window s": [], "steps": []}
-    warmup, steady = 3, 6
+    warmup, steady = 2, args.steady
 
     class Measure(L.Callback):
         def __init__(self) -> None:
@@ -575,6 +610,7 @@ def main() -> None:
     parser.add_argument("--raw-bytes", type=int, default=0, help="probe the disk with this many bytes")
     parser.add_argument("--full", action="store_true", help="stock-mp also writes the full file")
     parser.add_argument("--batch", type=int, default=16, help="rows per step of the throughput cases")
+    parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -590,6 +626,8 @@ def main() -> None:
                 results[case] = torch_case(args)
             elif case.startswith("memory-"):
                 results[case] = memory_case(case, args)
+            elif case == "verify-ours-mp":
+                results[case] = verify_case(args)
             elif case.startswith("throughput-"):
                 results[case] = throughput_case(case, args)
             elif case.startswith("async-"):
