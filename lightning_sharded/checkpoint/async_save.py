@@ -29,6 +29,7 @@ Staging costs one extra copy of the rank's shard in host memory while a saver li
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -281,12 +282,9 @@ def _lower_priority() -> None:
     if not sys.platform.startswith("linux"):
         return
     tid = threading.get_native_id()
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, tid)
-        if current < WRITER_NICE:
+    with contextlib.suppress(OSError):  # not permitted here: the writer runs at the training's priority
+        if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-    except OSError:  # not permitted here: the writer runs at the training's priority
-        pass
 
 
 class _BackgroundError(Exception):
