@@ -42,6 +42,9 @@ if str(REPO) not in sys.path:
 from tests.distributed.launch import run_ranks  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs" / "benchmarks.md"
+#: The tables of ``docs/benchmarks.md`` sit between these lines; a full run rewrites them.
+BEGIN, END = "<!-- results: written by benchmarks/run.py -->", "<!-- end of results -->"
 WORLD = 2
 STOCK = {"ours-mp": "stock-mp", "ours-fsdp": "stock-fsdp"}
 LABELS = {
@@ -637,6 +640,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def update_docs(path: Path, tables: str) -> None:
+    """Put ``tables`` between the results markers of ``path`` (appended with them if it has none)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n\n{tables}\n\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
 def _load_average() -> dict[str, float]:
     """The machine's load (``uptime``) at the end of the run: how shared it was."""
     one, five, fifteen = os.getloadavg()
@@ -664,11 +679,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cases", nargs="+", help="run only these cases (default: all that exist)")
     parser.add_argument("--no-hooks", action="store_true", help="skip the hook-overhead section")
     parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="rewrite the tables of this markdown file between its results markers"
+        " (default: docs/benchmarks.md for a full run into benchmarks/results)",
+    )
+    parser.add_argument(
         "--batch", type=int, default=None, help="rows per step of the training-throughput cases"
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gb = min(args.size_gb, 0.02)
+    if args.docs is None and not args.quick and not args.cases and args.out == RESULTS:
+        args.docs = DOCS
     repeats = args.repeats or 2
     if args.batch is None:
         args.batch = 4 if args.quick else 16
@@ -757,6 +781,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     plot(report, args.out / "results.png")
     (args.out / "results.md").write_text(markdown(report) + "\n")
+    if args.docs is not None:
+        update_docs(args.docs, markdown(report))
     print(table(report))
     print(f"\n{report['seconds']:.0f} s; wrote {args.out / 'results.json'} and {args.out / 'results.png'}")
     return report
