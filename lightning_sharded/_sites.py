@@ -11,8 +11,8 @@ last walk and proves it still holds with a few C-level passes over the same modu
 
 - the same modules, each ``__dict__`` of the same length (catches attributes added or deleted), each
   ``_modules`` of the same length (submodules added or removed) and the same children where there
-  were children (submodules replaced); a module's ``_modules`` dict itself is assumed to stay the
-  same object, as ``nn.Module`` keeps it;
+  were children (submodules replaced); a module's ``__dict__`` and ``_modules`` dict are assumed to
+  stay the same objects, as ``nn.Module`` keeps them (the check reads the dicts it saw, not the modules);
 - the same *type* for every non-standard ``__dict__`` entry (catches ``self.table = None`` later
   becoming ``self.table = distribute_tensor(...)``, and the reverse).
 
@@ -78,6 +78,7 @@ class Site:
 @dataclass
 class _Snapshot:
     modules: list[nn.Module]
+    dicts: list[dict[str, Any]]  # each module's __dict__
     lengths: list[int]  # of each module's __dict__
     child_dicts: list[dict[str, Any]]  # each module's _modules
     child_counts: list[int]
@@ -123,7 +124,7 @@ class SiteIndex:
 
     @staticmethod
     def _still_valid(snap: _Snapshot) -> bool:
-        dicts = list(map(vars, snap.modules))
+        dicts = snap.dicts
         if list(map(len, dicts)) != snap.lengths:
             return False
         # A child added or removed anywhere changes a count; a child replaced can only be in a
@@ -158,6 +159,7 @@ class SiteIndex:
         parents = [d for d in child_dicts if d]
         return _Snapshot(
             modules=modules,
+            dicts=dicts,
             lengths=list(map(len, dicts)),
             child_dicts=child_dicts,
             child_counts=list(map(len, child_dicts)),
