@@ -274,14 +274,28 @@ def _param_tensor(handle: Any, index: int) -> Any:
     return _sharded_tensor(local, layout, handle.process_group, handle.rank)
 
 
+def _copy_into_shard(target: Any, value: Any) -> None:
+    """Put ``value`` (a sharded or full tensor) into ``target``'s views, unless it already is them."""
+    mine = [shard.tensor.data_ptr() for shard in target.local_shards()]
+    adapter = adapter_for(value)
+    if adapter is not None and type(value) is type(target):
+        theirs = [shard.tensor.data_ptr() for shard in value.local_shards()]
+        if mine == theirs and target.metadata() == value.metadata():
+            return  # read in place already (the sharded load reads into these very views)
+    adapter_of_target = adapter_for(target)
+    assert adapter_of_target is not None
+    adapter_of_target.copy_into(target, value)
+
+
 @contextlib.contextmanager
 def views() -> Iterator[None]:
     """Inside the block, FSDP1's ``SHARDED_STATE_DICT`` hooks neither gather nor scatter.
 
     ``model.state_dict()`` gives each parameter as a ``ShardedTensor`` of views of the local flat shard
-    (no communication, no copy); ``model.load_state_dict()`` leaves the parameters alone (their values
-    must already have been read into those views, as the sharded load does) and loads the rest (buffers,
-    sharded attributes, extra state) as usual. Only for models :func:`supported` accepts.
+    (no communication, no copy); ``model.load_state_dict()`` copies each parameter's value (sharded in
+    any layout, or full) into those views, skipping a value that is those very views (what the
+    sharded load read into), and loads the rest (buffers, sharded attributes, extra state) as usual.
+    Only for models :func:`supported` accepts.
     """
     sdu = _torch_hooks()
     from torch.distributed.fsdp._common_utils import FSDP_PREFIX
@@ -319,8 +333,11 @@ def views() -> Iterator[None]:
         sdu._replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
         if not sdu._has_fsdp_params(fsdp_state, module):
             return
-        for fqn, _, _ in sdu._param_name_infos(module, fsdp_state):
-            state_dict.pop(f"{prefix}{FSDP_PREFIX}{fqn}", None)
+        handle = sdu._module_handle(fsdp_state, module)
+        for index, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state)):
+            value = state_dict.pop(f"{prefix}{FSDP_PREFIX}{fqn}", None)
+            if value is not None:
+                _copy_into_shard(_param_tensor(handle, index), value)
 
     def post_load(module: nn.Module, fsdp_state: Any, *args: Any, **kwargs: Any) -> None:
         return None

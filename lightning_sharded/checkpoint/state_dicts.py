@@ -24,6 +24,7 @@ __all__ = [
     "model_state_dict",
     "optimizer_state_dict",
     "param_names",
+    "torch_optimizer_template",
 ]
 
 STATE = "state"
@@ -79,6 +80,18 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
     if full and state:
         state = key_by_index(state)
     return state
+
+
+def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step).
+
+    For models whose optimizer state cannot be described from a checkpoint's index (FSDP1 outside
+    :func:`lightning_sharded.checkpoint.fsdp1.supported`): never the views of the current state,
+    which are empty before the first step.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(model, False))
 
 
 def has_fsdp1(model: nn.Module) -> bool:

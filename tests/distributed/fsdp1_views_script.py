@@ -10,7 +10,8 @@ after one step. Checks, on every rank, and writes ``DIR/ok`` from rank 0 when al
    ``get_optimizer_state_dict``, which gather), same keys (the optimizer's: the union over ranks);
 2. a checkpoint written from the views restores into a fresh model exactly, and both continue alike;
 3. a checkpoint written from torch's own state dicts (what stock ``FSDPStrategy`` writes) restores
-   through the views exactly.
+   through the views exactly;
+4. so does a full file (gathered on rank 0), whose values are copied into the views.
 """
 
 from __future__ import annotations
@@ -150,6 +151,21 @@ def main() -> None:
         full_optimizer(model, optimizer),
         "optimizer from torch's chunks",
     )
+
+    # 4. a full file (gathered on rank 0, as `state_dict_type="full"` writes it) restores through the views
+    full = root / "full.ckpt"
+    checkpoint = {
+        "state_dict": state_dicts.model_state_dict(model, full=True),
+        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=True)],
+        "global_step": 2,
+    }
+    if rank == 0:
+        torch.save(checkpoint, full)
+    dist.barrier()
+    last, last_optimizer = build(3)
+    load.restore_checkpoint(full, last, [last_optimizer])
+    same(full_model(last), full_model(model), "model from a full file")
+    same(full_optimizer(last, last_optimizer), full_optimizer(model, optimizer), "optimizer from a full file")
 
     dist.barrier()
     if rank == 0:

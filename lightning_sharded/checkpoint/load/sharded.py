@@ -35,7 +35,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     STATE,
     key_by_index,
     model_state_dict,
-    optimizer_state_dict,
+    torch_optimizer_template,
 )
 
 __all__ = ["load_meta", "restore_sharded"]
@@ -76,12 +76,7 @@ def restore_sharded(
     state: dict[str, Any] = {layout.model_key: to_load}
     state.update((key, template) for key, template, _ in prepared)
     _dcp_load(backend, state, path)
-    if fsdp1.supported(model):
-        # The parameters were read into views of the flat shards; the rest (buffers...) loads as usual.
-        with fsdp1.views():
-            set_model_state(model, to_load)
-    else:
-        set_model_state(model, to_load)
+    set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for _, _, finish in prepared:
         finish()
     return metadata, report
@@ -110,7 +105,7 @@ def _prepare_optimizer(
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
         # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
-        template = optimizer_state_dict(model, optimizer, full=False)
+        template = torch_optimizer_template(model, optimizer)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
