@@ -175,7 +175,7 @@ def _restore_full_optimizer(
         group.update(source_group)
         group[PARAMS] = params
     if fsdp1_local is not None:
-        fsdp1.load_optimizer_state(optimizer, template, fsdp1_local)
+        optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
     elif with_helpers:
         set_optimizer_state(model, optimizer, template)
     else:

@@ -147,7 +147,7 @@ def _prepare_optimizer(
         for group, params in zip(loaded[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
         if fsdp1_local is not None:
-            fsdp1.load_optimizer_state(optimizer, loaded, fsdp1_local)
+            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(loaded, fsdp1_local)))
         elif from_index:
             optimizer.load_state_dict(key_by_index(loaded))
         else:
