@@ -675,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="a small size and few repeats: a smoke test")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where results.json/.png go")
-    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--timeout", type=float, default=2400.0, help="for all the ranks' cases together")
     parser.add_argument("--cases", nargs="+", help="run only these cases (default: all that exist)")
     parser.add_argument("--no-hooks", action="store_true", help="skip the hook-overhead section")
     parser.add_argument(
@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.docs = DOCS
     repeats = args.repeats or 2
     if args.batch is None:
-        args.batch = 4 if args.quick else 16
+        args.batch = 4 if args.quick else 8
     width, layers = geometry(args.size_gb)
     ours = our_strategies()
     cases = ["stock-mp", "stock-fsdp", *ours, "torch", "memory-stock-mp"]
@@ -735,7 +735,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "--batch",
             str(args.batch),
             "--steady",
-            str(2 if args.quick else 6),
+            str(2 if args.quick else 4),
             timeout=args.timeout,
         )
         per_rank = [json.loads((ranks_out / f"rank{r}.json").read_text()) for r in range(WORLD)]
