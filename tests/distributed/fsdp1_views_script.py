@@ -92,6 +92,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, optimizer = build(0)
+    optimizer.param_groups[0]["lr"] = 0.0123  # restored on every rank, not the fresh optimizer's 0.1
     assert fsdp1.supported(model)
 
     # 1. the views hold torch's values
@@ -130,6 +131,7 @@ def main() -> None:
     load.restore_checkpoint(ours, fresh, [fresh_optimizer])
     same(full_model(fresh), reference, "model after restore")
     same(full_optimizer(fresh, fresh_optimizer), optim_reference, "optimizer after restore")
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.0123, (rank, fresh_optimizer.param_groups[0]["lr"])
     step(model, optimizer, 7)
     step(fresh, fresh_optimizer, 7)
     same(full_model(fresh), full_model(model), "model after one more step")
@@ -166,6 +168,7 @@ def main() -> None:
     load.restore_checkpoint(full, last, [last_optimizer])
     same(full_model(last), full_model(model), "model from a full file")
     same(full_optimizer(last, last_optimizer), full_optimizer(model, optimizer), "optimizer from a full file")
+    assert last_optimizer.param_groups[0]["lr"] == 0.0123, (rank, last_optimizer.param_groups[0]["lr"])
 
     dist.barrier()
     if rank == 0:

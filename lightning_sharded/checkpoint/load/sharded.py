@@ -67,16 +67,18 @@ def restore_sharded(
     metadata = collective.decide(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
-    # Every optimizer's template is built and checked before anything is read, then one DCP pass reads
-    # the model and all optimizer states (one planning round, each file read once, in order).
+    # Every optimizer's template is built and checked before anything is read: an optimizer that does
+    # not fit fails before the model changed. The model and each optimizer are then read in a DCP pass
+    # of their own (in one pass, DCP did not read the replicated non-tensor entries, the param groups,
+    # on every rank).
     prepared = [
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
         for index, optimizer in enumerate(optimizers)
     ]
-    state: dict[str, Any] = {layout.model_key: to_load}
-    state.update((key, template) for key, template, _ in prepared)
-    _dcp_load(backend, state, path)
+    _dcp_load(backend, {layout.model_key: to_load}, path)
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
+    for _, to_read, _ in prepared:
+        _dcp_load(backend, to_read, path)
     for _, _, finish in prepared:
         finish()
     return metadata, report
@@ -91,7 +93,7 @@ def _prepare_optimizer(
     *,
     strict: bool,
 ) -> tuple[str, dict[str, Any], Callable[[], None]]:
-    """``(key, template to read into, what loads it into the optimizer once read)``; checks first."""
+    """``(key, what DCP reads into, what loads it into the optimizer once read)``; checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
     template = template_like(model, optimizer, stored)
@@ -142,8 +144,22 @@ def _prepare_optimizer(
         )
     own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
     loaded = template
+    # The param groups' entries go to DCP under their flat keys: a group of plain values is one leaf to
+    # DCP's flattening (no tensor inside), whose key the checkpoint does not have, so a partial load
+    # skipped it on the ranks whose groups held no tensor, and kept their current values.
+    flat_groups = {
+        f"{key}.{PARAM_GROUPS}.{i}.{name}": value
+        for i, group in enumerate(template[PARAM_GROUPS])
+        for name, value in group.items()
+        if name != PARAMS and f"{key}.{PARAM_GROUPS}.{i}.{name}" in layout.entries
+    }
+    to_read: dict[str, Any] = {key: {STATE: template[STATE]}, **flat_groups}
 
     def finish() -> None:
+        for flat_key, value in to_read.items():
+            if flat_key != key:
+                index, name = flat_key[len(f"{key}.{PARAM_GROUPS}.") :].split(".", 1)
+                loaded[PARAM_GROUPS][int(index)][name] = value
         for group, params in zip(loaded[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
         if fsdp1_local is not None:
@@ -153,7 +169,7 @@ def _prepare_optimizer(
         else:
             set_optimizer_state(model, optimizer, loaded)
 
-    return key, template, finish
+    return key, to_read, finish
 
 
 def _stored_optimizer_entries(
