@@ -95,7 +95,8 @@ def raw_bandwidth(per_rank: list[dict[str, Any]], nbytes: int) -> dict[str, Any]
             if isinstance(per_rank[0][case], dict) and key in per_rank[0][case]
             for values in zip(*(r[case][key] for r in per_rank), strict=True)
         ]
-        figures[name] = nbytes / statistics.median(probes) / 1e9
+        # No probe without a Lightning save case (a run of --cases that has none): no disk ratios.
+        figures[name] = nbytes / statistics.median(probes) / 1e9 if probes else math.nan
         figures[name.replace("GB/s", "probes GB/s")] = [nbytes / s / 1e9 for s in probes]
     return figures
 
