@@ -495,7 +495,7 @@ def verify_case(args: argparse.Namespace) -> dict[str, Any]:
     del trainer, model
     gc.collect()
     record: dict[str, Any] = {"plain load s": [], "verify load s": [], "bytes": tree_bytes(ckpt)}
-    for _ in range(args.repeats):
+    for _ in range(args.cycles):
         for verify in (False, True):
             evict(ckpt)
             restore: dict[str, float] = {}
@@ -542,7 +542,7 @@ def _all_done(local: bool) -> bool:
 def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Steps per second of training while an async save is in flight, against the same run without.
 
-    Alternates ``--repeats`` windows: ``STEADY`` steps with no save in flight, then an async save and
+    Alternates ``--cycles`` windows: ``STEADY`` steps with no save in flight, then an async save and
     the steps that run until every rank's save is published (checked after each step, in both windows
     alike). The first save (which allocates the staging buffers) is made during the warm-up.
     """
@@ -583,7 +583,7 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 record["steps"].append(self.count)
                 trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
                 self.cycles += 1
-                if self.cycles >= args.repeats:
+                if self.cycles >= args.cycles:
                     trainer.should_stop = True
                     self.mode = "done"
                 else:
@@ -611,6 +611,9 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="stock-mp also writes the full file")
     parser.add_argument("--batch", type=int, default=16, help="rows per step of the throughput cases")
     parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
+    parser.add_argument(
+        "--cycles", type=int, default=2, help="loads and save windows of the verify/throughput cases"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not dist.is_initialized():
