@@ -69,8 +69,7 @@ def restore_sharded(
     )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. The model and each optimizer are then read in a DCP pass
-    # of their own (in one pass, DCP did not read the replicated non-tensor entries, the param groups,
-    # on every rank).
+    # of their own.
     prepared = [
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
         for index, optimizer in enumerate(optimizers)
