@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.async_save import AsyncSaver, StagingBuffers
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
-from tests.distributed.launch import free_port, rank_env, run_ranks
+from tests.distributed.launch import Rank, free_port, rank_env, run_ranks, start_rank
 
 SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"
 _STRATEGIES = pytest.mark.skipif(
@@ -114,19 +112,9 @@ def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
     assert not list(root.glob(".sync.staging-*")), "a failed save left its staging directory"
 
 
-def _start_ranks(args: list[str]) -> list[subprocess.Popen[str]]:
+def _start_ranks(args: list[str]) -> list[Rank]:
     port = free_port()
-    return [
-        subprocess.Popen(
-            [sys.executable, str(SCENARIO), *args],
-            env=rank_env(rank, 2, port),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(2)
-    ]
+    return [start_rank([str(SCENARIO), *args], rank_env(rank, 2, port)) for rank in range(2)]
 
 
 @pytest.mark.slow

@@ -5,21 +5,32 @@ Each rank is ``python SCRIPT ARGS...`` with ``RANK``, ``LOCAL_RANK``, ``WORLD_SI
 works and Lightning uses this environment instead of relaunching ``sys.argv``. Scenario scripts report
 results through files in a folder the test gives them; a rank that fails, hangs past the timeout or
 exits non-zero fails the test with every rank's output.
+
+Ranks are forked from a process that has imported torch and Lightning once (``tests/distributed/zygote.py``:
+still one real process per rank, without the import cost of a cold start); ``LIGHTNING_SHARDED_TEST_COLD=1``
+starts every rank cold instead.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from lightning_sharded._launch import free_port
 from lightning_sharded._launch import rank_env as _rank_env
+from tests.distributed.zygote import COLD_ENV, ForkedRank, Zygote
 
 REPO = Path(__file__).resolve().parents[2]
+
+Rank = subprocess.Popen[str] | ForkedRank
+_zygote: Zygote | None = None
+_outputs: Path | None = None
 
 
 def rank_env(rank: int, world_size: int, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -45,21 +56,33 @@ def run_ranks(
             (all ranks are then killed); the message holds every rank's output.
     """
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), *args],
-            env=rank_env(rank, world_size, port, env),
+    procs = [start_rank([str(script), *args], rank_env(r, world_size, port, env)) for r in range(world_size)]
+    return wait_all(procs, timeout, f"{Path(script).name} x{world_size}", "rank")
+
+
+def start_rank(argv: list[str], env: dict[str, str]) -> Rank:
+    """``python ARGV`` with ``env`` in a session of its own, output captured: forked from the session's
+    zygote, or a cold process when ``LIGHTNING_SHARDED_TEST_COLD=1``."""
+    global _zygote, _outputs
+    if os.environ.get(COLD_ENV) == "1":
+        return subprocess.Popen(
+            [sys.executable, *argv],
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
-        for rank in range(world_size)
-    ]
-    return wait_all(procs, timeout, f"{Path(script).name} x{world_size}", "rank")
+    if _zygote is None:
+        _outputs = Path(tempfile.mkdtemp(prefix="ls-ranks-"))
+        _zygote = Zygote(launcher_env(), REPO)
+        atexit.register(_zygote.close)
+    assert _outputs is not None
+    out = Path(tempfile.mkstemp(dir=_outputs, suffix=".out")[1])
+    return _zygote.start(argv, env, out)
 
 
-def wait_all(procs: list[subprocess.Popen[str]], timeout: float, label: str, what: str) -> list[str]:
+def wait_all(procs: list[Rank], timeout: float, label: str, what: str) -> list[str]:
     """Wait for every process; kill all of them (their process groups) at ``timeout`` seconds.
 
     Returns each process's combined output. Raises ``AssertionError`` with every output when one
