@@ -16,8 +16,12 @@ others). Cases:
 - ``memory-stock-mp``, ``memory-ours-mp``: resume from one full checkpoint file (written by stock
   ``ModelParallelStrategy`` in the ``stock-mp`` case) into the sharded model, recording the peak resident
   memory (``VmHWM``, reset through ``/proc/self/clear_refs`` before the restore).
-- ``async-ours-mp``: ``ShardedModelParallelStrategy(async_save=True)``: how long ``save_checkpoint``
-  blocks the training loop, against a synchronous save of the same state in the same process.
+- ``async-ours-mp``, ``async-ours-fsdp``: ``async_save=True``: how long ``save_checkpoint`` blocks the
+  training loop, against a synchronous save of the same state in the same process.
+- ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` against without,
+  alternating; its checkpoint stays for the offline tools' figures.
+- ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a matmul-bound training step
+  (``--batch`` rows) while an async save is in flight, against the steps just before it without one.
 
 Times are taken on every rank between barriers; the launcher keeps the slowest rank.
 """
@@ -472,6 +476,129 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+def verify_case(args: argparse.Namespace) -> dict[str, Any]:
+    """Resume with ``verify=True`` against without, alternating, from one ShardedModelParallel checkpoint.
+
+    The checkpoint is left at ``DIR/kept.ckpt`` for the offline tools' figures of ``benchmarks/run.py``.
+    """
+    world = dist.get_world_size()
+    ckpt = args.dir / "kept.ckpt"
+
+    class SaveOnce(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            settle()
+            trainer.save_checkpoint(ckpt)
+
+    model = BenchModel(args.width, args.layers, shard_layers=True)
+    trainer = trainer_for(make_strategy("ours-mp", world), [SaveOnce()])
+    trainer.fit(model)
+    del trainer, model
+    gc.collect()
+    record: dict[str, Any] = {"plain load s": [], "verify load s": [], "bytes": tree_bytes(ckpt)}
+    for _ in range(args.cycles):
+        for verify in (False, True):
+            evict(ckpt)
+            restore: dict[str, float] = {}
+            model = BenchModel(args.width, args.layers, shard_layers=True)
+            trainer = trainer_for(make_strategy("ours-mp", world, verify=verify))
+            with timing_restore(trainer, restore):
+                trainer.fit(model, ckpt_path=ckpt)
+            record["verify load s" if verify else "plain load s"].append(restore["restore s"])
+            del trainer, model
+            gc.collect()
+    return record
+
+
+class _Rows(torch.utils.data.Dataset[tuple[torch.Tensor]]):
+    """The same random row, as often as a long fit asks (a compute-bound step needs no real data)."""
+
+    def __init__(self, width: int) -> None:
+        self.row = torch.randn(width)
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor]:
+        return (self.row,)
+
+
+class ThroughputModel(BenchModel):
+    """:class:`BenchModel` whose step runs a batch of ``batch`` rows: the step is matmul-bound."""
+
+    def __init__(self, width: int, layers: int, shard_layers: bool, batch: int) -> None:
+        super().__init__(width, layers, shard_layers)
+        self.batch = batch
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_Rows(self.width), batch_size=self.batch)
+
+
+def _all_done(local: bool) -> bool:
+    flag = torch.tensor([1 if local else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Steps per second of training while an async save is in flight, against the same run without.
+
+    Alternates ``--cycles`` windows: ``STEADY`` steps with no save in flight, then an async save and
+    the steps that run until every rank's save is published (checked after each step, in both windows
+    alike). The first save (which allocates the staging buffers) is made during the warm-up.
+    """
+    world = dist.get_world_size()
+    strategy_name = name.removeprefix("throughput-")
+    ckpt = args.dir / f"{name}.ckpt"
+    record: dict[str, Any] = {"steady steps/s": [], "saving steps/s": [], "save window s": [], "steps": []}
+    warmup, steady = 2, args.steady
+
+    class Measure(L.Callback):
+        def __init__(self) -> None:
+            self.mode, self.count, self.start, self.cycles = "warmup", 0, 0.0, 0
+
+        def _begin(self, mode: str, trainer: L.Trainer) -> None:
+            self.mode, self.count = mode, 0
+            barrier()
+            self.start = time.perf_counter()
+            if mode == "saving":
+                trainer.save_checkpoint(ckpt)
+
+        def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
+            saver = trainer.strategy._async_saver  # type: ignore[attr-defined]
+            self.count += 1
+            done = _all_done(saver is None or not saver.writing)
+            if self.mode == "warmup":
+                if self.count == 1:
+                    trainer.save_checkpoint(ckpt)  # allocates the staging buffers
+                if self.count >= warmup and done:
+                    trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
+                    self._begin("steady", trainer)
+            elif self.mode == "steady" and self.count >= steady:
+                record["steady steps/s"].append(self.count / (time.perf_counter() - self.start))
+                self._begin("saving", trainer)
+            elif self.mode == "saving" and done:
+                elapsed = time.perf_counter() - self.start
+                record["saving steps/s"].append(self.count / elapsed)
+                record["save window s"].append(elapsed)
+                record["steps"].append(self.count)
+                trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
+                self.cycles += 1
+                if self.cycles >= args.cycles:
+                    trainer.should_stop = True
+                    self.mode = "done"
+                else:
+                    self._begin("steady", trainer)
+
+    model = ThroughputModel(args.width, args.layers, strategy_name.endswith("mp"), args.batch)
+    trainer = trainer_for(make_strategy(strategy_name, world, async_save=True), [Measure()])
+    trainer.fit_loop.epoch_loop.max_steps = 10_000
+    trainer.fit(model)
+    del trainer, model
+    gc.collect()
+    remove(ckpt)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cases", nargs="+")
@@ -482,6 +609,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--raw-bytes", type=int, default=0, help="probe the disk with this many bytes")
     parser.add_argument("--full", action="store_true", help="stock-mp also writes the full file")
+    parser.add_argument("--batch", type=int, default=16, help="rows per step of the throughput cases")
+    parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
+    parser.add_argument(
+        "--cycles", type=int, default=2, help="loads and save windows of the verify/throughput cases"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not dist.is_initialized():
@@ -497,6 +629,10 @@ def main() -> None:
                 results[case] = torch_case(args)
             elif case.startswith("memory-"):
                 results[case] = memory_case(case, args)
+            elif case == "verify-ours-mp":
+                results[case] = verify_case(args)
+            elif case.startswith("throughput-"):
+                results[case] = throughput_case(case, args)
             elif case.startswith("async-"):
                 results[case] = async_case(case, args)
             else:

@@ -42,6 +42,9 @@ if str(REPO) not in sys.path:
 from tests.distributed.launch import run_ranks  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
+DOCS = REPO / "docs" / "benchmarks.md"
+#: The tables of ``docs/benchmarks.md`` sit between these lines; a full run rewrites them.
+BEGIN, END = "<!-- results: written by benchmarks/run.py -->", "<!-- end of results -->"
 WORLD = 2
 STOCK = {"ours-mp": "stock-mp", "ours-fsdp": "stock-fsdp"}
 LABELS = {
@@ -92,7 +95,8 @@ def raw_bandwidth(per_rank: list[dict[str, Any]], nbytes: int) -> dict[str, Any]
             if isinstance(per_rank[0][case], dict) and key in per_rank[0][case]
             for values in zip(*(r[case][key] for r in per_rank), strict=True)
         ]
-        figures[name] = nbytes / statistics.median(probes) / 1e9
+        # No probe without a Lightning save case (a run of --cases that has none): no disk ratios.
+        figures[name] = nbytes / statistics.median(probes) / 1e9 if probes else math.nan
         figures[name.replace("GB/s", "probes GB/s")] = [nbytes / s / 1e9 for s in probes]
     return figures
 
@@ -192,7 +196,43 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
                 / (worst["shard bytes"] + worst["largest tensor bytes"]),
                 "restore s": worst["restore s"],
             }
+    verify_rows: dict[str, dict[str, float]] = {}
+    if "verify-ours-mp" in ok:
+        plain = median_of_max(per_rank, "verify-ours-mp", "plain load s")
+        checked = median_of_max(per_rank, "verify-ours-mp", "verify load s")
+        verify_rows[LABELS["ours-mp"]] = {
+            "plain load s": plain,
+            "verify load s": checked,
+            "verify / plain load": checked / plain,
+        }
+    training_rows: dict[str, dict[str, float]] = {}
+    for case in ("throughput-ours-mp", "throughput-ours-fsdp"):
+        if case in ok:
+            steady = [statistics.median(r[case]["steady steps/s"]) for r in per_rank]
+            saving = [statistics.median(r[case]["saving steps/s"]) for r in per_rank]
+            window = max(statistics.median(r[case]["save window s"]) for r in per_rank)
+            pairs = [
+                s / b
+                for r in per_rank
+                for s, b in zip(r[case]["saving steps/s"], r[case]["steady steps/s"], strict=True)
+            ]
+            training_rows[LABELS[case.removeprefix("throughput-")]] = {
+                "steps/s without a save": min(steady),
+                "steps/s while saving": min(saving),
+                "save in flight s": window,
+                "while saving / without": statistics.median(pairs),
+            }
     return {
+        "verify": {
+            "rows": verify_rows,
+            "ratios": {f"{n}: verify / plain load": r["verify / plain load"] for n, r in verify_rows.items()},
+        },
+        "training": {
+            "rows": training_rows,
+            "ratios": {
+                f"{n}: while saving / without": r["while saving / without"] for n, r in training_rows.items()
+            },
+        },
         "throughput": {"rows": rows, "ratios": throughput_ratios},
         "async": {
             "rows": async_rows,
@@ -208,6 +248,87 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
         },
         "errors": errors,
     }
+
+
+_MEASURE = """
+import resource, subprocess, sys, time
+start = time.perf_counter()
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode
+elapsed = time.perf_counter() - start
+print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)
+"""
+
+
+def measure(command: list[str]) -> tuple[float, int]:
+    """(seconds, peak RSS bytes) of ``command`` run in a fresh process (whose start is counted)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *command], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if out[2] != "0":
+        raise RuntimeError(f"{command} failed with exit code {out[2]}")
+    return float(out[0]), int(out[1]) * 1024
+
+
+def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) -> dict[str, Any]:
+    """The offline tools on the kept 2-rank checkpoint, each against the disk doing the same bytes.
+
+    ``inspect`` and ``verify`` (CLI, a fresh process each, cold cache) against ``cat`` of its files to
+    ``/dev/null``; ``consolidate`` (``--no-verify``: one read of the source) against a raw cold read of
+    the source plus a write+fsync of as many bytes; with its default ``verify`` too. Medians. ``quick``
+    runs ``inspect`` and ``consolidate --no-verify`` only (a smoke test: each CLI start imports torch).
+    """
+    from benchmarks.disk import evict_tree, read_all, write_fsync
+
+    files = sorted(str(p) for p in ckpt.rglob("*") if p.is_file())
+    nbytes = sum(Path(f).stat().st_size for f in files)
+    cli = [sys.executable, "-c", "import sys; from lightning_sharded.cli import main; sys.exit(main())"]
+    dst = scratch / "consolidated.ckpt"
+    raw_file = scratch / "raw-consolidate.bin"
+    series: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
+
+    def run(name: str, command: list[str]) -> None:
+        os.sync()
+        evict_tree(ckpt)
+        seconds, peak = measure(command)
+        series.setdefault(name, []).append(seconds)
+        peaks[name] = max(peaks.get(name, 0), peak)
+        if dst.exists():
+            dst.unlink()
+
+    for _ in range(repeats):
+        run("cat", ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files) + " > /dev/null"])
+        run("inspect", [*cli, "inspect", str(ckpt)])
+        run("verify", [*cli, "verify", str(ckpt)])
+        run(
+            "consolidate --no-verify",
+            [*cli, "consolidate", "--no-verify", "--no-progress", str(ckpt), str(dst)],
+        )
+        run("consolidate", [*cli, "consolidate", "--no-progress", str(ckpt), str(dst)])
+        os.sync()
+        evict_tree(ckpt)
+        start = time.perf_counter()
+        for f in files:
+            read_all(Path(f))
+        write_fsync(raw_file, nbytes)
+        series.setdefault("raw read + write", []).append(time.perf_counter() - start)
+        raw_file.unlink()
+    med = {name: statistics.median(values) for name, values in series.items()}
+    rows = {
+        name: {"seconds": med[name], "GB/s": nbytes / med[name] / 1e9, "peak rss bytes": peaks.get(name, 0)}
+        for name in med
+    }
+    ratios = {
+        "inspect / cat": med["inspect"] / med["cat"],
+        "verify / cat": med["verify"] / med["cat"],
+        "consolidate --no-verify GB/s / raw read+write": med["raw read + write"]
+        / med["consolidate --no-verify"],
+        "consolidate GB/s / raw read+write": med["raw read + write"] / med["consolidate"],
+        "consolidate peak RSS / checkpoint": peaks["consolidate --no-verify"] / nbytes,
+    }
+    return {"rows": rows, "ratios": ratios, "bytes": nbytes, "series": series}
 
 
 def hooks_section(modules: int, repeats: int) -> dict[str, Any]:
@@ -257,6 +378,20 @@ def table(report: dict[str, Any]) -> str:
             f"{name:<38}{r['peak above baseline bytes'] / 1e9:>8.2f}{r['shard bytes'] / 1e9:>10.2f}"
             f"{r['peak / shard']:>9.2f}{r['peak / (shard + largest tensor)']:>19.2f}"
         )
+    lines += [
+        "",
+        f"{'training while an async save is in flight':<44}{'steps/s':>9}{'saving':>8}{'ratio':>7}"
+        f"{'window s':>10}",
+    ]
+    for name, r in report["training"]["rows"].items():
+        lines.append(
+            f"{name:<44}{r['steps/s without a save']:>9.2f}{r['steps/s while saving']:>8.2f}"
+            f"{r['while saving / without']:>7.2f}{r['save in flight s']:>10.1f}"
+        )
+    for name, r in report["verify"]["rows"].items():
+        lines.append(f"verify=True load / plain load, {name}: {r['verify / plain load']:.2f}")
+    for name, value in report["tools"]["ratios"].items():
+        lines.append(f"tools: {name}: {value:.2f}")
     lines += ["", "hooks overhead (hooked / plain)"]
     for name, value in report["hooks"]["ratios"].items():
         lines.append(f"  {name:<70}{value:>7.3f}")
@@ -304,64 +439,231 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['peak above baseline bytes'] / 1e9:.2f} | {r['shard bytes'] / 1e9:.2f}"
             f" | {r['peak / shard']:.2f} | {r['peak / (shard + largest tensor)']:.2f} |"
         )
+    out += [
+        "",
+        "| training while an async save is in flight | steps/s without a save | steps/s while saving"
+        " | while saving / without | save in flight s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in report["training"]["rows"].items():
+        out.append(
+            f"| {name} | {r['steps/s without a save']:.2f} | {r['steps/s while saving']:.2f}"
+            f" | {r['while saving / without']:.2f} | {r['save in flight s']:.1f} |"
+        )
+    out += [
+        "",
+        "| load with checksums | plain load s | verify=True load s | verify / plain |",
+        "|---|---|---|---|",
+    ]
+    for name, r in report["verify"]["rows"].items():
+        out.append(
+            f"| {name} | {r['plain load s']:.2f} | {r['verify load s']:.2f}"
+            f" | {r['verify / plain load']:.2f} |"
+        )
+    tools = report["tools"]
+    if tools["rows"]:
+        out += [
+            "",
+            f"Offline tools on the {tools['bytes'] / 1e9:.2f} GB 2-rank checkpoint (CLI, a fresh process"
+            " each,"
+            " cold cache; `consolidate --no-verify` reads the source once, the default also checksums it"
+            " first):",
+            "",
+            "| command | s | GB/s of the checkpoint | peak RSS GB |",
+            "|---|---|---|---|",
+        ]
+        for name, r in tools["rows"].items():
+            out.append(f"| {name} | {r['seconds']:.2f} | {r['GB/s']:.2f} | {r['peak rss bytes'] / 1e9:.2f} |")
+        out += ["", "| tools ratio | value |", "|---|---|"]
+        out += [f"| {name} | {value:.2f} |" for name, value in tools["ratios"].items()]
+    load = report.get("load", {})
+    if load:
+        out += [
+            "",
+            f"Load average at the end of the run (`uptime`): {load['1 min']:.1f} / {load['5 min']:.1f}"
+            f" / {load['15 min']:.1f}.",
+        ]
     return "\n".join(out)
 
 
+SHORT = {
+    "torch": "torch.save/load",
+    "dcp": "dcp.save/load",
+    "stock-mp": "stock ModelParallel",
+    "stock-fsdp": "stock FSDP",
+    "ours-mp": "ShardedModelParallel",
+    "ours-fsdp": "ShardedFSDP",
+}
+
+
+def _short(name: str) -> str:
+    for long, short in (
+        ("ShardedModelParallelStrategy", "ShardedModelParallel"),
+        ("ShardedFSDPStrategy", "ShardedFSDP"),
+        ("stock ModelParallelStrategy", "stock ModelParallel"),
+        (" async_save=True", ""),
+        ("dcp.async_save (stock torch)", "torch dcp.async_save"),
+    ):
+        name = name.replace(long, short)
+    return name
+
+
+def panels(report: dict[str, Any]) -> list[tuple[str, dict[str, float], float | None, str]]:
+    """(question, {bar label: value}, target, which way is better) for each panel of the chart."""
+    rows = report["throughput"]["rows"]
+    out: list[tuple[str, dict[str, float], float | None, str]] = []
+    speedups = {
+        SHORT[ours] + " vs " + SHORT[stock]: rows[ours]["resume speedup vs stock"]
+        for ours, stock in STOCK.items()
+        if ours in rows and "resume speedup vs stock" in rows[ours]
+    }
+    out.append(("Resume: how many times faster than stock?", speedups, 2.0, "higher"))
+    out.append(
+        (
+            "Resume: fraction of the disk's cold read",
+            {SHORT[n]: r["load / raw read"] for n, r in rows.items()},
+            0.8,
+            "higher",
+        )
+    )
+    saves = {
+        SHORT[ours] + " vs " + SHORT[stock]: rows[ours]["save speedup vs stock"]
+        for ours, stock in STOCK.items()
+        if ours in rows and "save speedup vs stock" in rows[ours]
+    }
+    out.append(("Save: how many times faster than stock?", saves, 1.0, "higher"))
+    out.append(
+        (
+            "Async save: training stall / sync save",
+            {_short(n): r["stall / sync save"] for n, r in report["async"]["rows"].items()},
+            0.10,
+            "lower",
+        )
+    )
+    out.append(
+        (
+            "Training steps/s while an async save runs / without",
+            {_short(n): r["while saving / without"] for n, r in report["training"]["rows"].items()},
+            0.9,
+            "higher",
+        )
+    )
+    out.append(
+        (
+            "verify=True load / plain load",
+            {_short(n): r["verify / plain load"] for n, r in report["verify"]["rows"].items()},
+            1.25,
+            "lower",
+        )
+    )
+    tools = report["tools"]["ratios"]
+    out.append(
+        (
+            "consolidate throughput / raw read+write",
+            {k.split(" GB/s")[0]: v for k, v in tools.items() if k.startswith("consolidate") and "GB/s" in k},
+            0.7,
+            "higher",
+        )
+    )
+    out.append(
+        (
+            "inspect, verify: time / cat > /dev/null",
+            {k.split(" /")[0]: v for k, v in tools.items() if k.endswith("/ cat")},
+            None,
+            "lower",
+        )
+    )
+    out.append(
+        (
+            "Full-file load: peak RSS / (shard + largest tensor)",
+            {_short(n): r["peak / (shard + largest tensor)"] for n, r in report["memory"]["rows"].items()},
+            1.2,
+            "lower",
+        )
+    )
+    out.append(
+        (
+            "Hooks: state_dict() hooked / plain",
+            {
+                k.split(":")[0]: v
+                for k, v in report["hooks"]["ratios"].items()
+                if "state_dict" in k and "load" not in k
+            },
+            1.10,
+            "lower",
+        )
+    )
+    return [panel for panel in out if panel[1]]
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
+    """One horizontal-bar panel per question, its target drawn as a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 5), gridspec_kw={"width_ratios": [3, 1.4, 1.2, 1.4]})
-    rows = report["throughput"]["rows"]
-    names = list(rows)
-    x = range(len(names))
-    ax = axes[0]
-    ax.bar(
-        [i - 0.2 for i in x],
-        [rows[n]["save / raw write"] for n in names],
-        0.4,
-        label="save / raw write+fsync",
+    chosen = panels(report)
+    cols = 2
+    nrows = max(1, math.ceil(len(chosen) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(14, 2.6 * nrows), squeeze=False)
+    for ax in axes.flat[len(chosen) :]:
+        ax.axis("off")
+    for ax, (question, bars, target, better) in zip(axes.flat, chosen, strict=False):
+        labels = list(bars)
+        values = [bars[k] for k in labels]
+        colors = [
+            "tab:gray"
+            if target is None
+            else ("tab:green" if (v >= target if better == "higher" else v <= target) else "tab:red")
+            for v in values
+        ]
+        ax.barh(range(len(labels)), values, color=colors, height=0.6)
+        ax.set_yticks(range(len(labels)), labels, fontsize=9)
+        ax.invert_yaxis()
+        top = max([*values, target or 0.0]) * 1.25 or 1.0
+        ax.set_xlim(0, top)
+        for i, v in enumerate(values):
+            ax.text(v + top * 0.01, i, f"{v:.2f}", va="center", fontsize=8)
+        if target is not None:
+            ax.axvline(target, color="black", ls="--", lw=1)
+            ax.text(target, -0.7, f" target {target:g} ({better} is better)", fontsize=8, va="bottom")
+        ax.set_title(question, fontsize=10, loc="left")
+        ax.tick_params(axis="x", labelsize=8)
+    load = report.get("load", {})
+    fig.suptitle(
+        f"{report['config']['checkpoint GB']:.1f} GB checkpoint (model + Adam), {WORLD} ranks, CPU;"
+        f" ratios against baselines of the same run; load average {load.get('1 min', 0):.1f}",
+        fontsize=11,
     )
-    ax.bar(
-        [i + 0.2 for i in x], [rows[n]["load / raw read"] for n in names], 0.4, label="load / raw cold read"
-    )
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(list(x), [LABELS[n].replace(" / ", "/\n").replace(" ", "\n", 1) for n in names], fontsize=8)
-    ax.set_ylabel("fraction of the disk's raw bandwidth")
-    ax.set_title(f"{report['config']['checkpoint GB']:.1f} GB checkpoint, 2 ranks")
-    ax.legend(fontsize=8)
-    ax = axes[1]
-    a = report["async"]["rows"]
-    ax.bar(range(len(a)), [r["stall / sync save"] for r in a.values()], color="tab:green")
-    ax.axhline(0.10, color="red", lw=0.8, ls="--", label="target 0.10")
-    ax.set_xticks(range(len(a)), [n.replace(" ", "\n", 1) for n in a], fontsize=7)
-    ax.set_title("training stall / sync save")
-    ax.legend(fontsize=8)
-    ax = axes[2]
-    m = report["memory"]["rows"]
-    ax.bar(range(len(m)), [r["peak / (shard + largest tensor)"] for r in m.values()], color="tab:purple")
-    ax.axhline(1.2, color="red", lw=0.8, ls="--", label="target 1.2")
-    ax.set_xticks(range(len(m)), [n.replace("Strategy", "\nStrategy") for n in m], fontsize=7)
-    ax.set_title("full-file load: peak RSS / (shard + largest)")
-    ax.legend(fontsize=8)
-    ax = axes[3]
-    h = report["hooks"]["ratios"]
-    ax.bar(range(len(h)), list(h.values()), color="tab:gray")
-    ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(range(len(h)), [n.replace(": ", "\n").replace(", ", "\n") for n in h], fontsize=6)
-    ax.set_title("hooks: hooked / plain")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def update_docs(path: Path, tables: str) -> None:
+    """Put ``tables`` between the results markers of ``path`` (appended with them if it has none)."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n\n{tables}\n\n{END}"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def _load_average() -> dict[str, float]:
+    """The machine's load (``uptime``) at the end of the run: how shared it was."""
+    one, five, fifteen = os.getloadavg()
+    return {"1 min": one, "5 min": five, "15 min": fifteen}
 
 
 def finite_positive(report: dict[str, Any]) -> list[str]:
     """Names of ratios that are not finite positive numbers (empty when the report is sound)."""
     return [
         f"{section}: {name}"
-        for section in ("throughput", "async", "memory", "hooks")
+        for section in ("throughput", "async", "memory", "hooks", "verify", "training", "tools")
         for name, value in report[section]["ratios"].items()
         if not (isinstance(value, float | int) and math.isfinite(value) and value > 0)
     ]
@@ -374,19 +676,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="a small size and few repeats: a smoke test")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where results.json/.png go")
-    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--timeout", type=float, default=2400.0, help="for all the ranks' cases together")
     parser.add_argument("--cases", nargs="+", help="run only these cases (default: all that exist)")
     parser.add_argument("--no-hooks", action="store_true", help="skip the hook-overhead section")
+    parser.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="rewrite the tables of this markdown file between its results markers"
+        " (default: docs/benchmarks.md for a full run into benchmarks/results)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=None, help="rows per step of the training-throughput cases"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gb = min(args.size_gb, 0.02)
+    if args.docs is None and not args.quick and not args.cases and args.out == RESULTS:
+        args.docs = DOCS
     repeats = args.repeats or 2
+    if args.batch is None:
+        args.batch = 4 if args.quick else 8
     width, layers = geometry(args.size_gb)
     ours = our_strategies()
     cases = ["stock-mp", "stock-fsdp", *ours, "torch", "memory-stock-mp"]
     if "ours-mp" in ours:
         cases.append("memory-ours-mp")
     cases += [f"async-{case}" for case, has_async in ours.items() if has_async]
+    if "ours-mp" in ours:
+        cases.append("verify-ours-mp")
+    # The training-while-saving cases are the slowest: the smoke test runs one of them.
+    cases += [
+        f"throughput-{case}"
+        for case, has_async in ours.items()
+        if has_async and not (args.quick and case != "ours-mp")
+    ]
     if args.cases:
         cases = [case for case in cases if case in args.cases]
 
@@ -414,9 +738,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "--full",
             "--raw-bytes",
             str(nbytes),
+            "--batch",
+            str(args.batch),
+            "--steady",
+            str(2 if args.quick else 4),
+            "--cycles",
+            str(1 if args.quick else repeats),
             timeout=args.timeout,
         )
         per_rank = [json.loads((ranks_out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        kept = scratch / "kept.ckpt"
+        tools = (
+            tools_section(kept, scratch, 1 if args.quick else repeats, quick=args.quick)
+            if kept.is_dir()
+            else {"rows": {}, "ratios": {}, "bytes": 0, "series": {}}
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     raw = raw_bandwidth(per_rank, nbytes)
@@ -438,6 +774,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "disk": raw,
     }
     report.update(collect(per_rank, raw))
+    report["tools"] = tools
+    report["load"] = _load_average()
     report["hooks"] = (
         {"rows": {}, "ratios": {}}
         if args.no_hooks
@@ -451,6 +789,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     plot(report, args.out / "results.png")
     (args.out / "results.md").write_text(markdown(report) + "\n")
+    if args.docs is not None:
+        update_docs(args.docs, markdown(report))
     print(table(report))
     print(f"\n{report['seconds']:.0f} s; wrote {args.out / 'results.json'} and {args.out / 'results.png'}")
     return report

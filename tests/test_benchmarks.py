@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("throughput", "async", "memory", "hooks")
+SECTIONS = ("throughput", "async", "memory", "hooks", "verify", "training", "tools")
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import zlib
@@ -79,10 +80,39 @@ def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple
         ``(size in bytes, checksum)`` with the checksum as 8 lowercase hex digits.
     """
     with open(path, "rb", buffering=0) as f:
-        figures = stream_checksum(f)
+        figures = _overlapped_checksum(f)
         if fsync:
             os.fsync(f.fileno())
     return figures
+
+
+def _overlapped_checksum(f: Any) -> tuple[int, str]:
+    """:func:`stream_checksum` of a local file with reading and hashing overlapped.
+
+    Two buffers: a helper thread hashes one while the next is read into the other (``readinto`` and
+    ``zlib.crc32`` release the GIL), and the kernel is told the file is read sequentially (a larger
+    read-ahead), so checksumming a cold file runs at about the disk's read speed.
+    """
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        with contextlib.suppress(OSError):
+            advise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    buffers = [bytearray(CHUNK_SIZE), bytearray(CHUNK_SIZE)]
+    crc = 0
+    size = 0
+    pending: Any = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-sharded-crc32") as pool:
+        turn = 0
+        while True:
+            n = f.readinto(buffers[turn])
+            if pending is not None:
+                crc = pending.result()
+            if not n:
+                break
+            size += n
+            pending = pool.submit(zlib.crc32, memoryview(buffers[turn])[:n], crc)
+            turn ^= 1
+    return size, _hex(crc)
 
 
 class HashingStream(io.RawIOBase):

@@ -24,6 +24,7 @@ __all__ = [
     "model_state_dict",
     "optimizer_state_dict",
     "param_names",
+    "torch_optimizer_template",
 ]
 
 STATE = "state"
@@ -46,6 +47,11 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
             # FSDP1 gathers its parameters on rank 0 only; the sharded attributes (DTensor or
             # ShardedTensor values the hooks add) are gathered onto rank 0 here, as torch's helper does.
             return _gather_state_dict(model.state_dict(), cpu_offload=False, ranks_only=(0,))
+    if not full and _fsdp1_views(model):
+        from lightning_sharded.checkpoint import fsdp1
+
+        with fsdp1.views():
+            return get_model_state_dict(model, options=_options(model, full))
     return get_model_state_dict(model, options=_options(model, full))
 
 
@@ -64,16 +70,43 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
         with _fsdp1_rank0_full(model):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
         return key_by_index(state) if state else {}
+    if not full and _fsdp1_views(model):
+        from lightning_sharded.checkpoint import fsdp1
+
+        fast = fsdp1.optimizer_state_dict(model, optimizer)
+        if fast is not None:
+            return fast
     state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
     if full and state:
         state = key_by_index(state)
     return state
 
 
+def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step).
+
+    For models whose optimizer state cannot be described from a checkpoint's index (FSDP1 outside
+    :func:`lightning_sharded.checkpoint.fsdp1.supported`): never the views of the current state,
+    which are empty before the first step.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(model, False))
+
+
 def has_fsdp1(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+def _fsdp1_views(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP1 that :mod:`~lightning_sharded.checkpoint.fsdp1` serves without gathers."""
+    if not has_fsdp1(model):
+        return False
+    from lightning_sharded.checkpoint import fsdp1
+
+    return fsdp1.supported(model)
 
 
 def _fsdp1_on_cpu(model: nn.Module) -> bool:

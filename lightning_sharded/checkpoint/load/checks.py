@@ -126,7 +126,13 @@ def copy_full_into(target: Any, full: Any) -> Any:
 def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    from lightning_sharded.checkpoint import fsdp1
+
     # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
+    if fsdp1.supported(model):  # FSDP1: parameters go into the flat shards without gathers
+        with fsdp1.views():
+            set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+        return
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint import collective, fsdp1
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
@@ -34,11 +34,10 @@ from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
     STATE,
-    has_fsdp1,
     key_by_index,
     model_state_dict,
-    optimizer_state_dict,
     param_names,
+    torch_optimizer_template,
 )
 
 __all__ = ["restore_full"]
@@ -115,25 +114,29 @@ def _restore_full_optimizer(
             f" configured now has {len(optimizer.param_groups)}. Resume with the same parameter groups."
         )
     template = None
-    if not has_fsdp1(model):
-        try:
-            names = [name for name, _ in named_optimizer_params(model, optimizer)]
-        except KeyError:
-            names = []
-        if names:
-            source_state = _name_keyed(where, source, names)
-            stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {
-                name: {
-                    entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
-                    for entry, v in entries.items()
-                }
-                for name, entries in source_state.items()
+    fsdp1_local = None
+    try:
+        names = [name for name, _ in named_optimizer_params(model, optimizer)]
+    except KeyError:  # FSDP1 without use_orig_params: the optimizer holds flat parameters
+        names = []
+    if names:
+        source_state = _name_keyed(where, source, names)
+        stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {
+            name: {
+                entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
+                for entry, v in entries.items()
             }
-            template = template_like(model, optimizer, stored)
+            for name, entries in source_state.items()
+        }
+        template = template_like(model, optimizer, stored)
+        if template is None:  # FSDP1: the local pieces of the flat parameters (when it applies)
+            fast = fsdp1.optimizer_template(model, optimizer, stored)
+            if fast is not None:
+                template, fsdp1_local = fast
     with_helpers = template is None
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step).
-        template = optimizer_state_dict(model, optimizer, full=False)
+        template = torch_optimizer_template(model, optimizer)
         names = param_names(template)
         source_state = _name_keyed(where, source, names)
     state: dict[str, dict[str, Any]] = template[STATE]
@@ -171,7 +174,9 @@ def _restore_full_optimizer(
         group.clear()
         group.update(source_group)
         group[PARAMS] = params
-    if with_helpers:
+    if fsdp1_local is not None:
+        optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
+    elif with_helpers:
         set_optimizer_state(model, optimizer, template)
     else:
         optimizer.load_state_dict(key_by_index(template))

@@ -8,14 +8,14 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, names, unpickling
+from lightning_sharded.checkpoint import collective, fsdp1, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
@@ -35,7 +35,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     STATE,
     key_by_index,
     model_state_dict,
-    optimizer_state_dict,
+    torch_optimizer_template,
 )
 
 __all__ = ["load_meta", "restore_sharded"]
@@ -70,16 +70,23 @@ def restore_sharded(
     metadata = collective.decide(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
+    # Every optimizer's template is built and checked before anything is read: an optimizer that does
+    # not fit fails before the model changed. The model and each optimizer are then read in a DCP pass
+    # of their own.
+    prepared = [
+        _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
+        for index, optimizer in enumerate(optimizers)
+    ]
     _dcp_load(backend, {layout.model_key: to_load}, path, layout.metadata)
-    set_model_state(model, to_load)
-
-    for index, optimizer in enumerate(optimizers):
-        _restore_sharded_optimizer(backend, path, layout, model, optimizer, index, strict=strict)
+    set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
+    for _, to_read, _ in prepared:
+        _dcp_load(backend, to_read, path, layout.metadata)
+    for _, _, finish in prepared:
+        finish()
     return metadata, report
 
 
-def _restore_sharded_optimizer(
-    backend: Backend,
+def _prepare_optimizer(
     path: Location,
     layout: ShardedLayout,
     model: nn.Module,
@@ -87,14 +94,22 @@ def _restore_sharded_optimizer(
     index: int,
     *,
     strict: bool,
-) -> None:
+) -> tuple[str, dict[str, Any], Callable[[], None]]:
+    """``(key, what DCP reads into, what loads it into the optimizer once read)``; checks first."""
     key = names.optimizer_key(index)
-    template = _optimizer_template_from_index(model, optimizer, layout, key)
+    stored = _stored_optimizer_entries(layout, key)
+    template = template_like(model, optimizer, stored)
+    fsdp1_local = None
+    if template is None:
+        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
+        fast = fsdp1.optimizer_template(model, optimizer, stored)
+        if fast is not None:
+            template, fsdp1_local = fast
     from_index = template is not None
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
         # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
-        template = optimizer_state_dict(model, optimizer, full=False)
+        template = torch_optimizer_template(model, optimizer)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
@@ -130,26 +145,46 @@ def _restore_sharded_optimizer(
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
     own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
-    _dcp_load(backend, {key: template}, path, layout.metadata)
-    for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
-        group[PARAMS] = params
-    if from_index:
-        optimizer.load_state_dict(key_by_index(template))
-    else:
-        set_optimizer_state(model, optimizer, template)
+    loaded = template
+    # The param groups' entries go to DCP under their flat keys: a group of plain values is one leaf to
+    # DCP's flattening (no tensor inside), whose key the checkpoint does not have, so a partial load
+    # skipped it on the ranks whose groups held no tensor, and kept their current values.
+    flat_groups = {
+        f"{key}.{PARAM_GROUPS}.{i}.{name}": value
+        for i, group in enumerate(template[PARAM_GROUPS])
+        for name, value in group.items()
+        if name != PARAMS and f"{key}.{PARAM_GROUPS}.{i}.{name}" in layout.entries
+    }
+    to_read: dict[str, Any] = {key: {STATE: template[STATE]}, **flat_groups}
+
+    def finish() -> None:
+        for flat_key, value in to_read.items():
+            if flat_key != key:
+                index, name = flat_key[len(f"{key}.{PARAM_GROUPS}.") :].split(".", 1)
+                loaded[PARAM_GROUPS][int(index)][name] = value
+        for group, params in zip(loaded[PARAM_GROUPS], own_params, strict=True):
+            group[PARAMS] = params
+        if fsdp1_local is not None:
+            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(loaded, fsdp1_local)))
+        elif from_index:
+            optimizer.load_state_dict(key_by_index(loaded))
+        else:
+            set_optimizer_state(model, optimizer, loaded)
+
+    return key, to_read, finish
 
 
-def _optimizer_template_from_index(
-    model: nn.Module, optimizer: Optimizer, layout: ShardedLayout, key: str
-) -> dict[str, Any] | None:
-    """An empty, name-keyed optimizer state shaped like the checkpoint's; see :func:`template_like`."""
+def _stored_optimizer_entries(
+    layout: ShardedLayout, key: str
+) -> dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]:
+    """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
     prefix = f"{key}.{STATE}."
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
     for flat_key in sorted(layout.entries):
         if flat_key.startswith(prefix):
             name, _, entry = flat_key[len(prefix) :].rpartition(".")
             stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
-    return template_like(model, optimizer, stored)
+    return stored
 
 
 def _dcp_load(backend: Backend, state: dict[str, Any], path: Location, metadata: Any) -> None:

@@ -1,0 +1,276 @@
+"""Where each original parameter of an FSDP1 flat parameter lives on every rank, as boxes and
+``ShardedTensor`` views; which models the views serve (see :mod:`lightning_sharded.checkpoint.fsdp1`)."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_sharded.tensors import adapter_for
+
+__all__ = [
+    "TORCH_NAMES",
+    "Box",
+    "ParamLayout",
+    "boxes",
+    "copy_into_shard",
+    "handles",
+    "layouts",
+    "param_index",
+    "param_tensor",
+    "sharded_tensor",
+    "supported",
+    "torch_hooks",
+]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start)
+
+
+def boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
+    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
+
+    Each box is ``(offsets, sizes, flat start)`` and covers a contiguous flat range; together they cover
+    the range exactly once. A scalar (``shape == ()``) is one box when the range holds its element.
+    """
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), start)]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    first_full = -(-start // inner)  # first row that starts inside the range
+    last_full = stop // inner  # rows [first_full, last_full) are whole
+    if first_full > last_full:  # inside one row
+        row = start // inner
+        return [
+            ((row, *o), (1, *s), row * inner + f)
+            for o, s, f in boxes(start - row * inner, stop - row * inner, shape[1:])
+        ]
+    out: list[Box] = []
+    if start < first_full * inner:
+        row = first_full - 1
+        out += [
+            ((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(start - row * inner, inner, shape[1:])
+        ]
+    if first_full < last_full:
+        out.append(
+            ((first_full, *(0,) * (len(shape) - 1)), (last_full - first_full, *shape[1:]), first_full * inner)
+        )
+    if last_full * inner < stop:
+        out += [
+            ((last_full, *o), (1, *s), last_full * inner + f)
+            for o, s, f in boxes(0, stop - last_full * inner, shape[1:])
+        ]
+    return out
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one original parameter of a flat parameter lives on every rank of its group."""
+
+    shape: tuple[int, ...]
+    #: This rank's piece: (offset in the local flat shard, numel, first intra-parameter index).
+    local: tuple[int, int, int] | None
+    #: Every rank's boxes (group rank order), with flat starts relative to the parameter.
+    per_rank: tuple[tuple[Box, ...], ...]
+
+
+_LAYOUTS: weakref.WeakKeyDictionary[Any, list[ParamLayout]] = weakref.WeakKeyDictionary()
+
+
+def layouts(handle: Any) -> list[ParamLayout]:
+    """Each original parameter's layout in ``handle`` (an FSDP1 ``FlatParamHandle``), computed once."""
+    flat = handle.flat_param
+    cached = _LAYOUTS.get(handle)
+    if cached is not None:
+        return cached
+    shard_numel = flat._sharded_size.numel()
+    ranges = [
+        handle._get_shard_metadata(shard_numel * r, shard_numel * (r + 1) - 1)
+        for r in range(handle.world_size)
+    ]
+    layouts = []
+    for index, (shape, info) in enumerate(zip(flat._shapes, flat._shard_param_infos, strict=True)):
+        shape = tuple(shape)
+        per_rank = []
+        for rank_infos in ranges:
+            piece = rank_infos[index]
+            if piece.in_shard:
+                per_rank.append(
+                    tuple(boxes(piece.intra_param_start_idx, piece.intra_param_end_idx + 1, shape))
+                )
+            else:
+                per_rank.append(())
+        local = (
+            (info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx) if info.in_shard else None
+        )
+        layouts.append(ParamLayout(shape, local, tuple(per_rank)))
+    _LAYOUTS[handle] = layouts
+    return layouts
+
+
+#: What :func:`views` uses of torch's private FSDP1 hook module; without any of them, torch's path runs.
+TORCH_NAMES = (
+    "_common_pre_state_dict_hook",
+    "_common_unshard_post_state_dict_hook",
+    "_should_unshard_params",
+    "_replace_by_prefix",
+    "_has_fsdp_params",
+    "_module_handle",
+    "_param_name_infos",
+    "_lazy_init",
+    "_sharded_pre_state_dict_hook",
+    "_sharded_post_state_dict_hook",
+    "_sharded_pre_load_state_dict_hook",
+    "_sharded_post_load_state_dict_hook",
+)
+
+
+def torch_hooks() -> Any:
+    """torch's FSDP1 state-dict hook module (private: its names are checked by :func:`supported`)."""
+    import importlib
+
+    return importlib.import_module("torch.distributed.fsdp._state_dict_utils")
+
+
+def handles(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [
+        module._handle
+        for module in model.modules()
+        if isinstance(module, FullyShardedDataParallel) and module._handle is not None
+    ]
+
+
+def supported(model: nn.Module) -> bool:
+    """Whether every FSDP1 unit of ``model`` can use the views (see the module docstring).
+
+    Depends on the model's configuration only, the same on every rank.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    try:
+        sdu = torch_hooks()
+    except ImportError:
+        return False
+    if not all(hasattr(sdu, name) for name in TORCH_NAMES):
+        return False
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    if not units:
+        return False
+    for unit in units:
+        if not getattr(unit, "_use_orig_params", False) or getattr(unit, "_device_mesh", None) is not None:
+            return False
+        if unit.sharding_strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+            return False
+        if unit._state_dict_config.offload_to_cpu:
+            return False
+        handle = unit._handle
+        if handle is None:
+            continue
+        flat = handle.flat_param
+        if flat._shared_params or not hasattr(flat, "_shard_param_infos") or flat.dim() != 1:
+            return False
+    return True
+
+
+def _placement(group: Any, rank: int, device: torch.device) -> str:
+    global_rank = dist.get_global_rank(group, rank) if dist.is_initialized() else rank
+    if device.type == "cpu":
+        return f"rank:{global_rank}/cpu"
+    count = getattr(torch, device.type).device_count()
+    return f"rank:{global_rank}/{device.type}:{global_rank % max(count, 1)}"
+
+
+def _own_storage(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """``flat[start:start+numel]`` as a tensor with a storage of its own size over the same memory.
+
+    DCP's writer clones any tensor whose storage is larger than itself (``torch.save`` writes whole
+    storages); a tensor made over just these bytes is written as it is, and loads land in ``flat``.
+    """
+    view = flat[start : start + numel]
+    if view.device.type != "cpu" or numel == 0:
+        return view
+    size = view.element_size()
+    raw = flat.detach().view(torch.uint8).numpy()
+    piece: Any = raw[start * size : (start + numel) * size]
+    return torch.frombuffer(memoryview(piece), dtype=flat.dtype)
+
+
+def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: int) -> Any:
+    """A ``ShardedTensor`` of the parameter's global shape whose local shards are views of ``local``.
+
+    ``local`` is the rank's flat piece of the parameter (or of a state of the same shape).
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+
+    device = local.device
+    shards_metadata = []
+    local_shards = []
+    first = layout.local[2] if layout.local is not None else 0
+    for r, rank_boxes in enumerate(layout.per_rank):
+        placement = _placement(group, r, device)
+        for offsets, sizes, flat_start in rank_boxes:
+            meta = ShardMetadata(list(offsets), list(sizes), placement)
+            shards_metadata.append(meta)
+            if r == rank:
+                numel = math.prod(sizes)
+                piece = _own_storage(local, flat_start - first, numel).view(sizes)
+                local_shards.append(Shard(piece, meta))
+    properties = TensorProperties(
+        dtype=local.dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    metadata = ShardedTensorMetadata(shards_metadata, torch.Size(layout.shape), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, metadata, process_group=group
+    )
+
+
+def param_tensor(handle: Any, index: int) -> Any:
+    layout = layouts(handle)[index]
+    flat = handle.flat_param.detach()
+    if layout.local is None:
+        local = flat[:0]
+    else:
+        offset, numel, _ = layout.local
+        local = flat[offset : offset + numel]
+    return sharded_tensor(local, layout, handle.process_group, handle.rank)
+
+
+def copy_into_shard(target: Any, value: Any) -> None:
+    """Put ``value`` (a sharded or full tensor) into ``target``'s views, unless it already is them."""
+    mine = [shard.tensor.data_ptr() for shard in target.local_shards()]
+    adapter = adapter_for(value)
+    if adapter is not None and type(value) is type(target):
+        theirs = [shard.tensor.data_ptr() for shard in value.local_shards()]
+        if mine == theirs and target.metadata() == value.metadata():
+            return  # read in place already (the sharded load reads into these very views)
+    adapter_of_target = adapter_for(target)
+    assert adapter_of_target is not None
+    adapter_of_target.copy_into(target, value)
+
+
+def param_index(model: nn.Module) -> dict[int, tuple[Any, int]]:
+    """``id(original parameter) -> (handle, index)`` for every FSDP1 unit of ``model``."""
+    found = {}
+    for handle in handles(model):
+        for index, param in enumerate(handle.flat_param._params):
+            found[id(param)] = (handle, index)
+    return found

@@ -1,0 +1,139 @@
+"""FSDP1 optimizer state as views of each parameter's local piece, to save and to load into (see
+:mod:`lightning_sharded.checkpoint.fsdp1`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_sharded._fqn import parameter_names
+from lightning_sharded.checkpoint.fsdp1.layout import layouts, param_index, sharded_tensor, supported
+from lightning_sharded.tensors import adapter_for
+
+__all__ = ["loaded_optimizer_state", "optimizer_state_dict", "optimizer_template"]
+
+STATE = "state"
+PARAM_GROUPS = "param_groups"
+PARAMS = "params"
+
+
+def _all_ranks_agree(ok: bool) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _groups(model: nn.Module, optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    return [
+        {**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: [names[id(p)] for p in group[PARAMS]]}
+        for group in optimizer.param_groups
+    ]
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any] | None:
+    """The optimizer's sharded state keyed by clean parameter name, as ``FSDP.optim_state_dict`` gives it,
+    without communication; ``None`` where the fast form does not apply (on every rank alike).
+
+    Collective (one small all-reduce: every rank must be able to take this path). Each state tensor of a
+    parameter's local piece becomes a ``ShardedTensor`` of views of it; zero-dimensional states (Adam's
+    ``step``) and non-tensors are kept as they are.
+    """
+    names = parameter_names(model)
+    where = param_index(model)
+    state: dict[str, dict[str, Any]] = {}
+    ok = supported(model)
+    if ok:
+        for group in optimizer.param_groups:
+            for param in group[PARAMS]:
+                if id(param) not in where or id(param) not in names:
+                    ok = False
+                    break
+                entries = optimizer.state.get(param)
+                if not entries:
+                    continue
+                handle, index = where[id(param)]
+                layout = layouts(handle)[index]
+                numel = layout.local[1] if layout.local is not None else 0
+                out: dict[str, Any] = {}
+                for entry, value in entries.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        if value.dim() != 1 or value.numel() != numel or not value.is_contiguous():
+                            ok = False
+                            break
+                        out[entry] = sharded_tensor(value.detach(), layout, handle.process_group, handle.rank)
+                    else:
+                        out[entry] = value
+                state[names[id(param)]] = out
+            if not ok:
+                break
+    if not _all_ranks_agree(ok):
+        return None
+    return {STATE: state, PARAM_GROUPS: _groups(model, optimizer, names)}
+
+
+def optimizer_template(
+    model: nn.Module,
+    optimizer: Optimizer,
+    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+    """What to load an FSDP1 optimizer's state into, from the checkpoint's index; or ``None``.
+
+    Returns ``(template, local)``: the name-keyed template DCP loads into (a state with the parameter's
+    global shape is a ``ShardedTensor`` over a new local flat tensor, other tensors plain, non-tensors
+    ``None``) and the same state with those local flat tensors, for :func:`loaded_optimizer_state` once
+    DCP has filled them. ``stored`` is as for :func:`~lightning_sharded.checkpoint.load.checks.template_like`.
+    Depends on the model and the checkpoint only: every rank takes the same branch.
+    """
+    if not supported(model):
+        return None
+    names = parameter_names(model)
+    where = param_index(model)
+    params: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group[PARAMS]:
+            if id(param) not in where or id(param) not in names:
+                return None
+            params[names[id(param)]] = param
+    template: dict[str, dict[str, Any]] = {}
+    local: dict[str, dict[str, Any]] = {}
+    for name in sorted(stored):
+        param = params.get(name)
+        if param is None:
+            continue
+        handle, index = where[id(param)]
+        layout = layouts(handle)[index]
+        numel = layout.local[1] if layout.local is not None else 0
+        for entry, (shape, dtype) in sorted(stored[name].items()):
+            value: Any = None
+            piece: Any = None
+            if shape is not None and dtype is not None:
+                if len(shape) > 0 and tuple(shape) == layout.shape:
+                    piece = torch.empty(numel, dtype=dtype, device=param.device)
+                    value = sharded_tensor(piece, layout, handle.process_group, handle.rank)
+                else:
+                    piece = value = torch.empty(shape, dtype=dtype)
+            template.setdefault(name, {})[entry] = value
+            local.setdefault(name, {})[entry] = piece
+    return {STATE: template, PARAM_GROUPS: _groups(model, optimizer, names)}, local
+
+
+def loaded_optimizer_state(template: dict[str, Any], local: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The name-keyed optimizer state to load, once ``template`` (from :func:`optimizer_template`) is filled.
+
+    A ``ShardedTensor`` entry was read into its local flat tensor, which is what the optimizer holds;
+    anything else was filled in place (plain tensors) or put into the template (non-tensors).
+    """
+    state = {
+        name: {
+            entry: local[name][entry] if adapter_for(value) is not None else value
+            for entry, value in entries.items()
+        }
+        for name, entries in template[STATE].items()
+    }
+    return {STATE: state, PARAM_GROUPS: template[PARAM_GROUPS]}

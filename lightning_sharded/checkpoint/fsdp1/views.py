@@ -1,0 +1,85 @@
+"""FSDP1's ``SHARDED_STATE_DICT`` hooks without gathers, for the duration of a block (see
+:mod:`lightning_sharded.checkpoint.fsdp1`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from lightning_sharded.checkpoint.fsdp1.layout import copy_into_shard, param_tensor, torch_hooks
+
+__all__ = ["views"]
+
+
+@contextlib.contextmanager
+def views() -> Iterator[None]:
+    """Inside the block, FSDP1's ``SHARDED_STATE_DICT`` hooks neither gather nor scatter.
+
+    ``model.state_dict()`` gives each parameter as a ``ShardedTensor`` of views of the local flat shard
+    (no communication, no copy); ``model.load_state_dict()`` copies each parameter's value (sharded in
+    any layout, or full) into those views, skipping a value that is those very views (what the
+    sharded load read into), and loads the rest (buffers, sharded attributes, extra state) as usual.
+    Only for models :func:`supported` accepts.
+    """
+    sdu = torch_hooks()
+    from torch.distributed.fsdp._common_utils import FSDP_PREFIX
+    from torch.distributed.fsdp._unshard_param_utils import FLAT_PARAM
+
+    def pre_save(fsdp_state: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        sdu._common_pre_state_dict_hook(module, fsdp_state)
+        if sdu._should_unshard_params(fsdp_state):
+            # torch's post hook leaves this context; nothing was gathered, so there is nothing to undo.
+            fsdp_state._unshard_params_ctx[module] = contextlib.nullcontext()
+
+    def post_save(
+        module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
+    ) -> dict[str, Any]:
+        if not sdu._has_fsdp_params(fsdp_state, module):
+            done: dict[str, Any] = sdu._common_unshard_post_state_dict_hook(
+                module, fsdp_state, state_dict, prefix, None
+            )
+            return done
+        handle = sdu._module_handle(fsdp_state, module)
+        index = {fqn: i for i, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state))}
+
+        def param_hook(state_dict: dict[str, Any], prefix: str, fqn: str) -> None:
+            state_dict[fqn] = param_tensor(handle, index[fqn[len(prefix) :]])
+
+        # torch's own post hook (prefixes, buffers and their dtypes), with views for the parameters.
+        state_dict = sdu._common_unshard_post_state_dict_hook(
+            module, fsdp_state, state_dict, prefix, param_hook
+        )
+        state_dict.pop(prefix + FLAT_PARAM, None)
+        return state_dict
+
+    def pre_load(module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str) -> None:
+        sdu._lazy_init(fsdp_state, module)
+        sdu._replace_by_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
+        if not sdu._has_fsdp_params(fsdp_state, module):
+            return
+        handle = sdu._module_handle(fsdp_state, module)
+        for index, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state)):
+            value = state_dict.pop(f"{prefix}{FSDP_PREFIX}{fqn}", None)
+            if value is not None:
+                copy_into_shard(param_tensor(handle, index), value)
+
+    def post_load(module: nn.Module, fsdp_state: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    names = (
+        "_sharded_pre_state_dict_hook",
+        "_sharded_post_state_dict_hook",
+        "_sharded_pre_load_state_dict_hook",
+        "_sharded_post_load_state_dict_hook",
+    )
+    originals = {name: getattr(sdu, name) for name in names}
+    for name, hook in zip(names, (pre_save, post_save, pre_load, post_load), strict=True):
+        setattr(sdu, name, hook)
+    try:
+        yield
+    finally:
+        for name, hook in originals.items():
+            setattr(sdu, name, hook)
