@@ -11,6 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
+from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.fsdp1.layout import layouts, param_index, sharded_tensor, supported
 from lightning_sharded.tensors import adapter_for
 
@@ -22,11 +23,10 @@ PARAMS = "params"
 
 
 def _all_ranks_agree(ok: bool) -> bool:
+    # An object collective: a CPU tensor all_reduce would fail on NCCL, FSDP1's default group on CUDA.
     if not (dist.is_available() and dist.is_initialized()):
         return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all(collective.all_gather(ok, collective.ranks()))
 
 
 def _groups(model: nn.Module, optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
