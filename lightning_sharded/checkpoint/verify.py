@@ -92,34 +92,40 @@ def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Pro
 
 def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
     present = backend.list_files(data)
-    problems: list[Problem] = []
-    for entry in manifest.files:
-        found = present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path)
-        if found is None:
-            problems.append(Problem(entry.path, "is missing", entry.rank))
-        elif found != entry.size:
-            how = "truncated" if found < entry.size else "longer than written"
-            what = f"is {how}: {found} bytes, the manifest says {entry.size}"
-            problems.append(Problem(entry.path, what, entry.rank, found, entry.size))
-    return problems
+    found = (
+        (
+            entry,
+            present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path),
+        )
+        for entry in manifest.files
+    )
+    return [problem for entry, size in found if (problem := _size_problem(entry, size)) is not None]
 
 
 def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
     """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
     checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
     files each (rank 0 checks every file with one listing)."""
-    problems: list[Problem] = []
-    for entry in manifest.files:
-        if entry.rank != rank:
-            continue
-        found = _size_or_none(backend, data, entry.path)
-        if found is None:
-            problems.append(Problem(entry.path, "is missing", entry.rank))
-        elif found != entry.size:
-            how = "truncated" if found < entry.size else "longer than written"
-            what = f"is {how}: {found} bytes, the manifest says {entry.size}"
-            problems.append(Problem(entry.path, what, entry.rank, found, entry.size))
-    return problems
+    found = (
+        (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
+    )
+    return [problem for entry, size in found if (problem := _size_problem(entry, size)) is not None]
+
+
+def _size_problem(entry: FileEntry, found: int | None) -> Problem | None:
+    """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
+    if found is None:
+        return Problem(entry.path, "is missing", entry.rank)
+    if found != entry.size:
+        how = "truncated" if found < entry.size else "longer than written"
+        return Problem(
+            entry.path,
+            f"is {how}: {found} bytes, the manifest says {entry.size}",
+            entry.rank,
+            found,
+            entry.size,
+        )
+    return None
 
 
 def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
