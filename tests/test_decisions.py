@@ -61,6 +61,17 @@ def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list
     assert "Could not read the checkpoint file" in first["message"]
 
 
+def test_a_full_files_rank_state_bad_for_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
+    first, second = (r["rank-state"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert first["message"] == (
+        "The per-rank state of rank 1 in 'full.ckpt' ('lightning_sharded_rank_state') is not rank 1's state"
+        " written by lightning_sharded. Resume from another checkpoint. (seen by rank(s) 1 of 2; rank 1's"
+        " report)"
+    )
+
+
 def test_full_state_dicts_are_gathered_on_rank_0_only(reports: list[dict]) -> None:
     keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
     for kind in ("fsdp1", "fsdp2"):

@@ -183,6 +183,17 @@ def _read(loc: Location, rank: int, weights_only: bool | None) -> dict[str, Any]
     return state
 
 
+def _own_entry(states: Any, rank: int, path: str) -> dict[str, Any]:
+    """Rank ``rank``'s entry of a full file's gathered states, checked to be its own."""
+    own = states[rank] if isinstance(states, list) and rank < len(states) else None
+    if not isinstance(own, dict) or own.get(RANK) != rank or RNG not in own:
+        raise CheckpointError(
+            f"The per-rank state of rank {rank} in {path!r} ({names.RANK_STATE_KEY!r}) is not rank"
+            f" {rank}'s state written by lightning_sharded. Resume from another checkpoint."
+        )
+    return own
+
+
 def _same(a: Any, b: Any) -> bool:
     """Equal structure and values, tensors compared exactly."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -235,12 +246,9 @@ def restore(
     states: list[dict[str, Any]] | None = entry.get("ranks")
     if saved == world_size:
         if states is not None:
-            own = states[rank]
-            if not isinstance(own, dict) or own.get(RANK) != rank or RNG not in own:
-                raise CheckpointError(
-                    f"The per-rank state of rank {rank} in {path!r} ({names.RANK_STATE_KEY!r}) is not rank"
-                    f" {rank}'s state written by lightning_sharded. Resume from another checkpoint."
-                )
+            # Agreed: a rank whose own entry is bad must not raise alone while the others go on into
+            # the next collective (every rank holds the same entries, so they normally agree anyway).
+            own = collective.agree(lambda: _own_entry(states, rank, path))
         else:
             own = collective.agree(lambda: _read(join(data, names.rank_state_file(rank)), rank, weights_only))
         _set_loader_state(metadata, own.get(LOADER))

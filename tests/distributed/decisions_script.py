@@ -7,7 +7,8 @@ Cases (one checkpoint of a plain module, saved by both ranks), each a load on bo
 - ``meta-other``: rank 1 alone would fail to read it: nobody does (rank 1 never reads it);
 - ``shard``: rank 1 alone sees ``__1_0.distcp`` missing (a stale listing);
 - ``verify``: ``verify=True`` with one file corrupted: each file is checksummed by one rank only;
-- ``full``: rank 1 alone cannot read a full checkpoint file.
+- ``full``: rank 1 alone cannot read a full checkpoint file;
+- ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is).
 
 Each rank writes ``OUT/rank{R}.json``: per case the error type and message (or None), the seconds it
 took, and for ``verify`` the files this rank checksummed.
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sharded.checkpoint import load, save
+from lightning_sharded.checkpoint import load, names, rank_state, save
 from lightning_sharded.checkpoint.backends import local
 from lightning_sharded.checkpoint.load import sharded
 
@@ -146,6 +147,16 @@ def main(out: Path) -> None:
     case("full", path=full)
     torch.load = real_torch_load_fn  # type: ignore[assignment]
     assert sharded  # imported for the monkeypatching targets above
+
+    entries = [rank_state.collect({}, rank=r, world_size=2) for r in range(2)]
+    entries[1]["rank"] = 0  # rank 1's entry is not its own; rank 0's is fine
+    metadata = {names.RANK_STATE_KEY: {"format": rank_state.FORMAT, "world_size": 2, "ranks": entries}}
+    try:
+        rank_state.restore(metadata, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt")
+        results["rank-state"] = {"type": None}
+    except Exception as err:
+        results["rank-state"] = {"type": type(err).__name__, "message": str(err)}
+    dist.barrier()
     results["full-gather"] = full_gathers()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
