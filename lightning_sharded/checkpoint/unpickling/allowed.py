@@ -172,8 +172,10 @@ def safe_globals() -> Iterator[list[dict[Any, Any]]]:
 
 def restore_attribute_dicts(obj: Any, made: list[dict[Any, Any]]) -> Any:
     """Replace every dict of ``made`` in ``obj`` by an ``AttributeDict`` (identity and sharing kept)."""
+    if not made:  # before the import: Lightning takes seconds to import, and the CLI's tools need none
+        return obj
     cls = resolve_name("lightning.fabric.utilities.data.AttributeDict")
-    if cls is None or not made:
+    if cls is None:
         return obj
     targets = {id(d) for d in made}
     done: dict[int, Any] = {}
