@@ -108,6 +108,27 @@ def test_consolidate_output_is_a_valid_archive_published_atomically(
     assert leftovers(dst) == []
 
 
+def test_consolidate_checksums_each_chunk_as_it_fills_it(
+    sharded_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharded.checkpoint.tools import consolidate
+
+    seen: list[dict[int, int]] = []
+    real = consolidate._fix_zip_crcs
+
+    def spy(file: Path, known: dict[int, int] | None = None) -> None:
+        seen.append(dict(known or {}))
+        real(file, known)
+
+    monkeypatch.setattr(consolidate, "_fix_zip_crcs", spy)
+    out = consolidate_checkpoint(sharded_ckpt, tmp_path / "full.ckpt", progress=False)
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+        data = [info for info in archive.infolist() if "/data/" in info.filename and info.file_size]
+    # Every storage record's CRC-32 came from its filled chunks: none was read back.
+    assert len(seen) == 1 and len(seen[0]) == len(data) > 4
+
+
 def test_consolidate_refuses_a_full_file(sharded_ckpt: Path, tmp_path: Path) -> None:
     out = consolidate_checkpoint(sharded_ckpt, tmp_path / "full.ckpt", progress=False)
     with pytest.raises(

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
-from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.checksum import crc32_combine, file_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 
 
@@ -83,3 +86,21 @@ def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatc
     # long as the save fails instead of publishing an index that points at bytes never written.
     with pytest.raises(BaseException, match=r"writer|No space|unexpected pos"):
         dcp.save(state, storage_writer=ChecksummingWriter(tmp_path / "c", thread_count=2), no_dist=True)
+
+
+@given(
+    first=st.binary(max_size=3000),
+    second=st.one_of(st.binary(max_size=1), st.binary(max_size=5000)),
+    start=st.integers(0, 0xFFFFFFFF),
+)
+@settings(max_examples=200, deadline=None)
+def test_crc32_combine_equals_zlib_of_the_joined_bytes(first: bytes, second: bytes, start: int) -> None:
+    whole = zlib.crc32(second, zlib.crc32(first, start))
+    assert crc32_combine(zlib.crc32(first, start), zlib.crc32(second), len(second)) == whole
+
+
+def test_crc32_combine_of_large_pieces() -> None:
+    data = os.urandom(3 << 20)
+    cut = (1 << 20) + 17
+    joined = crc32_combine(zlib.crc32(data[:cut]), zlib.crc32(data[cut:]), len(data) - cut)
+    assert joined == zlib.crc32(data)

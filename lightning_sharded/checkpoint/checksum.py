@@ -29,6 +29,7 @@ __all__ = [
     "CHUNK_SIZE",
     "HashingStream",
     "bytes_checksum",
+    "crc32_combine",
     "file_checksum",
     "stream_checksum",
 ]
@@ -41,6 +42,43 @@ _HASH_INLINE_BELOW = 1 << 20
 
 def _hex(crc: int) -> str:
     return f"{crc & 0xFFFFFFFF:08x}"
+
+
+# CRC-32 of pieces joined without their bytes (zlib's crc32_combine, which Python does not expose):
+# multiplication modulo the (reflected) CRC polynomial, and x**(2**k) modulo it for every k.
+_POLY = 0xEDB88320
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC-32 polynomial (both reflected, as zlib keeps them)."""
+    m, p = 1 << 31, 0
+    while a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+_X2N = [1 << 30]  # x**1, then x**(2**k)
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``A + B`` from ``crc1 = crc32(A)``, ``crc2 = crc32(B)`` and ``len2 = len(B)``.
+
+    What zlib's ``crc32_combine`` computes, in about 30 multiplications modulo the polynomial: pieces
+    checksummed as they arrive, in any order, give the checksum of the whole without reading it again.
+    """
+    p, k, n = 1 << 31, 3, len2  # x**(8 * len2): k = 3 counts bytes as 8 bits
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
 
 
 def bytes_checksum(data: bytes) -> tuple[int, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import errno
 import gc
 import logging
@@ -9,16 +11,18 @@ import mmap
 import os
 import re
 import struct
+import sys
 import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
+from lightning_sharded.checkpoint.checksum import crc32_combine
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
@@ -92,9 +96,11 @@ def consolidate_checkpoint(
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
     is first written with every tensor's space reserved but empty (``torch.serialization.skip_data``),
     then memory-mapped (shared, so the page cache, not the process, holds it) and filled from the
-    shards one chunk at a time; the CRC-32s of the archive's records are then recomputed, and the file
-    is published atomically with :func:`~lightning_sharded.checkpoint.commit.commit_file`: a failed or
-    killed consolidation leaves the destination as it was.
+    shards one chunk at a time. Each chunk is checksummed while its bytes are still in memory and its
+    write-back to disk is started at once (so the disk writes while the next chunks are read); the
+    archive's CRC-32s are then set from those checksums, and the file is published atomically with
+    :func:`~lightning_sharded.checkpoint.commit.commit_file`: a failed or killed consolidation leaves
+    the destination as it was.
 
     Args:
         src: A sharded checkpoint directory.
@@ -211,17 +217,21 @@ def consolidate_checkpoint(
                 mmap=True,
                 map_location="cpu",
             )
+        sums = _FillChecksums(tmp, loaded)
         try:
             targets = {key: get_path(loaded, path) for key, path in slots.items()}
             with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
-                reader.read_tensors(targets, tick)
+                reader.read_tensors(targets, tick, sums.filled)
             for path, tensor in real_tensors.items():
-                get_path(loaded, path).copy_(tensor)
+                target = get_path(loaded, path)
+                target.copy_(tensor)
+                sums.filled(target)
         finally:
             targets = {}
             del loaded
             gc.collect()
-        _fix_zip_crcs(tmp)
+            sums.close()
+        _fix_zip_crcs(tmp, sums.crcs())
 
     try:
         commit_file(out, write)  # written locally (memory-mapped while filled); a URL gets one upload
@@ -278,14 +288,116 @@ def _map_slots(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def _fix_zip_crcs(file: Path) -> None:
-    """Recompute the CRC-32 of every record of a zip archive written by ``torch.save`` and filled later.
+def _data_start(f: Any, info: Any) -> int:
+    """Where the bytes of the zip record ``info`` start in the open archive ``f``."""
+    f.seek(info.header_offset)
+    local = f.read(30)
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
+
+
+class _FillChecksums:
+    """The CRC-32s of a consolidated file's storage records, from its chunks as they are filled.
+
+    ``loaded`` is the output file memory-mapped (``torch.load(mmap=True)``): every storage is a slice
+    of one mapping, in the order of the archive's records. The mapping's base address is found by
+    matching the storages to the records (sizes in order); then each filled region (a contiguous view)
+    is a file range: :meth:`filled` checksums it while it is in memory and starts its write-back
+    (``sync_file_range``; Linux), and :meth:`crcs` joins each record's pieces
+    (:func:`~lightning_sharded.checkpoint.checksum.crc32_combine`). A record whose pieces do not cover
+    it exactly once, or a file whose storages do not match its records, is left to
+    :func:`_fix_zip_crcs` to read back.
+    """
+
+    def __init__(self, file: Path, loaded: Any) -> None:
+        import zipfile
+
+        self._pieces: dict[int, list[tuple[int, int, int]]] = {}
+        self._base: int | None = None
+        with zipfile.ZipFile(file) as archive, open(file, "rb") as f:
+            records = sorted(
+                (_data_start(f, info), int(info.file_size))
+                for info in archive.infolist()
+                if "/data/" in info.filename and info.file_size
+            )
+        self._starts = [start for start, _ in records]
+        self._sizes = dict(records)
+        storages = sorted(
+            {
+                leaf.untyped_storage().data_ptr(): leaf.untyped_storage().nbytes()
+                for _, leaf in leaves(loaded)
+                if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().nbytes()
+            }.items()
+        )
+        if records and [n for _, n in storages] == [n for _, n in records]:
+            base = storages[0][0] - records[0][0]
+            if all(ptr - base == start for (ptr, _), (start, _) in zip(storages, records, strict=True)):
+                self._base = base
+        self._fd = os.open(file, os.O_RDONLY)
+
+    def filled(self, region: torch.Tensor) -> None:
+        """Checksum a region just filled (a view of a mapped storage) and start writing it back."""
+        if self._base is None or not region.is_contiguous() or not region.numel():
+            return
+        start = region.data_ptr() - self._base
+        nbytes = region.numel() * region.element_size()
+        index = bisect.bisect_right(self._starts, start) - 1
+        if index < 0 or start + nbytes > self._starts[index] + self._sizes[self._starts[index]]:
+            return
+        data = memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy()))
+        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, zlib.crc32(data)))
+        _start_writeback(self._fd, start, nbytes)
+
+    def crcs(self) -> dict[int, int]:
+        """``{record data start: CRC-32}`` of every record its filled pieces cover exactly."""
+        found: dict[int, int] = {}
+        for record, pieces in self._pieces.items():
+            pieces.sort()
+            crc, end = 0, record
+            for start, nbytes, piece in pieces:
+                if start != end:
+                    break
+                crc, end = crc32_combine(crc, piece, nbytes), start + nbytes
+            else:
+                if end == record + self._sizes[record]:
+                    found[record] = crc
+        return found
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Any = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing a file range's dirty pages to disk, without waiting (Linux)."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            with contextlib.suppress(OSError, AttributeError):
+                function = ctypes.CDLL(None, use_errno=True).sync_file_range
+                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                function.restype = ctypes.c_int
+                _sync_file_range = function
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advice: its errors do not matter
+
+
+def _fix_zip_crcs(file: Path, known: dict[int, int] | None = None) -> None:
+    """Set the CRC-32 of every record of a zip archive written by ``torch.save`` and filled later.
 
     torch.save computes the CRCs while writing (with ``skip_data``, of the empty space); the data
-    descriptors and central directory are patched in place. Reads the file once, in 8 MiB chunks.
+    descriptors and central directory are patched in place. ``known`` gives the CRC-32 of records by
+    where their bytes start (:class:`_FillChecksums`); the others are read back, in 8 MiB chunks.
     """
     import zipfile
 
+    known = known or {}
     with zipfile.ZipFile(file) as archive:
         infos = archive.infolist()
         start_dir = archive.start_dir  # type: ignore[attr-defined]
@@ -300,18 +412,17 @@ def _fix_zip_crcs(file: Path) -> None:
             central.append(f.tell() - 46)
             f.seek(name_len + extra_len + comment_len, os.SEEK_CUR)
         for info, central_pos in zip(infos, central, strict=True):
-            f.seek(info.header_offset)
-            local = f.read(30)
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            data_start = info.header_offset + 30 + name_len + extra_len
-            f.seek(data_start)
-            crc, left = 0, info.compress_size
-            while left:
-                chunk = f.read(min(left, 8 << 20))
-                if not chunk:
-                    break
-                crc = zlib.crc32(chunk, crc)
-                left -= len(chunk)
+            data_start = _data_start(f, info)
+            crc = known.get(data_start)
+            if crc is None:
+                f.seek(data_start)
+                crc, left = 0, info.compress_size
+                while left:
+                    chunk = f.read(min(left, 8 << 20))
+                    if not chunk:
+                        break
+                    crc = zlib.crc32(chunk, crc)
+                    left -= len(chunk)
             if crc == info.CRC:
                 continue
             packed = struct.pack("<I", crc)

@@ -91,7 +91,12 @@ class OfflineReader:
         self.tensors = {k: v for k, v in self.tensors.items() if not top_level(self.path_of(k)[0])}
         self.objects = [k for k in self.objects if not top_level(self.path_of(k)[0])]
 
-    def _load(self, state: dict[str, Any], on_tensor: Callable[[int], None] | None = None) -> None:
+    def _load(
+        self,
+        state: dict[str, Any],
+        on_tensor: Callable[[int], None] | None = None,
+        on_filled: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -102,6 +107,8 @@ class OfflineReader:
         class Planner(DefaultLoadPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
                 super().commit_tensor(read_item, tensor)
+                if on_filled is not None:
+                    on_filled(tensor)
                 if on_tensor is not None:
                     on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
 
@@ -179,9 +186,20 @@ class OfflineReader:
             self._load(state)
         return state
 
-    def read_tensors(self, targets: dict[str, torch.Tensor], on_tensor: Callable[[int], None] | None) -> None:
-        """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk."""
-        self._load(dict(targets), on_tensor)
+    def read_tensors(
+        self,
+        targets: dict[str, torch.Tensor],
+        on_tensor: Callable[[int], None] | None,
+        on_filled: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk.
+
+        Args:
+            targets: Where each tensor entry goes, by key.
+            on_tensor: Called with the bytes of each chunk once it is copied (a progress bar).
+            on_filled: Called with the region of the target each chunk was copied into (a view).
+        """
+        self._load(dict(targets), on_tensor, on_filled)
 
 
 def first_line(err: BaseException) -> str:
