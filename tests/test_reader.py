@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, _storage_location
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
@@ -63,3 +66,32 @@ def test_storage_record_is_found_and_checked(tmp_path: Path) -> None:
         f.seek(offset)
         assert f.read(16) == tensor.numpy().tobytes()[:16]
         assert _storage_location(f, 0, length, nbytes - 4) is None  # a size that does not fit
+
+
+def test_direct_reads_go_through_two_streams_and_commit_in_the_calling_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharded.checkpoint.backends import dcp_reader
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(512, 1024) for i in range(8)}  # 2 MiB each: all read directly
+    dcp.save(state, storage_writer=ChecksummingWriter(tmp_path, thread_count=1), no_dist=True)
+    readers: dict[str, int] = {}
+    real = dcp_reader._readinto
+
+    def recording(file: object, offset: int, target: torch.Tensor) -> bool:
+        readers[str(offset)] = threading.get_ident()
+        return real(file, offset, target)
+
+    monkeypatch.setattr(dcp_reader, "_readinto", recording)
+    out = {key: torch.zeros_like(value) for key, value in state.items()}
+    committers: set[int] = set()
+
+    class Planner(DefaultLoadPlanner):
+        def commit_tensor(self, read_item: object, tensor: torch.Tensor) -> None:
+            committers.add(threading.get_ident())
+
+    dcp.load(out, storage_reader=DirectReader(tmp_path), planner=Planner(), no_dist=True)
+    assert all(torch.equal(out[key], state[key]) for key in state)
+    assert len(readers) == 8 and len(set(readers.values())) == 2
+    assert committers == {threading.get_ident()}
