@@ -252,15 +252,33 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
 
 _MEASURE = """
 import resource, subprocess, sys, time
+def anon(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 start = time.perf_counter()
-rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE).returncode
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+peak_anon = 0
+while child.poll() is None:
+    peak_anon = max(peak_anon, anon(child.pid))
+    time.sleep(0.005)
 elapsed = time.perf_counter() - start
-print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)
+child.stderr.read()
+print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, child.returncode, peak_anon)
 """
 
 
-def measure(command: list[str]) -> tuple[float, int]:
-    """(seconds, peak RSS bytes) of ``command`` run in a fresh process (whose start is counted)."""
+def measure(command: list[str]) -> tuple[float, int, int]:
+    """(seconds, peak RSS bytes, peak anonymous memory bytes) of ``command`` run in a fresh process
+    (whose start is counted).
+
+    RSS counts the pages of files the process maps (``consolidate`` maps its output, which the page
+    cache holds); anonymous memory (``RssAnon``, sampled every 5 ms) is what the process allocates.
+    """
     import subprocess
 
     out = subprocess.run(
@@ -268,7 +286,7 @@ def measure(command: list[str]) -> tuple[float, int]:
     ).stdout.split()
     if out[2] != "0":
         raise RuntimeError(f"{command} failed with exit code {out[2]}")
-    return float(out[0]), int(out[1]) * 1024
+    return float(out[0]), int(out[1]) * 1024, int(out[3]) * 1024
 
 
 def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) -> dict[str, Any]:
@@ -288,13 +306,15 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     raw_file = scratch / "raw-consolidate.bin"
     series: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
+    anon: dict[str, int] = {}
 
     def run(name: str, command: list[str]) -> None:
         os.sync()
         evict_tree(ckpt)
-        seconds, peak = measure(command)
+        seconds, peak, peak_anon = measure(command)
         series.setdefault(name, []).append(seconds)
         peaks[name] = max(peaks.get(name, 0), peak)
+        anon[name] = max(anon.get(name, 0), peak_anon)
         if dst.exists():
             dst.unlink()
 
@@ -319,14 +339,19 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
         raw_file.unlink()
     med = {name: statistics.median(values) for name, values in series.items()}
     rows = {
-        name: {"seconds": med[name], "GB/s": nbytes / med[name] / 1e9, "peak rss bytes": peaks.get(name, 0)}
+        name: {
+            "seconds": med[name],
+            "GB/s": nbytes / med[name] / 1e9,
+            "peak rss bytes": peaks.get(name, 0),
+            "peak anon bytes": anon.get(name, 0),
+        }
         for name in med
     }
     ratios = {
         "inspect / cat": med["inspect"] / med["cat"],
         "consolidate --no-verify GB/s / raw read+write": med["raw read + write"]
         / med["consolidate --no-verify"],
-        "consolidate peak RSS / checkpoint": peaks["consolidate --no-verify"] / nbytes,
+        "consolidate peak anonymous memory / checkpoint": anon["consolidate --no-verify"] / nbytes,
     }
     if not quick:
         ratios["verify / cat"] = med["verify"] / med["cat"]
@@ -472,11 +497,14 @@ def markdown(report: dict[str, Any]) -> str:
             " cold cache; `consolidate --no-verify` reads the source once, the default also checksums it"
             " first):",
             "",
-            "| command | s | GB/s of the checkpoint | peak RSS GB |",
-            "|---|---|---|---|",
+            "| command | s | GB/s of the checkpoint | peak RSS GB | peak anonymous GB |",
+            "|---|---|---|---|---|",
         ]
         for name, r in tools["rows"].items():
-            out.append(f"| {name} | {r['seconds']:.2f} | {r['GB/s']:.2f} | {r['peak rss bytes'] / 1e9:.2f} |")
+            out.append(
+                f"| {name} | {r['seconds']:.2f} | {r['GB/s']:.2f} | {r['peak rss bytes'] / 1e9:.2f}"
+                f" | {r.get('peak anon bytes', 0) / 1e9:.2f} |"
+            )
         out += ["", "| tools ratio | value |", "|---|---|"]
         out += [f"| {name} | {value:.2f} |" for name, value in tools["ratios"].items()]
     load = report.get("load", {})
