@@ -20,8 +20,11 @@ others). Cases:
   training loop, against a synchronous save of the same state in the same process.
 - ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` against without,
   alternating; its checkpoint stays for the offline tools' figures.
-- ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a matmul-bound training step
-  (``--batch`` rows) while an async save is in flight, against the steps just before it without one.
+- ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a training step of ``--batch``
+  rows (matmul-bound at the full run's 512: about half the step is the matmuls, the rest FSDP's
+  all-gathers and reduce-scatters over gloo) while an async save is in flight, against the steps just
+  before it without one; ``throughput-light-ours-mp``: the same with ``--light-batch`` rows (8: a step
+  that is all communication and memory traffic, which a save's copies compete with directly).
 
 Times are taken on every rank between barriers; the launcher keeps the slowest rank.
 """
@@ -547,9 +550,17 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     alike). The first save (which allocates the staging buffers) is made during the warm-up.
     """
     world = dist.get_world_size()
-    strategy_name = name.removeprefix("throughput-")
+    light = name.startswith("throughput-light-")
+    strategy_name = name.removeprefix("throughput-").removeprefix("light-")
+    batch = args.light_batch if light else args.batch
     ckpt = args.dir / f"{name}.ckpt"
-    record: dict[str, Any] = {"steady steps/s": [], "saving steps/s": [], "save window s": [], "steps": []}
+    record: dict[str, Any] = {
+        "steady steps/s": [],
+        "saving steps/s": [],
+        "save window s": [],
+        "steps": [],
+        "batch": batch,
+    }
     warmup, steady = 2, args.steady
 
     class Measure(L.Callback):
@@ -589,7 +600,7 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     self._begin("steady", trainer)
 
-    model = ThroughputModel(args.width, args.layers, strategy_name.endswith("mp"), args.batch)
+    model = ThroughputModel(args.width, args.layers, strategy_name.endswith("mp"), batch)
     trainer = trainer_for(make_strategy(strategy_name, world, async_save=True), [Measure()])
     trainer.fit_loop.epoch_loop.max_steps = 10_000
     trainer.fit(model)
@@ -610,6 +621,9 @@ def main() -> None:
     parser.add_argument("--raw-bytes", type=int, default=0, help="probe the disk with this many bytes")
     parser.add_argument("--full", action="store_true", help="stock-mp also writes the full file")
     parser.add_argument("--batch", type=int, default=16, help="rows per step of the throughput cases")
+    parser.add_argument(
+        "--light-batch", type=int, default=8, help="rows per step of the throughput-light-* cases"
+    )
     parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
     parser.add_argument(
         "--cycles", type=int, default=2, help="loads and save windows of the verify/throughput cases"
