@@ -659,7 +659,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
         top = max([*values, target or 0.0]) * 1.25 or 1.0
         ax.set_xlim(0, top)
         for i, v in enumerate(values):
-            ax.text(v + top * 0.01, i, f"{v:.2f}", va="center", fontsize=8)
+            ax.text(  # on white: a value next to the target line stays readable
+                v + top * 0.01,
+                i,
+                f"{v:.2f}",
+                va="center",
+                fontsize=8,
+                bbox={"fc": "white", "ec": "none", "pad": 1},
+            )
         title = question
         if target is not None:  # in the title: a label drawn in the panel collides with bars or titles
             ax.axvline(target, color="black", ls="--", lw=1)
