@@ -76,11 +76,11 @@ def test_direct_reads_go_through_two_streams_and_commit_in_the_calling_thread(
     torch.manual_seed(0)
     state = {f"w{i}": torch.randn(512, 1024) for i in range(8)}  # 2 MiB each: all read directly
     dcp.save(state, storage_writer=ChecksummingWriter(tmp_path, thread_count=1), no_dist=True)
-    readers: dict[str, int] = {}
+    readers: dict[str, str] = {}
     real = dcp_reader._readinto
 
     def recording(file: object, offset: int, target: torch.Tensor) -> bool:
-        readers[str(offset)] = threading.get_ident()
+        readers[str(offset)] = threading.current_thread().name  # unique, where an ident can be reused
         return real(file, offset, target)
 
     monkeypatch.setattr(dcp_reader, "_readinto", recording)
