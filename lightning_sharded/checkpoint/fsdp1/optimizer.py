@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -24,8 +23,6 @@ PARAMS = "params"
 
 def _all_ranks_agree(ok: bool) -> bool:
     # An object collective: a CPU tensor all_reduce would fail on NCCL, FSDP1's default group on CUDA.
-    if not (dist.is_available() and dist.is_initialized()):
-        return ok
     return all(collective.all_gather(ok, collective.ranks()))
 
 
@@ -36,43 +33,62 @@ def _groups(model: nn.Module, optimizer: Optimizer, names: dict[int, str]) -> li
     ]
 
 
+def _params_by_name(
+    optimizer: Optimizer, names: dict[int, str], where: dict[int, tuple[Any, int]]
+) -> dict[str, torch.Tensor] | None:
+    """The optimizer's parameters by clean name, in group order; ``None`` if one is not FSDP1's."""
+    params: dict[str, torch.Tensor] = {}
+    for group in optimizer.param_groups:
+        for param in group[PARAMS]:
+            if id(param) not in where or id(param) not in names:
+                return None
+            params[names[id(param)]] = param
+    return params
+
+
+def _piece(where: dict[int, tuple[Any, int]], param: torch.Tensor) -> tuple[Any, Any, int]:
+    """``(flat handle, layout, local numel)`` of an original parameter's piece of its flat shard."""
+    handle, index = where[id(param)]
+    layout = layouts(handle)[index]
+    return handle, layout, layout.local[1] if layout.local is not None else 0
+
+
+def _state_views(
+    optimizer: Optimizer, params: dict[str, torch.Tensor], where: dict[int, tuple[Any, int]]
+) -> dict[str, dict[str, Any]] | None:
+    """Each parameter's optimizer state, its flat tensors as ``ShardedTensor`` views (no communication);
+    ``None`` if a state tensor is not the parameter's local piece."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, param in params.items():
+        entries = optimizer.state.get(param)
+        if not entries:
+            continue
+        handle, layout, numel = _piece(where, param)
+        out: dict[str, Any] = {}
+        for entry, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.dim() != 1 or value.numel() != numel or not value.is_contiguous():
+                    return None
+                out[entry] = sharded_tensor(value.detach(), layout, handle.process_group, handle.rank)
+            else:
+                out[entry] = value
+        state[name] = out
+    return state
+
+
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any] | None:
     """The optimizer's sharded state keyed by clean parameter name, as ``FSDP.optim_state_dict`` gives it,
     without communication; ``None`` where the fast form does not apply (on every rank alike).
 
-    Collective (one small all-reduce: every rank must be able to take this path). Each state tensor of a
-    parameter's local piece becomes a ``ShardedTensor`` of views of it; zero-dimensional states (Adam's
-    ``step``) and non-tensors are kept as they are.
+    Collective (one small all-gather of a flag: every rank must be able to take this path). Each state
+    tensor of a parameter's local piece becomes a ``ShardedTensor`` of views of it; zero-dimensional
+    states (Adam's ``step``) and non-tensors are kept as they are.
     """
     names = parameter_names(model)
     where = param_index(model)
-    state: dict[str, dict[str, Any]] = {}
-    ok = supported(model)
-    if ok:
-        for group in optimizer.param_groups:
-            for param in group[PARAMS]:
-                if id(param) not in where or id(param) not in names:
-                    ok = False
-                    break
-                entries = optimizer.state.get(param)
-                if not entries:
-                    continue
-                handle, index = where[id(param)]
-                layout = layouts(handle)[index]
-                numel = layout.local[1] if layout.local is not None else 0
-                out: dict[str, Any] = {}
-                for entry, value in entries.items():
-                    if isinstance(value, torch.Tensor) and value.dim() > 0:
-                        if value.dim() != 1 or value.numel() != numel or not value.is_contiguous():
-                            ok = False
-                            break
-                        out[entry] = sharded_tensor(value.detach(), layout, handle.process_group, handle.rank)
-                    else:
-                        out[entry] = value
-                state[names[id(param)]] = out
-            if not ok:
-                break
-    if not _all_ranks_agree(ok):
+    params = _params_by_name(optimizer, names, where) if supported(model) else None
+    state = _state_views(optimizer, params, where) if params is not None else None
+    if not _all_ranks_agree(state is not None) or state is None:
         return None
     return {STATE: state, PARAM_GROUPS: _groups(model, optimizer, names)}
 
@@ -94,21 +110,16 @@ def optimizer_template(
         return None
     names = parameter_names(model)
     where = param_index(model)
-    params: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:
-        for param in group[PARAMS]:
-            if id(param) not in where or id(param) not in names:
-                return None
-            params[names[id(param)]] = param
+    params = _params_by_name(optimizer, names, where)
+    if params is None:
+        return None
     template: dict[str, dict[str, Any]] = {}
     local: dict[str, dict[str, Any]] = {}
     for name in sorted(stored):
         param = params.get(name)
         if param is None:
             continue
-        handle, index = where[id(param)]
-        layout = layouts(handle)[index]
-        numel = layout.local[1] if layout.local is not None else 0
+        handle, layout, numel = _piece(where, param)
         for entry, (shape, dtype) in sorted(stored[name].items()):
             value: Any = None
             piece: Any = None
