@@ -431,85 +431,140 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, one line per row."""
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The tables of ``docs/benchmarks.md``, from a report."""
     raw = report["disk"]
+
+    def ratio_x(value: float | None) -> str:
+        return f"{value:.2f}x" if value else "-"
+
     out = [
         f"Disk, probed the same way (both ranks at once, median of {len(raw['write probes GB/s'])} probes):"
         f" write+fsync **{raw['write GB/s']:.2f} GB/s**, cold read **{raw['read GB/s']:.2f} GB/s**;"
         f" checkpoint {report['config']['checkpoint GB']:.2f} GB.",
         "",
-        "| save / load | save GB/s | save / raw write | load GB/s | load / raw read | resume vs stock |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, r in report["throughput"]["rows"].items():
-        speed = r.get("resume speedup vs stock")
-        out.append(
-            f"| {LABELS[name]} | {r['save GB/s']:.2f} | {r['save / raw write']:.2f} | {r['load GB/s']:.2f}"
-            f" | {r['load / raw read']:.2f} | {f'{speed:.2f}x' if speed else '-'} |"
-        )
-    out += [
+        *_md_table(
+            [
+                "save / load",
+                "save GB/s",
+                "save / raw write",
+                "load GB/s",
+                "load / raw read",
+                "resume vs stock",
+            ],
+            [
+                [
+                    LABELS[name],
+                    f"{r['save GB/s']:.2f}",
+                    f"{r['save / raw write']:.2f}",
+                    f"{r['load GB/s']:.2f}",
+                    f"{r['load / raw read']:.2f}",
+                    ratio_x(r.get("resume speedup vs stock")),
+                ]
+                for name, r in report["throughput"]["rows"].items()
+            ],
+        ),
         "",
-        "| async save | sync save s | stall s | stall / sync save | first stall s |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in report["async"]["rows"].items():
-        first = r.get("first save stall s (allocates the buffers)")
-        out.append(
-            f"| {name} | {r['sync save s']:.2f} | {r['stall s']:.3f} | {r['stall / sync save']:.3f}"
-            f" | {f'{first:.2f}' if first else '-'} |"
-        )
-    out += [
+        *_md_table(
+            ["async save", "sync save s", "stall s", "stall / sync save", "first stall s"],
+            [
+                [
+                    name,
+                    f"{r['sync save s']:.2f}",
+                    f"{r['stall s']:.3f}",
+                    f"{r['stall / sync save']:.3f}",
+                    f"{first:.2f}" if (first := r.get("first save stall s (allocates the buffers)")) else "-",
+                ]
+                for name, r in report["async"]["rows"].items()
+            ],
+        ),
         "",
-        "| full-file load into the sharded model | peak above baseline GB | shard GB | peak / shard"
-        " | peak / (shard + largest tensor) |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in report["memory"]["rows"].items():
-        out.append(
-            f"| {name} | {r['peak above baseline bytes'] / 1e9:.2f} | {r['shard bytes'] / 1e9:.2f}"
-            f" | {r['peak / shard']:.2f} | {r['peak / (shard + largest tensor)']:.2f} |"
-        )
-    out += [
+        *_md_table(
+            [
+                "full-file load into the sharded model",
+                "peak above baseline GB",
+                "shard GB",
+                "peak / shard",
+                "peak / (shard + largest tensor)",
+            ],
+            [
+                [
+                    name,
+                    f"{r['peak above baseline bytes'] / 1e9:.2f}",
+                    f"{r['shard bytes'] / 1e9:.2f}",
+                    f"{r['peak / shard']:.2f}",
+                    f"{r['peak / (shard + largest tensor)']:.2f}",
+                ]
+                for name, r in report["memory"]["rows"].items()
+            ],
+        ),
         "",
-        "| training while an async save is in flight | steps/s without a save | steps/s while saving"
-        " | while saving / without | save in flight s |",
-        "|---|---|---|---|---|",
-    ]
-    for name, r in report["training"]["rows"].items():
-        out.append(
-            f"| {name} | {r['steps/s without a save']:.2f} | {r['steps/s while saving']:.2f}"
-            f" | {r['while saving / without']:.2f} | {r['save in flight s']:.1f} |"
-        )
-    out += [
+        *_md_table(
+            [
+                "training while an async save is in flight",
+                "steps/s without a save",
+                "steps/s while saving",
+                "while saving / without",
+                "save in flight s",
+            ],
+            [
+                [
+                    name,
+                    f"{r['steps/s without a save']:.2f}",
+                    f"{r['steps/s while saving']:.2f}",
+                    f"{r['while saving / without']:.2f}",
+                    f"{r['save in flight s']:.1f}",
+                ]
+                for name, r in report["training"]["rows"].items()
+            ],
+        ),
         "",
-        "| load with checksums | plain load s | verify=True load s | verify / plain |",
-        "|---|---|---|---|",
+        *_md_table(
+            ["load with checksums", "plain load s", "verify=True load s", "verify / plain"],
+            [
+                [
+                    name,
+                    f"{r['plain load s']:.2f}",
+                    f"{r['verify load s']:.2f}",
+                    f"{r['verify / plain load']:.2f}",
+                ]
+                for name, r in report["verify"]["rows"].items()
+            ],
+        ),
     ]
-    for name, r in report["verify"]["rows"].items():
-        out.append(
-            f"| {name} | {r['plain load s']:.2f} | {r['verify load s']:.2f}"
-            f" | {r['verify / plain load']:.2f} |"
-        )
     tools = report["tools"]
     if tools["rows"]:
         out += [
             "",
             f"Offline tools on the {tools['bytes'] / 1e9:.2f} GB 2-rank checkpoint (CLI, a fresh process"
-            " each,"
-            " cold cache; `consolidate --no-verify` reads the source once, the default also checksums it"
-            " first):",
+            " each, cold cache; `consolidate --no-verify` reads the source once, the default also checksums"
+            " it first):",
             "",
-            "| command | s | GB/s of the checkpoint | peak RSS GB | peak anonymous GB |",
-            "|---|---|---|---|---|",
+            *_md_table(
+                ["command", "s", "GB/s of the checkpoint", "peak RSS GB", "peak anonymous GB"],
+                [
+                    [
+                        name,
+                        f"{r['seconds']:.2f}",
+                        f"{r['GB/s']:.2f}",
+                        f"{r['peak rss bytes'] / 1e9:.2f}",
+                        f"{r.get('peak anon bytes', 0) / 1e9:.2f}",
+                    ]
+                    for name, r in tools["rows"].items()
+                ],
+            ),
+            "",
+            *_md_table(["tools ratio", "value"], [[name, f"{v:.2f}"] for name, v in tools["ratios"].items()]),
         ]
-        for name, r in tools["rows"].items():
-            out.append(
-                f"| {name} | {r['seconds']:.2f} | {r['GB/s']:.2f} | {r['peak rss bytes'] / 1e9:.2f}"
-                f" | {r.get('peak anon bytes', 0) / 1e9:.2f} |"
-            )
-        out += ["", "| tools ratio | value |", "|---|---|"]
-        out += [f"| {name} | {value:.2f} |" for name, value in tools["ratios"].items()]
     load = report.get("load", {})
     if load:
         out += [
