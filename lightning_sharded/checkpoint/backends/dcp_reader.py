@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import mmap
 import os
 import queue
 import struct
-import sys
 import threading
 from dataclasses import dataclass
 from typing import IO, Any, cast
@@ -35,6 +33,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.utils import _create_file_view
+
+from lightning_sharded.checkpoint import libc
 
 __all__ = ["DirectReader", "GivenMetadata", "fsspec_reader"]
 
@@ -90,44 +90,14 @@ def _will_need(file: Any, offset: int, nbytes: int) -> None:
             advise(file.fileno(), offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
-def _madvise_populate() -> Any:
-    """libc's ``madvise`` when the kernel has ``MADV_POPULATE_WRITE`` (Linux 5.14), else ``None``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    page = mmap.PAGESIZE
-    probe = mmap.mmap(-1, page)
-    try:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(probe))  # the buffer export ends here
-        works = madvise(address, page, _MADV_POPULATE_WRITE) == 0
-    finally:
-        probe.close()
-    return madvise if works else None
-
-
 # Fresh memory (an optimizer state template made with `torch.empty`) is faulted in page by page as a
 # read fills it, in the reading thread: here that took a resume from 2.2 GB/s (targets already
 # touched) to 0.98. A thread that populates the targets ahead of the readers (`MADV_POPULATE_WRITE`:
 # the pages are made present, their bytes untouched, so it cannot race with a read) got 1.44.
-_MADV_POPULATE_WRITE = 23
-_populate = _madvise_populate()
-
-
 def _prefault(jobs: list[Any]) -> None:
     """Make the pages of every job's target present, in order (whole pages inside each target)."""
-    page = mmap.PAGESIZE
     for job in jobs:
-        start = job.target.data_ptr()
-        low, high = -(-start // page) * page, (start + job.nbytes) // page * page
-        if high > low:
-            _populate(low, high - low, _MADV_POPULATE_WRITE)
+        libc.madvise(job.target.data_ptr(), job.nbytes, libc.MADV_POPULATE_WRITE)
 
 
 def _readinto(file: Any, offset: int, target: torch.Tensor) -> bool:
@@ -249,7 +219,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
                 finished.put((None, False, err))
 
         threads = [threading.Thread(target=read, args=(part,), daemon=True) for part in parts]
-        if _populate is not None:  # fault the targets' pages in ahead of the readers, in their order
+        if libc.populate_write_works():  # fault the targets' pages in ahead of the readers, in order
             order = [job for row in itertools.zip_longest(*parts) for job in row if job is not None]
             threads.append(threading.Thread(target=_prefault, args=(order,), daemon=True))
         for thread in threads:

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends.paths import Location
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
@@ -110,31 +110,18 @@ def make_dirs(directory: Path) -> None:
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_renameat2: Any = None
 
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; ``False`` where unsupported."""
-    global _renameat2
     if os.environ.get(NO_EXCHANGE_ENV) == "1":
         return False
-    if _renameat2 is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            _renameat2 = libc.renameat2
-            _renameat2.argtypes = [
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_uint,
-            ]
-            _renameat2.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _renameat2 = False
-    if _renameat2 is False:
+    renameat2 = libc.function(
+        "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint
+    )
+    if renameat2 is None:
         return False
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):

@@ -11,32 +11,15 @@ same tensor simply maps them again. Only memory inside this process's mappings o
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import sys
 from typing import Any
 
 import torch
 
+from lightning_sharded.checkpoint import libc
+
 __all__ = ["FileMapping"]
-
-_MADV_DONTNEED = 4
-_PAGE = mmap.PAGESIZE
-_madvise: Any = None
-
-
-def _libc_madvise() -> Any:
-    global _madvise
-    if _madvise is None:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError):
-            _madvise = False
-    return _madvise
 
 
 class FileMapping:
@@ -71,8 +54,4 @@ class FileMapping:
         end = start + tensor.numel() * tensor.element_size()
         if not any(lo <= start and end <= hi for lo, hi in self.ranges):
             return
-        madvise = _libc_madvise()
-        first = (start + _PAGE - 1) // _PAGE * _PAGE
-        last = end // _PAGE * _PAGE
-        if madvise and last > first:
-            madvise(first, last - first, _MADV_DONTNEED)
+        libc.madvise(start, end - start, libc.MADV_DONTNEED)

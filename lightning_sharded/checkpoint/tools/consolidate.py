@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-import contextlib
+import ctypes
 import errno
 import gc
 import logging
@@ -11,7 +11,6 @@ import mmap
 import os
 import re
 import struct
-import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any, cast
 
 import torch
 
-from lightning_sharded.checkpoint import names, unpickling
+from lightning_sharded.checkpoint import libc, names, unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
 from lightning_sharded.checkpoint.checksum import crc32_combine
 from lightning_sharded.checkpoint.commit import commit_file
@@ -368,24 +367,13 @@ class _FillChecksums:
 
 
 _SYNC_FILE_RANGE_WRITE = 2
-_sync_file_range: Any = None
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing a file range's dirty pages to disk, without waiting (Linux)."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        _sync_file_range = False
-        if sys.platform.startswith("linux"):
-            import ctypes
-
-            with contextlib.suppress(OSError, AttributeError):
-                function = ctypes.CDLL(None, use_errno=True).sync_file_range
-                function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-                function.restype = ctypes.c_int
-                _sync_file_range = function
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advice: its errors do not matter
+    call = libc.function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    if call is not None:
+        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advice: its errors do not matter
 
 
 def _fix_zip_crcs(file: Path, known: dict[int, int] | None = None) -> None:

@@ -1,0 +1,51 @@
+"""The C library functions the checkpoint code calls through ``ctypes``, each looked up once.
+
+``renameat2`` (publish by exchange), ``madvise`` (give back or fault in the pages of a tensor) and
+``sync_file_range`` (start a write-back) are Linux calls with no binding in :mod:`os`. A function libc
+does not have is ``None``: every caller then does without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+from typing import Any
+
+__all__ = ["MADV_DONTNEED", "MADV_POPULATE_WRITE", "PAGE", "function", "madvise", "populate_write_works"]
+
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4
+MADV_POPULATE_WRITE = 23  # Linux 5.14: make pages present (as if written), their bytes untouched
+
+
+@functools.cache
+def function(name: str, *argtypes: Any) -> Any:
+    """libc's ``name`` taking ``argtypes`` and returning an ``int`` (``errno`` kept), or ``None``."""
+    try:
+        found = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    found.argtypes = list(argtypes)
+    found.restype = ctypes.c_int
+    return found
+
+
+def madvise(start: int, nbytes: int, advice: int) -> bool:
+    """``madvise`` on the whole pages inside ``[start, start + nbytes)``; ``False`` if it did nothing
+    (no such call, no whole page, or an error)."""
+    call = function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    first = -(-start // PAGE) * PAGE
+    last = (start + nbytes) // PAGE * PAGE
+    return call is not None and last > first and call(first, last - first, advice) == 0
+
+
+@functools.cache
+def populate_write_works() -> bool:
+    """Whether this kernel has ``MADV_POPULATE_WRITE`` (tried once on a page of its own)."""
+    probe = mmap.mmap(-1, PAGE)
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(probe))  # the buffer export ends here
+        return madvise(address, PAGE, MADV_POPULATE_WRITE)
+    finally:
+        probe.close()
