@@ -491,38 +491,49 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     sizes = sorted(int(n) for n in report["local"])
     table = dict(rows(report, "local"))
-    for label in (
-        "load rank N-1: ours, shared-file ops",
-        "load rank 0: ours, shared-file ops",
-        "save rank N-1: ours, shared-file ops",
-        "save rank 0: ours, shared-file ops",
-        "load rank N-1: stock, shared-file ops",
-        "load rank 0: ours, all ops",
-        "load rank N-1: ours, all ops",
-    ):
-        if label in table:
-            axes[0].plot(sizes, [max(v, 0.5) for v in table[label]], marker="o", label=label)
-    axes[0].set_title("file-system operations per rank (0 drawn at 0.5)")
-    for label in (
-        "save rank 0: ours, CPU s",
-        "load rank 0: ours, CPU s",
-        "save rank N-1: ours, CPU s",
-        "load rank N-1: ours, CPU s",
-        "save rank 0: stock, CPU s",
-    ):
-        if label in table:
-            axes[1].plot(sizes, table[label], marker="o", label=label)
-    axes[1].set_title("CPU seconds of one rank's save / load")
-    for label in (
-        "save rank 0: ours, collective bytes",
-        "load rank N-1: ours, collective bytes",
-        "load rank N-1: DCP, collective bytes",
-        "manifest bytes",
-        ".metadata bytes",
-    ):
-        if label in table:
-            axes[2].plot(sizes, [max(v, 1) for v in table[label]], marker="o", label=label)
-    axes[2].set_title("bytes")
+    # (panel title, the series drawn, the least value drawn: a log scale cannot show 0)
+    panels: list[tuple[str, tuple[str, ...], float]] = [
+        (
+            "file-system operations per rank (0 drawn at 0.5)",
+            (
+                "load rank N-1: ours, shared-file ops",
+                "load rank 0: ours, shared-file ops",
+                "save rank N-1: ours, shared-file ops",
+                "save rank 0: ours, shared-file ops",
+                "load rank N-1: stock, shared-file ops",
+                "load rank 0: ours, all ops",
+                "load rank N-1: ours, all ops",
+            ),
+            0.5,
+        ),
+        (
+            "CPU seconds of one rank's save / load",
+            (
+                "save rank 0: ours, CPU s",
+                "load rank 0: ours, CPU s",
+                "save rank N-1: ours, CPU s",
+                "load rank N-1: ours, CPU s",
+                "save rank 0: stock, CPU s",
+            ),
+            -math.inf,
+        ),
+        (
+            "bytes",
+            (
+                "save rank 0: ours, collective bytes",
+                "load rank N-1: ours, collective bytes",
+                "load rank N-1: DCP, collective bytes",
+                "manifest bytes",
+                ".metadata bytes",
+            ),
+            1,
+        ),
+    ]
+    for ax, (title, labels, least) in zip(axes, panels, strict=True):
+        for label in labels:
+            if label in table:
+                ax.plot(sizes, [max(v, least) for v in table[label]], marker="o", label=label)
+        ax.set_title(title)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
