@@ -83,7 +83,9 @@ class ShardedStateMixin:
         ``configure_model``, ``load_state_dict`` with ``strict``. A sharded attribute that is still
         ``None`` (or not set) after ``configure_model``, as one made only under a process group is,
         receives the full tensor; strict loading still refuses keys no module has. Meant for inference
-        on one machine: the whole model is loaded into memory. A file is loaded as Lightning does.
+        on one machine: the whole model is loaded into memory. A file is loaded as Lightning does, except
+        that with a device (or device string) as ``map_location`` only the model state goes to that device:
+        the rest, optimizer states included, stays memory-mapped on CPU and is read only if used.
 
         ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
         read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
@@ -98,14 +100,20 @@ class ShardedStateMixin:
         from lightning.pytorch import LightningModule
 
         parent: Any = super()
+        location = map_location if isinstance(map_location, (str, torch.device)) else None
         if not isinstance(checkpoint_path, (str, os.PathLike)) or not _is_sharded(checkpoint_path):
+            if _off_cpu(location) and _is_local_file(checkpoint_path):  # type: ignore[arg-type]
+                model_only = _model_state_to(checkpoint_path, location, weights_only)  # type: ignore[arg-type]
+                with _preloaded(checkpoint_path, model_only):  # type: ignore[arg-type]
+                    return parent.load_from_checkpoint(
+                        checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+                    )
             return parent.load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
         from lightning_sharded.checkpoint.errors import CheckpointError
         from lightning_sharded.checkpoint.tools import load_checkpoint
 
-        location = map_location if isinstance(map_location, (str, torch.device)) else None
         checkpoint = load_checkpoint(
             checkpoint_path, location or "cpu", weights_only=weights_only, optimizer_states=False
         )
@@ -155,3 +163,33 @@ def _is_sharded(path: str | os.PathLike[str]) -> bool:
 
     loc = location(path)
     return isinstance(loc, os.PathLike) and resolve(loc).is_dir()
+
+
+def _off_cpu(location: str | torch.device | None) -> bool:
+    return location is not None and torch.device(location).type != "cpu"
+
+
+def _is_local_file(path: str | os.PathLike[str]) -> bool:
+    from lightning_sharded.checkpoint.backends import is_url
+
+    return not is_url(path) and os.path.isfile(path)
+
+
+def _model_state_to(
+    path: str | os.PathLike[str], map_location: str | torch.device, weights_only: bool | None
+) -> dict[str, Any]:
+    """The full checkpoint file at ``path`` as ``torch.load`` reads it, with ``state_dict`` on
+    ``map_location`` and everything else memory-mapped on CPU (an optimizer state the model does not
+    need is neither read nor copied to the device)."""
+    device = torch.device(map_location)
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    if (
+        device.type != "cpu"
+        and isinstance(checkpoint, dict)
+        and isinstance(checkpoint.get("state_dict"), dict)
+    ):
+        checkpoint["state_dict"] = {
+            key: value.to(device) if isinstance(value, torch.Tensor) else value
+            for key, value in checkpoint["state_dict"].items()
+        }
+    return checkpoint  # type: ignore[no-any-return]

@@ -6,9 +6,10 @@
 1. waits for the previous background save of this saver, raising its error if it failed (one save in
    flight at a time, so the staging buffers can be reused and saves publish in order);
 2. copies every tensor of the state (``DTensor`` and ``ShardedTensor`` shards, plain tensors) into
-   CPU staging buffers kept from the previous save when shapes and dtypes match (so a steady run
-   allocates nothing), and deep-copies the small non-tensor rest; training may change the model as
-   soon as this returns;
+   CPU staging buffers (pinned for CUDA tensors) kept from the previous save when shapes and dtypes
+   match (so a steady run allocates nothing), and deep-copies the small non-tensor rest; sharded
+   values keep their layout with the CPU copy as their local data, so staging takes no device memory;
+   training may change the model as soon as this returns;
 3. hands the staged state to one background thread that runs the write: for a sharded directory the
    same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
    staging directory, checksums, manifest, one rename), with its collectives on a process group of its
@@ -24,7 +25,8 @@ What happens to a save in flight:
 - a crash (SIGKILL) while it is written leaves the previous checkpoint at that path intact and
   loadable: nothing is published before every rank's files are complete, fsynced and checksummed.
 
-Staging costs one extra copy of the rank's shard in host memory while a saver lives.
+Staging costs one extra copy of the rank's shard in host memory (page-locked on CUDA) while a saver
+lives, and no device memory.
 """
 
 from __future__ import annotations
@@ -61,39 +63,58 @@ class StagingBuffers:
 
     A buffer is kept per position in the state (the path of keys and list indices that leads to the
     tensor) and reused while its shape and dtype stay the same; buffers of positions a stage no
-    longer has are dropped.
+    longer has are dropped. The buffer of a CUDA tensor is pinned (page-locked), so the copy runs as a
+    device-to-host DMA; the copies of one :meth:`stage` are issued without blocking and waited for
+    once at its end.
     """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._used: set[tuple[Any, ...]] = set()
+        self._devices: set[torch.device] = set()
         #: Bytes copied by the last :meth:`stage`, and how many of them went into new buffers.
         self.copied_bytes = 0
         self.allocated_bytes = 0
 
     @torch.no_grad()
     def stage(self, state: Any) -> Any:
-        """A copy of ``state`` whose tensors live in this object's buffers; the structure is rebuilt.
+        """A copy of ``state`` whose tensors live in this object's CPU buffers; the structure is rebuilt.
 
-        ``DTensor`` and ``ShardedTensor`` values stay sharded (same mesh, placements and global
-        metadata), with their local shards copied. Values other than tensors, dicts, lists and tuples
-        are deep-copied.
+        ``DTensor`` and ``ShardedTensor`` values stay sharded like the original: a ``DTensor`` keeps its
+        spec (mesh, placements, global shape) with the CPU buffer as its local tensor, as torch's own
+        staging does (``torch/distributed/_state_dict_utils.py``, ``_create_cpu_state_dict``), so no
+        device memory is taken; a ``ShardedTensor`` keeps its global metadata with the placements moved
+        to CPU, as ``ShardedTensor.cpu()`` does. Values other than tensors, dicts, lists and tuples are
+        deep-copied. Returns once every copy is complete.
         """
         self._used = set()
+        self._devices = set()
         self.copied_bytes = self.allocated_bytes = 0
         staged = self._stage(state, ())
+        for device in self._devices:  # the non-blocking device-to-host copies
+            torch.cuda.synchronize(device)
         for stale in set(self._buffers) - self._used:
             del self._buffers[stale]
         return staged
 
     def _buffer(self, key: tuple[Any, ...], source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+        pin = source.is_cuda
+        if (
+            buffer is None
+            or buffer.shape != source.shape
+            or buffer.dtype != source.dtype
+            or buffer.is_pinned() != pin
+        ):
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buffer
             self.allocated_bytes += buffer.numel() * buffer.element_size()
         self._used.add(key)
-        buffer.copy_(source)
+        if pin:
+            buffer.copy_(source, non_blocking=True)
+            self._devices.add(source.device)
+        else:
+            buffer.copy_(source)
         self.copied_bytes += buffer.numel() * buffer.element_size()
         return buffer
 
@@ -101,10 +122,8 @@ class StagingBuffers:
         from torch.distributed.tensor import DTensor
 
         if isinstance(obj, DTensor):
-            local = self._buffer(key, obj.to_local())
-            return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-            )
+            # Not DTensor.from_local: for a CUDA mesh it moves the local tensor back to the device.
+            return DTensor(self._buffer(key, obj._local_tensor), obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor) and type(obj).__name__ == "ShardedTensor":
             return self._stage_sharded_tensor(obj, key)
         if isinstance(obj, torch.Tensor):
@@ -120,13 +139,29 @@ class StagingBuffers:
         from torch.distributed._shard.sharded_tensor.api import ShardedTensor
         from torch.distributed._shard.sharded_tensor.shard import Shard
 
+        # torch checks each local shard's device against its placement: the copies are on CPU, so
+        # every placement says CPU (what ShardedTensor.cpu() does); offsets, sizes and ranks stay.
+        metadata = _on_cpu(obj.metadata())
         shards = [
-            Shard(self._buffer((*key, "shard", i), shard.tensor), shard.metadata)
+            Shard(self._buffer((*key, "shard", i), shard.tensor), _on_cpu(shard.metadata))
             for i, shard in enumerate(obj.local_shards())
         ]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, obj.metadata(), process_group=obj._process_group
+            shards, metadata, process_group=obj._process_group
         )
+
+
+def _on_cpu(metadata: Any) -> Any:
+    """A ``ShardedTensorMetadata`` or ``ShardMetadata`` whose placements name the CPU of the same ranks:
+    ``metadata`` itself when they already do, else a copy."""
+    shards = getattr(metadata, "shards_metadata", [metadata])
+    if all(m.placement is None or m.placement.device().type == "cpu" for m in shards):
+        return metadata
+    metadata = copy.deepcopy(metadata)
+    for m in getattr(metadata, "shards_metadata", [metadata]):
+        if m.placement is not None:
+            m.placement._device = torch.device("cpu")
+    return metadata
 
 
 class AsyncSaver:

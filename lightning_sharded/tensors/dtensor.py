@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_sharded.tensors.base import full_if_sharded
 
@@ -54,11 +55,10 @@ class DTensorAdapter:
                 # Same ranks, another placement: let DTensor move only what each rank needs.
                 local.copy_(source.redistribute(target.device_mesh, target.placements).to_local())
                 return
-            source = full_if_sharded(source)
-            full = source.detach().to(device=local.device)
-            # Every rank holds the same global value: cut this rank's part locally, no communication.
-            part = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
-            local.copy_(part.to_local())
+            # Every rank holds the same global value: cut this rank's part where the value is (a
+            # full file's tensors are on CPU), then copy only that part to the device.
+            full = full_if_sharded(source).detach()
+            local.copy_(local_part(full, target.device_mesh, target.placements))
 
     def to_full(self, value: Any) -> torch.Tensor:
         return value.full_tensor()  # type: ignore[no-any-return]
@@ -67,3 +67,26 @@ class DTensorAdapter:
         mesh = value.device_mesh
         # Reducing along each mesh dimension in turn reaches the whole mesh.
         return [mesh.get_group(dim) for dim in range(mesh.ndim) if mesh.size(dim) > 1]
+
+
+def local_part(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor:
+    """This rank's local tensor of ``full`` under ``mesh`` and ``placements``, cut where ``full`` is.
+
+    What ``distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()`` returns, without
+    its first step, which moves the whole of ``full`` to the mesh's device: a large full tensor read
+    from a file would take the device memory of the whole tensor on every rank, for a moment. The
+    same local split as torch's (``torch/distributed/tensor/_api.py``, ``distribute_tensor``: Shard and
+    _StridedShard cut one mesh dimension after the other; Replicate keeps the value); no communication.
+    """
+    part = full
+    for index, placement in enumerate(placements):
+        if isinstance(placement, _StridedShard):
+            dim = placement.dim % full.ndim
+            part = _StridedShard._make_shard_tensor(
+                dim, part, mesh, index, None, split_factor=placement.split_factor
+            )
+        elif isinstance(placement, Shard):
+            part = Shard._make_shard_tensor(placement.dim % full.ndim, part, mesh, index, None)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"Cannot cut a full tensor for the placement {placement!r}")
+    return part

@@ -65,8 +65,7 @@ class ShardedTensorAdapter:
 
     def to_full(self, value: Any) -> torch.Tensor:
         meta = value.metadata()
-        device = value.local_shards()[0].tensor.device if value.local_shards() else torch.device("cpu")
-        full = torch.zeros(value.size(), dtype=meta.tensor_properties.dtype, device=device)
+        full = torch.zeros(value.size(), dtype=meta.tensor_properties.dtype, device=rank_device(value))
         for shard in value.local_shards():
             full[_index(shard.metadata)] = shard.tensor
         group = value._process_group
@@ -82,6 +81,22 @@ class ShardedTensorAdapter:
         if not dist.is_initialized() or dist.get_world_size(group) <= 1:
             return []
         return [group]
+
+
+def rank_device(value: Any) -> torch.device:
+    """The device of this rank's part of the ``ShardedTensor`` ``value``, also on a rank with no shard.
+
+    A rank without a local shard still takes part in the gathers, with a tensor on the device its
+    peers use (NCCL refuses a CPU tensor on that rank alone): the placements' accelerator, this
+    process's current device of that type; CPU when every placement is on CPU.
+    """
+    shards = value.local_shards()
+    if shards:
+        return shards[0].tensor.device  # type: ignore[no-any-return]
+    kinds = {m.placement.device().type for m in value.metadata().shards_metadata if m.placement is not None}
+    for kind in sorted(kinds - {"cpu"}):
+        return torch.device(kind, torch.accelerator.current_device_index())
+    return torch.device("cpu")
 
 
 def _index(shard_metadata: Any) -> tuple[slice, ...]:
