@@ -54,14 +54,13 @@ class StockCpuFSDP(FSDPStrategy):
 
 def make_strategy(args: argparse.Namespace, world: int) -> Any:
     wrap = {nn.Linear}
+    ours = {"state_dict_type": args.state_dict_type, "async_save": args.async_save}
     if args.strategy == "fsdp":
-        return ShardedFSDPStrategy(auto_wrap_policy=wrap, state_dict_type=args.state_dict_type)
+        return ShardedFSDPStrategy(auto_wrap_policy=wrap, **ours)
     if args.strategy == "mp":
         if args.policy:
-            return ShardedModelParallelStrategy(fully_shard_policy=wrap, state_dict_type=args.state_dict_type)
-        return ShardedModelParallelStrategy(
-            data_parallel_size=world, tensor_parallel_size=1, state_dict_type=args.state_dict_type
-        )
+            return ShardedModelParallelStrategy(fully_shard_policy=wrap, **ours)
+        return ShardedModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, **ours)
     if args.strategy == "stock-fsdp":
         return StockCpuFSDP(auto_wrap_policy=wrap, state_dict_type=args.state_dict_type)
     if args.strategy == "stock-mp":
@@ -208,6 +207,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cases", type=Path, help="errors phase: a torch.save'd list of case dicts")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--overwrite", action="store_true", help="also save to --ckpt after the first step")
+    parser.add_argument(
+        "--async-save", action="store_true", help="this library's strategies: async_save=True"
+    )
     return parser
 
 
@@ -242,6 +244,8 @@ def run_job(argv: list[str]) -> None:
         trainer = L.Trainer(max_steps=args.steps, limit_val_batches=0, callbacks=callbacks, **common)
         trainer.fit(model)
         trainer.save_checkpoint(args.ckpt)
+        if args.async_save:
+            trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
         write(args.out, full_values(trainer, model))
     elif args.phase == "resume":
         model = make_model(args)

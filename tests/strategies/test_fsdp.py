@@ -7,12 +7,10 @@ they are right after the restore. They must be equal, exactly. See ``plan.py`` f
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.distributed.harness import Batch, Results, assert_same, model_keys, optimizer_keys
+from tests.distributed.harness import assert_same, model_keys, optimizer_keys
 from tests.distributed.models import _table_values
 from tests.strategies.plan import Session, resume_name
 
@@ -107,23 +105,3 @@ def test_validate_test_predict_with_ckpt_path(runs: Session) -> None:
     assert "val_loss" in results["validate"]["output"][0]
     assert "test_loss" in results["test"]["output"][0]
     assert len(results["predict"]["output"]) == 2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_resume_on_cuda(tmp_path: Path) -> None:
-    # The CPU matrix above, on GPUs: 2 processes (or 1 with one GPU), sharded and full, resumed at 1 too.
-    world = min(2, torch.cuda.device_count())
-    flags = ("--strategy", "fsdp", "--accelerator", "cuda")
-    batch = Batch(tmp_path)
-    batch.add("sharded", world, "fit", "--ckpt", str(tmp_path / "sharded"), *flags)
-    batch.add("full", world, "fit", "--ckpt", str(tmp_path / "full"), *flags, "--state-dict-type", "full")
-    batch.run()
-    for resumed_on in sorted({1, world}):
-        for kind in ("sharded", "full"):
-            batch.add(f"{kind}@{resumed_on}", resumed_on, "resume", "--ckpt", str(tmp_path / kind), *flags)
-    batch.run()
-    results = Results(batch.outs)
-    for resumed_on in sorted({1, world}):
-        for kind in ("sharded", "full"):
-            assert_same(results[kind], results[f"{kind}@{resumed_on}"])

@@ -6,12 +6,10 @@ strategy's ``fully_shard_policy`` on a plain model), a DTensor table, a ShardedT
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from tests.distributed.harness import Batch, Results, assert_same, model_keys
+from tests.distributed.harness import assert_same, model_keys
 from tests.distributed.models import _table_values
 from tests.strategies.plan import Session, resume_name
 
@@ -61,23 +59,3 @@ def test_our_sharded_checkpoint_resumes_in_stock_model_parallel(runs: Session) -
 def test_full_save_resumes_at_another_world_size(runs: Session) -> None:
     assert (runs.root / "mp2-full").is_file()
     assert_same(runs["mp2-full"], runs[resume_name("mp2-full", "mp", 1)])
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_resume_on_cuda(tmp_path: Path) -> None:
-    # The CPU matrix above, on GPUs: 2 processes (or 1 with one GPU), sharded and full, resumed at 1 too.
-    world = min(2, torch.cuda.device_count())
-    flags = ("--strategy", "mp", "--accelerator", "cuda")
-    batch = Batch(tmp_path)
-    batch.add("sharded", world, "fit", "--ckpt", str(tmp_path / "sharded"), *flags)
-    batch.add("full", world, "fit", "--ckpt", str(tmp_path / "full"), *flags, "--state-dict-type", "full")
-    batch.run()
-    for resumed_on in sorted({1, world}):
-        for kind in ("sharded", "full"):
-            batch.add(f"{kind}@{resumed_on}", resumed_on, "resume", "--ckpt", str(tmp_path / kind), *flags)
-    batch.run()
-    results = Results(batch.outs)
-    for resumed_on in sorted({1, world}):
-        for kind in ("sharded", "full"):
-            assert_same(results[kind], results[f"{kind}@{resumed_on}"])
