@@ -111,7 +111,7 @@ def test_staging_cuda_values_takes_no_device_memory(process_group: None) -> None
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     mesh = init_device_mesh("cuda", (1,))
-    table = distribute_tensor(torch.randn(1024, 1024, device="cuda"), mesh, [Shard(0)])
+    table = distribute_tensor(torch.randn(1024, 1024, device="cuda"), mesh, [Shard(0)], src_data_rank=None)
     state = {"table": table, "plain": torch.randn(256, device="cuda")}
     buffers = StagingBuffers()
     torch.cuda.synchronize()
@@ -150,3 +150,34 @@ def test_a_cuda_map_location_moves_only_the_model_state(tmp_path: Path) -> None:
     assert {t.device.type for t in checkpoint["state_dict"].values()} == {"cuda"}
     states = checkpoint["optimizer_states"][0]["state"]
     assert {t.device.type for s in states.values() for t in s.values()} == {"cpu"}
+
+
+# ------------------------------------------------------------------------- the GPU scripts, on CPU
+
+GPU_SCRIPTS = Path(__file__).with_name("gpu")
+
+
+def test_gpu_figures_script_runs_on_cpu(tmp_path: Path) -> None:
+    """``tests/gpu/figures.py`` (what ``tests/gpu/run.sh`` measures) on CPU, tiny: it runs, restores
+    what it saved, and reports every figure. Its numbers here mean nothing and are not checked."""
+    import subprocess
+    import sys
+
+    from tests.distributed.launch import shell_env
+
+    cmd = [sys.executable, str(GPU_SCRIPTS / "figures.py"), "--device", "cpu", "--out", str(tmp_path)]
+    cmd += ["--size-gb", "0.004", "--hidden", "128"]
+    proc = subprocess.run(cmd, env=shell_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "figures.json").read_text())
+    for name in ("mp", "fsdp"):
+        assert report[name]["restored_equal"], report[name]
+        assert report[name]["staged_gb"] > 0.003  # weights and both Adam states were staged
+        assert {"stall_vs_sync", "staging_vs_pinned_copy"} <= set(report[name])
+
+
+def test_gpu_shared_device_script_runs_on_cpu(tmp_path: Path) -> None:
+    """``tests/gpu/shared_gpu.py`` at 2 ranks on CPU: the async save and the load it checks work."""
+    run_ranks(GPU_SCRIPTS / "shared_gpu.py", 2, str(tmp_path), "--device", "cpu", timeout=180)
+    report = json.loads((tmp_path / "shared_gpu.json").read_text())
+    assert [r["worked"] for r in report["ranks"]] == [True, True], report
