@@ -71,16 +71,17 @@ def restore_sharded(
         lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
     )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
-    # not fit fails before the model changed. The model and each optimizer are then read in a DCP pass
-    # of their own.
+    # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
+    # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
     prepared = [
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
         for index, optimizer in enumerate(optimizers)
     ]
-    _dcp_load(backend, {layout.model_key: to_load}, path, layout.metadata)
-    set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
+    state: dict[str, Any] = {layout.model_key: to_load}
     for _, to_read, _ in prepared:
-        _dcp_load(backend, to_read, path, layout.metadata)
+        state.update(to_read)
+    _dcp_load(backend, state, path, layout.metadata)
+    set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for _, _, finish in prepared:
         finish()
     return metadata, report
