@@ -152,7 +152,10 @@ class Measure(L.Callback):
         }
         if device == "cuda":
             self.figures.update(
-                allocated_before_gb=before / 1e9, peak_gb=peak / 1e9, peak_vs_before=peak / before
+                allocated_before_gb=before / 1e9,  # model + optimizer shard (+ gradients) on the device
+                peak_gb=peak / 1e9,
+                peak_vs_before=peak / before,
+                extra_vs_staged=(peak - before) / staged_bytes,  # a second device copy would be ~1.0
             )
 
 
