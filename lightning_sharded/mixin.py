@@ -101,10 +101,18 @@ class ShardedStateMixin:
 
         parent: Any = super()
         location = map_location if isinstance(map_location, (str, torch.device)) else None
-        if not isinstance(checkpoint_path, (str, os.PathLike)) or not _is_sharded(checkpoint_path):
-            if _off_cpu(location) and _is_local_file(checkpoint_path):  # type: ignore[arg-type]
-                model_only = _model_state_to(checkpoint_path, location, weights_only)  # type: ignore[arg-type]
-                with _preloaded(checkpoint_path, model_only):  # type: ignore[arg-type]
+        if not isinstance(checkpoint_path, (str, os.PathLike)):
+            return parent.load_from_checkpoint(
+                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+            )
+        if not _is_sharded(checkpoint_path):
+            if (
+                location is not None
+                and torch.device(location).type != "cpu"
+                and _is_local_file(checkpoint_path)
+            ):
+                model_only = _model_state_to(checkpoint_path, location, weights_only)
+                with _preloaded(checkpoint_path, model_only):
                     return parent.load_from_checkpoint(
                         checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
                     )
@@ -165,10 +173,6 @@ def _is_sharded(path: str | os.PathLike[str]) -> bool:
     return isinstance(loc, os.PathLike) and resolve(loc).is_dir()
 
 
-def _off_cpu(location: str | torch.device | None) -> bool:
-    return location is not None and torch.device(location).type != "cpu"
-
-
 def _is_local_file(path: str | os.PathLike[str]) -> bool:
     from lightning_sharded.checkpoint.backends import is_url
 
@@ -183,11 +187,7 @@ def _model_state_to(
     need is neither read nor copied to the device)."""
     device = torch.device(map_location)
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
-    if (
-        device.type != "cpu"
-        and isinstance(checkpoint, dict)
-        and isinstance(checkpoint.get("state_dict"), dict)
-    ):
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
         checkpoint["state_dict"] = {
             key: value.to(device) if isinstance(value, torch.Tensor) else value
             for key, value in checkpoint["state_dict"].items()
