@@ -81,6 +81,8 @@ def restore_sharded(
     for _, to_read, _ in prepared:
         state.update(to_read)
     _dcp_load(backend, state, path, layout.metadata)
+    for _, to_read, _ in prepared:  # DCP puts values that are not tensors (lr...) in place in `state`
+        to_read.update((k, state[k]) for k in to_read)
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for _, _, finish in prepared:
         finish()
