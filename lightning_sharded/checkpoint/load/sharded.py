@@ -73,18 +73,14 @@ def restore_sharded(
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
     # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
-    prepared = [
-        _prepare_optimizer(path, layout, model, optimizer, index, strict=strict)
+    state: dict[str, Any] = {layout.model_key: to_load}
+    finishes = [
+        _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
     ]
-    state: dict[str, Any] = {layout.model_key: to_load}
-    for _, to_read, _ in prepared:
-        state.update(to_read)
     _dcp_load(backend, state, path, layout.metadata)
-    for _, to_read, _ in prepared:  # DCP puts values that are not tensors (lr...) in place in `state`
-        to_read.update((k, state[k]) for k in to_read)
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
-    for _, _, finish in prepared:
+    for finish in finishes:
         finish()
     return metadata, report
 
@@ -97,8 +93,10 @@ def _prepare_optimizer(
     index: int,
     *,
     strict: bool,
-) -> tuple[str, dict[str, Any], Callable[[], None]]:
-    """``(key, what DCP reads into, what loads it into the optimizer once read)``; checks first."""
+    into: dict[str, Any],
+) -> Callable[[], None]:
+    """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
+    it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
     template = template_like(model, optimizer, stored)
@@ -148,7 +146,6 @@ def _prepare_optimizer(
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
     own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
-    loaded = template
     # The param groups' entries go to DCP under their flat keys: a group of plain values is one leaf to
     # DCP's flattening (no tensor inside), whose key the checkpoint does not have, so a partial load
     # skipped it on the ranks whose groups held no tensor, and kept their current values.
@@ -158,23 +155,24 @@ def _prepare_optimizer(
         for name, value in group.items()
         if name != PARAMS and f"{key}.{PARAM_GROUPS}.{i}.{name}" in layout.entries
     }
-    to_read: dict[str, Any] = {key: {STATE: template[STATE]}, **flat_groups}
+    into[key] = {STATE: template[STATE]}
+    into.update(flat_groups)
 
     def finish() -> None:
-        for flat_key, value in to_read.items():
-            if flat_key != key:
-                index, name = flat_key[len(f"{key}.{PARAM_GROUPS}.") :].split(".", 1)
-                loaded[PARAM_GROUPS][int(index)][name] = value
-        for group, params in zip(loaded[PARAM_GROUPS], own_params, strict=True):
+        # DCP puts the plain values it reads (lr, betas...) in place in `into`.
+        for flat_key in flat_groups:
+            index, name = flat_key[len(f"{key}.{PARAM_GROUPS}.") :].split(".", 1)
+            template[PARAM_GROUPS][int(index)][name] = into[flat_key]
+        for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
         if fsdp1_local is not None:
-            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(loaded, fsdp1_local)))
+            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
         elif from_index:
-            optimizer.load_state_dict(key_by_index(loaded))
+            optimizer.load_state_dict(key_by_index(template))
         else:
-            set_optimizer_state(model, optimizer, loaded)
+            set_optimizer_state(model, optimizer, template)
 
-    return key, to_read, finish
+    return finish
 
 
 def _stored_optimizer_entries(
