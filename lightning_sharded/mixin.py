@@ -185,11 +185,10 @@ def _model_state_to(
     """The full checkpoint file at ``path`` as ``torch.load`` reads it, with ``state_dict`` on
     ``map_location`` and everything else memory-mapped on CPU (an optimizer state the model does not
     need is neither read nor copied to the device)."""
+    from lightning_sharded.checkpoint.tools.reader import map_tensors
+
     device = torch.device(map_location)
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
     if isinstance(checkpoint, dict) and isinstance(checkpoint.get("state_dict"), dict):
-        checkpoint["state_dict"] = {
-            key: value.to(device) if isinstance(value, torch.Tensor) else value
-            for key, value in checkpoint["state_dict"].items()
-        }
+        checkpoint["state_dict"] = map_tensors(checkpoint["state_dict"], lambda t: t.to(device))
     return checkpoint  # type: ignore[no-any-return]

@@ -100,11 +100,12 @@ class StagingBuffers:
     def _buffer(self, key: tuple[Any, ...], source: torch.Tensor) -> torch.Tensor:
         buffer = self._buffers.get(key)
         pin = source.is_cuda
+        # A pinned buffer serves a CPU source as well; only a CUDA source needs one (asked only then).
         if (
             buffer is None
             or buffer.shape != source.shape
             or buffer.dtype != source.dtype
-            or buffer.is_pinned() != pin
+            or (pin and not buffer.is_pinned())
         ):
             buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buffer

@@ -94,8 +94,9 @@ def rank_device(value: Any) -> torch.device:
     if shards:
         return shards[0].tensor.device  # type: ignore[no-any-return]
     kinds = {m.placement.device().type for m in value.metadata().shards_metadata if m.placement is not None}
-    for kind in sorted(kinds - {"cpu"}):
-        return torch.device(kind, torch.accelerator.current_device_index())
+    accelerators = sorted(kinds - {"cpu"})
+    if accelerators:
+        return torch.device(accelerators[0], torch.accelerator.current_device_index())
     return torch.device("cpu")
 
 
