@@ -33,54 +33,17 @@ warnings.filterwarnings("ignore")
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
+# The model of benchmarks/run.py (bias-free Linear(width, width) layers, Adam) and its strategies.
+from benchmarks.ranks import BenchModel, make_strategy  # noqa: E402
 
 TARGETS = {
     "stall_vs_sync": ("<=", 0.10),
     "peak_vs_before": ("<=", 1.1),
     "staging_vs_pinned_copy": (">=", 0.8),
 }
-
-
-class Model(L.LightningModule):
-    def __init__(self, hidden: int, layers: int, fully_shard: bool) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fully_shard = fully_shard
-        self.layers = nn.Sequential(*(nn.Linear(hidden, hidden, bias=False) for _ in range(layers)))
-
-    def configure_model(self) -> None:
-        if not self.fully_shard:
-            return
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if isinstance(self.layers[0], FSDPModule):
-            return
-        mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
-        for layer in self.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self, mesh=mesh)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        return self.layers(batch[0]).square().mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=1e-4)
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        hidden = self.layers[0].in_features
-        return DataLoader(TensorDataset(torch.randn(32, hidden)), batch_size=8)
-
-
-def make_strategy(name: str) -> Any:
-    if name == "mp":
-        return ShardedModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    return ShardedFSDPStrategy(auto_wrap_policy={nn.Linear})
 
 
 def synchronize(device: str) -> None:
@@ -172,7 +135,7 @@ def trainer_for(name: str, device: str, steps: int, callbacks: list[Any]) -> L.T
     return L.Trainer(
         accelerator=device,
         devices=1,
-        strategy=make_strategy(name),
+        strategy=make_strategy(f"ours-{name}", 1),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -196,10 +159,10 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     hidden = args.hidden
     layers = max(1, round(args.size_gb * 1e9 / (hidden * hidden * 4 * 3)))  # weights + Adam's 2 states
     measure = Measure(out, args.device)
-    trainer_for(name, args.device, 3, [measure]).fit(Model(hidden, layers, name == "mp"))
+    trainer_for(name, args.device, 3, [measure]).fit(BenchModel(hidden, layers, name == "mp"))
     restored = Restored()
     trainer_for(name, args.device, 4, [restored]).fit(
-        Model(hidden, layers, name == "mp"), ckpt_path=out / "async"
+        BenchModel(hidden, layers, name == "mp"), ckpt_path=out / "async"
     )
     differ = sorted(k for k in measure.saved if not torch.equal(measure.saved[k], restored.values.get(k)))
     return {
