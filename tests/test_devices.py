@@ -89,13 +89,17 @@ def _full_file(path: Path) -> None:
     )
 
 
-def test_a_device_map_location_moves_only_the_model_state(tmp_path: Path) -> None:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# "meta" stands for an accelerator on CPU (any device that is not the CPU); "cuda" is its GPU twin.
+@pytest.mark.parametrize("device", ["meta", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])])
+def test_a_device_map_location_moves_only_the_model_state(tmp_path: Path, device: str) -> None:
     from lightning_sharded.mixin import _model_state_to
 
     _full_file(tmp_path / "full.ckpt")
-    # "meta" stands for an accelerator here: any device that is not the CPU.
-    checkpoint = _model_state_to(tmp_path / "full.ckpt", "meta", weights_only=True)
-    assert {t.device.type for t in checkpoint["state_dict"].values()} == {"meta"}
+    checkpoint = _model_state_to(tmp_path / "full.ckpt", device, weights_only=True)
+    assert {t.device.type for t in checkpoint["state_dict"].values()} == {device}
     states = checkpoint["optimizer_states"][0]["state"]
     assert {t.device.type for s in states.values() for t in s.values()} == {"cpu"}
     assert checkpoint["epoch"] == 0
@@ -105,7 +109,7 @@ def test_a_device_map_location_moves_only_the_model_state(tmp_path: Path) -> Non
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@CUDA
 def test_staging_cuda_values_takes_no_device_memory(process_group: None) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -126,7 +130,7 @@ def test_staging_cuda_values_takes_no_device_memory(process_group: None) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@CUDA
 def test_staging_a_cuda_sharded_tensor(process_group: None) -> None:
     from torch.distributed._shard import sharded_tensor
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
@@ -138,18 +142,6 @@ def test_staging_a_cuda_sharded_tensor(process_group: None) -> None:
     assert shard.tensor.device.type == "cpu" and shard.tensor.is_pinned()
     assert torch.equal(shard.tensor, value.local_shards()[0].tensor.cpu())
     assert str(staged.metadata().shards_metadata[0].placement) == "rank:0/cpu"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_map_location_moves_only_the_model_state(tmp_path: Path) -> None:
-    from lightning_sharded.mixin import _model_state_to
-
-    _full_file(tmp_path / "full.ckpt")
-    checkpoint = _model_state_to(tmp_path / "full.ckpt", "cuda", weights_only=True)
-    assert {t.device.type for t in checkpoint["state_dict"].values()} == {"cuda"}
-    states = checkpoint["optimizer_states"][0]["state"]
-    assert {t.device.type for s in states.values() for t in s.values()} == {"cpu"}
 
 
 # ------------------------------------------------------------------------- the GPU scripts, on CPU
