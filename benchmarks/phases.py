@@ -100,6 +100,12 @@ PHASES: list[tuple[str, str, str]] = [
     # ours
     ("lightning_sharded.checkpoint.load", "detect", "ours: detect"),
     ("lightning_sharded.checkpoint.load", "check_found", "ours: check_found (sizes/manifest)"),
+    ("lightning_sharded.checkpoint.verify", "_checksum_problems", "ours: verify checksums (a read)"),
+    (
+        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
+        "check",
+        "ours: verify checksums (after the reads)",
+    ),
     ("lightning_sharded.checkpoint.load.sharded", "read_sharded_layout", "ours: read layout (.metadata)"),
     ("lightning_sharded.checkpoint.load.sharded", "model_state_dict", "ours: load target model state dict"),
     (
@@ -244,7 +250,10 @@ def rank_main(args: argparse.Namespace) -> None:
     for case in args.cases:
         torch.manual_seed(0)
         ckpt = args.dir / f"{case}.ckpt"
-        strategy = ranks.make_strategy(case, world)
+        # "ours-mp+verify": ours-mp, resumed with verify=True
+        base, _, option = case.partition("+")
+        options = {option: True} if option else {}
+        strategy = ranks.make_strategy(base, world)
         timers = Timers()
         timers.install(type(strategy))
         record: dict[str, Any] = {}
@@ -252,13 +261,13 @@ def rank_main(args: argparse.Namespace) -> None:
 
         save_profile = prof / f"{case}.save.pstats" if prof else None
         save = _SaveOnce(ckpt, timers, record, save_profile)
-        model = ranks.BenchModel(args.width, args.layers, shard_layers=case.endswith("mp"))
+        model = ranks.BenchModel(args.width, args.layers, shard_layers=base.endswith("mp"))
         trainer = ranks.trainer_for(strategy, [save])
         trainer.fit(model)
         del trainer, model
         ranks.evict(ckpt)
-        model = ranks.BenchModel(args.width, args.layers, shard_layers=case.endswith("mp"))
-        trainer = ranks.trainer_for(ranks.make_strategy(case, world))
+        model = ranks.BenchModel(args.width, args.layers, shard_layers=base.endswith("mp"))
+        trainer = ranks.trainer_for(ranks.make_strategy(base, world, **options))
         timers.reset()
         restore: dict[str, float] = {}
         with ranks.timing_restore(trainer, restore), profiled(prof / f"{case}.load.pstats" if prof else None):

@@ -18,8 +18,8 @@ others). Cases:
   memory (``VmHWM``, reset through ``/proc/self/clear_refs`` before the restore).
 - ``async-ours-mp``, ``async-ours-fsdp``: ``async_save=True``: how long ``save_checkpoint`` blocks the
   training loop, against a synchronous save of the same state in the same process.
-- ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` against without,
-  alternating; its checkpoint stays for the offline tools' figures.
+- ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` and with
+  ``verify="during"`` against without, in turn; its checkpoint stays for the offline tools' figures.
 - ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a training step of ``--batch``
   rows (matmul-bound at the full run's 512: about half the step is the matmuls, the rest FSDP's
   all-gathers and reduce-scatters over gloo) while an async save is in flight, against the steps just
@@ -480,7 +480,8 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def verify_case(args: argparse.Namespace) -> dict[str, Any]:
-    """Resume with ``verify=True`` against without, alternating, from one ShardedModelParallel checkpoint.
+    """Resume with ``verify=True``, with ``verify="during"`` and without, in turn, from one
+    ShardedModelParallel checkpoint.
 
     The checkpoint is left at ``DIR/kept.ckpt`` for the offline tools' figures of ``benchmarks/run.py``.
     """
@@ -497,16 +498,17 @@ def verify_case(args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(model)
     del trainer, model
     gc.collect()
-    record: dict[str, Any] = {"plain load s": [], "verify load s": [], "bytes": tree_bytes(ckpt)}
+    keys = {False: "plain load s", True: "verify load s", "during": "verify during load s"}
+    record: dict[str, Any] = {key: [] for key in keys.values()} | {"bytes": tree_bytes(ckpt)}
     for _ in range(args.cycles):
-        for verify in (False, True):
+        for verify in keys:
             evict(ckpt)
             restore: dict[str, float] = {}
             model = BenchModel(args.width, args.layers, shard_layers=True)
             trainer = trainer_for(make_strategy("ours-mp", world, verify=verify))
             with timing_restore(trainer, restore):
                 trainer.fit(model, ckpt_path=ckpt)
-            record["verify load s" if verify else "plain load s"].append(restore["restore s"])
+            record[keys[verify]].append(restore["restore s"])
             del trainer, model
             gc.collect()
     return record

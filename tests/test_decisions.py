@@ -54,6 +54,26 @@ def test_verify_reads_each_file_once_across_ranks(reports: list[dict]) -> None:
     assert all(r["checksummed"] for r in reports)  # both ranks took a share
 
 
+def test_verify_during_checksums_each_rank_s_reads_and_each_file_once(reports: list[dict]) -> None:
+    whole = [r["during"] for r in reports]
+    assert [w["type"] for w in whole] == [None, None] and all(w["equal"] for w in whole)
+    # Each rank read its own 2 MiB shard directly, checksumming it as it went, and completed that file.
+    assert [w["covered"] for w in whole] == [{f"__{r}_0.distcp": 2 << 20} for r in range(2)]
+    assert [f"__{r}_0.distcp" in w["completed"] for r, w in enumerate(whole)] == [True, True]
+    done = [name for w in whole for name in w["completed"]]
+    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"})
+
+
+def test_verify_during_fails_every_rank_alike_on_a_damaged_shard(reports: list[dict]) -> None:
+    first, second = (r["during-damaged"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert "is damaged: '__1_0.distcp' (written by rank 1) is corrupted: its crc32 is" in first["message"]
+    assert "The load had already read the model's tensors from it" in first["message"]
+    assert "__1_0.distcp" in second["completed"] and "__1_0.distcp" not in first["completed"]
+    assert first["equal"] and not second["equal"]  # the flipped byte reached rank 1's tensor only
+
+
 def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
     first, second = (r["full"] for r in reports)
     assert first["type"] == second["type"] == "CheckpointError"

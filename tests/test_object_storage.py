@@ -24,6 +24,7 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint, load_chec
 from lightning_sharded.checkpoint import MANIFEST_NAME
 from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
+from lightning_sharded.checkpoint.load import restore_checkpoint
 from lightning_sharded.cli import main as cli
 from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks
@@ -237,6 +238,12 @@ def test_verify_catches_a_corrupted_object(
     assert f"The checkpoint '{version}' is damaged: '__1_0.distcp' (written by rank 1) is corrupted" in err
     with pytest.raises(CheckpointError, match=r"'__1_0.distcp' \(written by rank 1\) is corrupted"):
         load_checkpoint(url, verify=True)
+    # verify="during" needs a reader that records checksums: on object storage it checks before reading.
+    model = torch.nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match=r"'__1_0.distcp' \(written by rank 1\) is corrupted"):
+        restore_checkpoint(url, model, strict=False, verify="during")
+    assert torch.equal(model.weight, before)
     fs.rm(shard)
     with pytest.raises(CheckpointError, match=r"'__1_0.distcp' \(written by rank 1\) is missing"):
         verify_checkpoint(url)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, _storage_location
+from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, ReadChecksums, _storage_location
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
 
 
@@ -79,9 +79,9 @@ def test_direct_reads_go_through_two_streams_and_commit_in_the_calling_thread(
     readers: dict[str, str] = {}
     real = dcp_reader._readinto
 
-    def recording(file: object, offset: int, target: torch.Tensor) -> bool:
+    def recording(file: object, offset: int, target: torch.Tensor, crc: bool = False) -> tuple[bool, int]:
         readers[str(offset)] = threading.current_thread().name  # unique, where an ident can be reused
-        return real(file, offset, target)
+        return real(file, offset, target, crc)
 
     monkeypatch.setattr(dcp_reader, "_readinto", recording)
     out = {key: torch.zeros_like(value) for key, value in state.items()}
@@ -95,3 +95,33 @@ def test_direct_reads_go_through_two_streams_and_commit_in_the_calling_thread(
     assert all(torch.equal(out[key], state[key]) for key in state)
     assert len(readers) == 8 and len(set(readers.values())) == 2
     assert committers == {threading.get_ident()}
+
+
+def test_checksums_of_direct_reads_are_those_of_the_bytes_in_the_file(tmp_path: Path) -> None:
+    import zlib
+
+    from lightning_sharded.checkpoint import read_manifest
+    from lightning_sharded.checkpoint.checksum import file_checksum, ranges_checksum
+    from lightning_sharded.checkpoint.commit import commit_directory
+
+    def write(staging: Path) -> None:
+        dcp.save(_state(), storage_writer=ChecksummingWriter(staging), no_dist=True)
+
+    path = tmp_path / "ckpt"
+    commit_directory(path, write)
+    checksums = ReadChecksums()
+    ours = _load(path, DirectReader(path, checksums=checksums))
+    assert torch.equal(ours["big"], _state()["big"])  # type: ignore[arg-type]
+    # "big", "half" and "view" (stored as a whole tensor) are read directly, one range each; the small
+    # ones and the dict are not.
+    assert sum(len(ranges) for ranges in checksums.ranges.values()) == 3
+    manifest = read_manifest(path)
+    assert manifest is not None
+    for relative, ranges in checksums.ranges.items():
+        data = (path / relative).read_bytes()
+        for offset, length, crc in ranges:
+            assert length in (2 << 20, 1 << 20) and crc == zlib.crc32(data[offset : offset + length])
+        entry = next(e for e in manifest.files if e.path == relative)
+        assert ranges_checksum(path / relative, entry.size, ranges) == file_checksum(path / relative)
+        assert file_checksum(path / relative)[1] == entry.checksum
+    assert sum(checksums.covered().values()) == 5 << 20

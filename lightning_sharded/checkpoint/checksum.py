@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "bytes_checksum",
     "crc32_combine",
     "file_checksum",
+    "ranges_checksum",
     "stream_checksum",
 ]
 
@@ -122,6 +124,49 @@ def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple
         if fsync:
             os.fsync(f.fileno())
     return figures
+
+
+def ranges_checksum(
+    path: str | os.PathLike[str], size: int, known: Sequence[tuple[int, int, int]]
+) -> tuple[int, str]:
+    """Size and CRC-32 of the first ``size`` bytes of a local file, given the CRC-32 of some of its byte
+    ranges: only the bytes between them are read.
+
+    Args:
+        path: The file.
+        size: How many bytes it should have (the manifest's size, checked before).
+        known: ``(offset, length, crc32)`` of ranges already checksummed (by the reads of a load), in
+            any order; a range that overlaps one before it is ignored (its bytes are read instead).
+
+    Returns:
+        ``(bytes counted, checksum)`` with the checksum as 8 lowercase hex digits; the count is less
+        than ``size`` when the file is shorter.
+    """
+    crc, position = 0, 0
+    with open(path, "rb", buffering=0) as f:
+        for offset, length, part in sorted(known):
+            if offset < position or offset + length > size:
+                continue
+            if offset > position:
+                crc, position = _range_crc(f, position, offset, crc)
+                if position < offset:  # the file ended early
+                    return position, _hex(crc)
+            crc, position = crc32_combine(crc, part, length), offset + length
+        if position < size:
+            crc, position = _range_crc(f, position, size, crc)
+    return position, _hex(crc)
+
+
+def _range_crc(f: Any, start: int, end: int, crc: int) -> tuple[int, int]:
+    """``crc`` continued over bytes ``start`` to ``end`` of ``f``; returns it and where the read ended."""
+    position = start
+    while position < end:
+        chunk = os.pread(f.fileno(), min(CHUNK_SIZE, end - position), position)
+        if not chunk:
+            break
+        crc = zlib.crc32(chunk, crc)
+        position += len(chunk)
+    return crc, position
 
 
 def _overlapped_checksum(f: Any) -> tuple[int, str]:

@@ -32,13 +32,14 @@ class Problem:
         return f"{self.path!r}{who} {self.what}"
 
 
-def damaged(path: object, problems: list[Problem]) -> CheckpointError | None:
-    """The error naming the first bad file of checkpoint ``path`` and the others; ``None`` if none."""
+def damaged(path: object, problems: list[Problem], then: str = "") -> CheckpointError | None:
+    """The error naming the first bad file of checkpoint ``path`` and the others (then ``then``, a
+    sentence); ``None`` if none."""
     if not problems:
         return None
     first, others = problems[0], problems[1:]
     also = f" Also: {'; '.join(map(str, others))}." if others else ""
     return CheckpointError(
         f"The checkpoint {str(path)!r} is damaged: {first}.{also} Restore it from a copy, or load an earlier"
-        " checkpoint."
+        " checkpoint." + (f" {then}" if then else "")
     )

@@ -53,6 +53,7 @@ __all__ = [
     "checkpoint_files",
     "checksum_problem",
     "find_problems",
+    "raise_agreed",
     "split_by_size",
     "verify_checkpoint",
 ]
@@ -258,6 +259,19 @@ def check_found(
         report: tuple[list[Problem], str | None] = (mine, None)
     except CheckpointError as err:
         report = ([], str(err))
+    raise_agreed(report, where, data, manifest)
+
+
+def raise_agreed(
+    report: tuple[list[Problem], str | None],
+    where: collective.Ranks,
+    data: Location,
+    manifest: Manifest | None,
+    then: str = "",
+) -> None:
+    """Gather every rank's ``(problems, error message)`` about checkpoint ``data`` and raise the same
+    :class:`~lightning_sharded.CheckpointError` on every rank (the first error, else every problem
+    found, in manifest order, with ``then`` after the message), or return on every rank. Collective."""
     reports = collective.all_gather(report, where)
     errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
     if errors:
@@ -271,7 +285,7 @@ def check_found(
             seen.setdefault((problem.path, problem.what), problem)
             seen_by.setdefault((problem.path, problem.what), []).append(r)
     merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
-    error = damaged(data, merged)
+    error = damaged(data, merged, then)
     if error is None:
         return
     # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only

@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_sharded.checkpoint import load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
+from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 StateDictType = Literal["sharded", "full"]
@@ -56,8 +57,9 @@ class ShardedCheckpointing(ParallelStrategy):
     async_save: bool = False
     _async_saver: AsyncSaver | None = None
 
-    #: Compare every file's checksum with the manifest before a load (presence and sizes always are).
-    verify: bool = False
+    #: Compare every file's checksum with the manifest on a load (presence and sizes always are):
+    #: ``True``/``"before"`` before the first read, ``"during"`` from the load's own reads.
+    verify: bool | VerifyMode = False
     #: Save each rank's RNG states and train dataloader state with every checkpoint (see
     #: :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
     save_rank_state: bool = True
@@ -71,6 +73,10 @@ class ShardedCheckpointing(ParallelStrategy):
                 " and written by it alone. Save sharded, or set `async_save=False`."
             )
         self.async_save = async_save
+
+    def _init_verify(self, verify: bool | VerifyMode) -> None:
+        verify_mode(verify)  # a value that is not a mode fails here, not at the first resume
+        self.verify = verify
 
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background, if any, is published.

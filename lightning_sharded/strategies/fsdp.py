@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
+from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
     ShardedCheckpointing,
@@ -46,8 +47,11 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
             ``torch.load`` and a single-device Trainer read.
         async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
-        verify: before a load, compare every file's CRC-32 with the checkpoint's manifest (the files
-            are split across the ranks); presence and sizes are always checked.
+        verify: on a load, compare every file's CRC-32 with the checkpoint's manifest; presence and sizes
+            are always checked. ``True`` or ``"before"``: before the first read (the files split across
+            the ranks), so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's own
+            reads, without reading the files twice; a damaged file then fails the resume after its
+            tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
@@ -67,7 +71,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         *args: Any,
         state_dict_type: StateDictType = "sharded",
         async_save: bool = False,
-        verify: bool = False,
+        verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -75,7 +79,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         super().__init__(*args, **kwargs)
         self._sharded_state_dict_type = state_dict_type
         self._init_async_save(async_save)
-        self.verify = verify
+        self._init_verify(verify)
         self.save_rank_state = save_rank_state
 
     def _fsdp_device_id(self) -> int | torch.device | None:
@@ -159,7 +163,7 @@ def _signature() -> inspect.Signature:
     keyword = inspect.Parameter.KEYWORD_ONLY
     params += [
         inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
-        inspect.Parameter("verify", keyword, default=False, annotation="bool"),
+        inspect.Parameter("verify", keyword, default=False, annotation='bool | Literal["before", "during"]'),
         inspect.Parameter("save_rank_state", keyword, default=True, annotation="bool"),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
     ]

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
     ShardedCheckpointing,
@@ -54,8 +55,11 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
             and atomic publish run in the background (sharded only); the next save, a load and the end
             of training wait for it and raise its error, if any.
-        verify: checksum every file against the manifest before each load (each file is read by one
-            rank); presence and sizes are checked on every load anyway.
+        verify: checksum every file against the manifest on each load (presence and sizes are checked
+            on every load anyway). ``True`` or ``"before"``: before the first read (each file is read
+            by one rank), so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's
+            own reads, without reading the files twice; a damaged file then fails the resume after its
+            tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
 
@@ -78,7 +82,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         state_dict_type: StateDictType | None = None,
         fully_shard_policy: FullyShardPolicy | None = None,
         async_save: bool = False,
-        verify: bool = False,
+        verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
     ) -> None:
         if state_dict_type is None:
@@ -99,7 +103,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._sharded_state_dict_type = state_dict_type
         self._fully_shard_policy = fully_shard_policy
         self._init_async_save(async_save)
-        self.verify = verify
+        self._init_verify(verify)
         self.save_rank_state = save_rank_state
 
     @override

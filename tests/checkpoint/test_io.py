@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,116 @@ def test_sizes_always_and_checksums_on_request_are_checked_before_reading(tmp_pa
         load.restore_checkpoint(path, fresh, [fresh_optimizer])
 
 
+def _wide() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model whose weight (2 MiB) and Adam states are read directly, with small entries beside them."""
+    model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 1024)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _load_wide(path: Path, verify: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    fresh, optimizer = _wide()
+    optimizer.state.clear()
+    optimizer.param_groups[0]["lr"] = 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        load.restore_checkpoint(path, fresh, [optimizer], verify=verify)  # type: ignore[arg-type]
+    return fresh, optimizer
+
+
+def test_verify_during_checks_the_checksums_from_the_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharded.checkpoint.load import checksums
+
+    torch.manual_seed(0)
+    model, optimizer = _wide()
+    path = tmp_path / "ckpt"
+    _save(path, model, optimizer, sharded=True)
+    seen: dict[str, tuple[int, int]] = {}
+    real = checksums.ranges_checksum
+
+    def recording(file: Path, size: int, known: list[tuple[int, int, int]]) -> tuple[int, str]:
+        seen[Path(file).name] = (size, sum(length for _, length, _ in known))
+        return real(file, size, known)
+
+    monkeypatch.setattr(checksums, "ranges_checksum", recording)
+    monkeypatch.setattr(load, "check_found", _no_checksums(load.check_found))
+    fresh, fresh_optimizer = _load_wide(path, "during")
+    expected, actual = model.state_dict(), fresh.state_dict()
+    assert list(expected) == list(actual) and all(torch.equal(expected[k], actual[k]) for k in expected)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.1
+    assert torch.equal(
+        fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+    shard = next(path.glob("__0_*.distcp")).name
+    assert set(seen) == {shard, ".metadata", "meta.pt"}  # every file, each once
+    size, covered = seen[shard]
+    # The weight and its two Adam states were read (and checksummed) as they were loaded: only the
+    # small entries and the archives' headers were read again.
+    assert covered == 3 * (2 << 20) and size - covered < 64 << 10
+    assert seen[".metadata"][1] == seen["meta.pt"][1] == 0
+
+
+def _no_checksums(check_found: Any) -> Any:
+    """``check_found`` that fails a test if asked for checksums (``"during"`` must not ask)."""
+
+    def checking(found: Any, *, verify: bool = False, **kwargs: Any) -> None:
+        assert not verify, "verify='during' checksummed the files before the read"
+        check_found(found, verify=verify, **kwargs)
+
+    return checking
+
+
+@pytest.mark.parametrize("where", ["tensor", "header", "meta.pt", ".metadata"])
+def test_verify_during_names_the_damaged_file_and_leaves_the_optimizer_alone(
+    tmp_path: Path, where: str
+) -> None:
+    torch.manual_seed(0)
+    model, optimizer = _wide()
+    path = tmp_path / "ckpt"
+    _save(path, model, optimizer, sharded=True)
+    file = next(path.glob("__0_*.distcp")) if where in ("tensor", "header") else path / where
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2 if where != "header" else 40] ^= 0x01  # a tensor's bytes, or the first pickle's
+    file.write_bytes(bytes(data))
+    torch.manual_seed(1)
+    fresh, fresh_optimizer = _wide()
+    fresh_optimizer.state.clear()
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(file.name)}'.*is corrupted") as raised:
+        load.restore_checkpoint(path, fresh, [fresh_optimizer], verify="during")
+    assert not fresh_optimizer.state and fresh_optimizer.param_groups[0]["lr"] == 0.1  # not set from it
+    if where == "tensor":  # found after the read: the message says what the model holds
+        assert "had already read the model's tensors" in str(raised.value)
+    # The same damage with verify=True is found before anything is read.
+    torch.manual_seed(1)
+    fresh, fresh_optimizer = _wide()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(file.name)}'.*is corrupted"):
+        load.restore_checkpoint(path, fresh, [fresh_optimizer], verify=True)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_verify_takes_only_its_modes(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    _save(tmp_path / "ckpt", model, optimizer, sharded=True)
+    with pytest.raises(
+        ValueError, match=r"verify='after' is not a way to check a checkpoint: pass False, True"
+    ):
+        load.restore_checkpoint(tmp_path / "ckpt", model, verify="after")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"verify='yes'"):
+        from lightning_sharded import ShardedFSDPStrategy
+
+        ShardedFSDPStrategy(verify="yes")  # type: ignore[arg-type]
+    assert load.restore_checkpoint(tmp_path / "ckpt", model, verify="before").metadata["global_step"] == 2
+
+
 def test_strategies_take_verify() -> None:
     from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy
 
     assert ShardedFSDPStrategy(verify=True).verify and not ShardedFSDPStrategy().verify
     assert ShardedModelParallelStrategy(verify=True).verify
+    assert ShardedModelParallelStrategy(verify="during").verify == "during"

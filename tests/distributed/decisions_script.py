@@ -7,11 +7,14 @@ Cases (one checkpoint of a plain module, saved by both ranks), each a load on bo
 - ``meta-other``: rank 1 alone would fail to read it: nobody does (rank 1 never reads it);
 - ``shard``: rank 1 alone sees ``__1_0.distcp`` missing (a stale listing);
 - ``verify``: ``verify=True`` with one file corrupted: each file is checksummed by one rank only;
+- ``during``, ``during-damaged``: ``verify="during"`` on a DTensor checkpoint (each rank's 2 MiB shard
+  read directly), whole, then with a byte of rank 1's shard flipped;
 - ``full``: rank 1 alone cannot read a full checkpoint file;
 - ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is).
 
 Each rank writes ``OUT/rank{R}.json``: per case the error type and message (or None), the seconds it
-took, and for ``verify`` the files this rank checksummed.
+took, for ``verify`` the files this rank checksummed, for ``during`` the bytes of each file this rank
+read with checksums and whether the values came back, for ``during-damaged`` the files it completed.
 """
 
 from __future__ import annotations
@@ -58,6 +61,64 @@ def full_gathers() -> dict[str, list[Any]]:
         total = float(sum(v.sum() for v in sd.values())) if sd else None
         found[kind] = [sorted(sd), len(osd.get("state", {})), total]
     return found
+
+
+def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
+    """``verify="during"``: checksums from the reads, each file completed by the rank that read it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from lightning_sharded.checkpoint.load import checksums
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def module(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        m = nn.Module()
+        m.weight = nn.Parameter(distribute_tensor(torch.randn(1024, 1024), mesh, [Shard(0)]))  # 2 MiB a rank
+        return m
+
+    saved = module(0)
+    ckpt = out / "during"
+    save.write_sharded_checkpoint(ckpt, {"model": saved.state_dict()}, {"global_step": 4}, rank=rank)
+    covered: dict[str, int] = {}
+    completed: list[str] = []
+    real_check, real_ranges = checksums.ReadVerification.check, checksums.ranges_checksum
+
+    def recording_check(self: Any) -> None:
+        covered.update(self.checksums.covered())
+        real_check(self)
+
+    def recording_ranges(file: Path, size: int, known: Any) -> tuple[int, str]:
+        completed.append(Path(file).name)
+        return real_ranges(file, size, known)
+
+    checksums.ReadVerification.check = recording_check  # type: ignore[method-assign]
+    checksums.ranges_checksum = recording_ranges  # type: ignore[assignment]
+    for name in ("during", "during-damaged"):
+        if name == "during-damaged" and rank == 1:
+            with open(ckpt / "__1_0.distcp", "r+b") as f:  # the middle of rank 1's shard: its tensor's bytes
+                f.seek((ckpt / "__1_0.distcp").stat().st_size // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 1]))
+        dist.barrier()
+        covered.clear()
+        completed.clear()
+        loaded = module(1)
+        try:
+            restored = load.restore_checkpoint(ckpt, loaded, verify="during")
+            results[name] = {"type": None, "step": restored.metadata.get("global_step")}
+        except Exception as err:
+            results[name] = {"type": type(err).__name__, "message": str(err)}
+        weight = loaded.weight
+        assert isinstance(weight, DTensor)
+        results[name]["covered"] = dict(covered)
+        results[name]["completed"] = list(completed)
+        results[name]["equal"] = bool(torch.equal(weight.to_local(), saved.weight.to_local()))  # type: ignore[union-attr]
+        dist.barrier()
+    checksums.ReadVerification.check = real_check  # type: ignore[method-assign]
+    checksums.ranges_checksum = real_ranges  # type: ignore[assignment]
 
 
 def main(out: Path) -> None:
@@ -133,6 +194,8 @@ def main(out: Path) -> None:
     case("verify", verify=True)
     results["checksummed"] = checksummed
     backend.checksum = real_checksum  # type: ignore[method-assign]
+
+    during_cases(out, rank, results)
 
     real_torch_load_fn = torch.load
     if rank == 1:

@@ -25,6 +25,7 @@ from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location
 
 if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
@@ -54,6 +55,9 @@ class Backend(Protocol):
     hint: str
     #: What a location is called in messages: "path" or "URL".
     place: str
+    #: Whether :meth:`dcp_reader` can record the checksums of what it reads (``checksums=``), so that
+    #: ``verify=True`` needs no second read of the files.
+    reads_checksums: bool
 
     # -- what is there ---------------------------------------------------------------------------
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
@@ -121,11 +125,13 @@ class Backend(Protocol):
         """``(size, crc32 hex)`` of the file at ``loc``, read once."""
         ...
 
-    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
         """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
 
         ``metadata``: the checkpoint's DCP ``Metadata`` already read (once, on rank 0, and shared); the
         reader's ``read_metadata`` returns it instead of reading ``.metadata`` again on every rank.
+        ``checksums``: where the reader records the CRC-32 of the byte ranges it reads; only where
+        :attr:`reads_checksums` (else ``ValueError``).
         """
         ...
 

@@ -30,13 +30,16 @@ import os
 import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends.paths import Location
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+
+if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
 
 __all__ = ["NO_EXCHANGE_ENV", "LocalBackend", "leftovers", "resolve"]
 
@@ -207,6 +210,7 @@ class LocalBackend:
 
     noun = "directory"
     place = "path"
+    reads_checksums = True
     hint = "Check the path or `ckpt_path` (relative paths start at {cwd!r})."
 
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
@@ -294,10 +298,10 @@ class LocalBackend:
     def checksum(self, loc: Location) -> tuple[int, str]:
         return file_checksum(loc)
 
-    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
-        return DirectReader(data, metadata=metadata)
+        return DirectReader(data, metadata=metadata, checksums=checksums)
 
     # -------------------------------------------------------------------------------------- commit
 

@@ -36,7 +36,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join
@@ -44,6 +44,9 @@ from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, str
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import OBJECT_STORE_FORMAT_VERSION, FileEntry, Manifest
+
+if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
 
 __all__ = ["ObjectStoreBackend", "filesystem"]
 
@@ -116,6 +119,7 @@ class ObjectStoreBackend:
 
     noun = "prefix"
     place = "URL"
+    reads_checksums = False
     hint = "Check the URL and the credentials/endpoint (AWS_* variables)."
 
     # -------------------------------------------------------------------------------- what is there
@@ -236,9 +240,11 @@ class ObjectStoreBackend:
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
 
-    def dcp_reader(self, data: Location, metadata: Any = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
+        if checksums is not None:
+            raise ValueError("torch's fsspec reader records no checksums (reads_checksums is False)")
         return fsspec_reader(_url(data), metadata)
 
     # --------------------------------------------------------------------------------------- commit

@@ -22,11 +22,12 @@ from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import KeyReport
+from lightning_sharded.checkpoint.load.checksums import ReadVerification, VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.verify import check_found
 
-__all__ = ["KeyReport", "Restored", "restore_checkpoint"]
+__all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
 
 
 class Restored(NamedTuple):
@@ -48,7 +49,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
-    verify: bool = False,
+    verify: bool | VerifyMode = False,
 ) -> Restored:
     """Load a sharded directory or a full file into ``model`` (and ``optimizers``) where they live.
 
@@ -63,23 +64,37 @@ def restore_checkpoint(
         strict: if ``True``, the checkpoint must have exactly the model's keys; if ``False``, the keys both
             have are loaded and the others left alone (reported with a warning by the caller).
         weights_only: passed to ``torch.load`` for the Lightning metadata.
-        verify: also compare every file's checksum with the manifest before reading (each file is read
-            by one rank); presence and sizes are always checked against it.
+        verify: also compare every file's checksum with the manifest (presence and sizes are always
+            checked, before the first read). ``True`` or ``"before"``: before the first read, each file
+            by one rank, so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's own
+            reads (local files; one CRC-32 pass over the bytes in memory instead of a second read
+            of every byte); a damaged file is then found after its tensors reached the model, before the
+            optimizers are set (:mod:`.checksums`).
 
     Returns:
         The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
         ``optimizer_states``, and the comparison of model keys (what a non-strict load skipped).
 
     Raises:
+        ValueError: ``verify`` is none of the values above.
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
     """
+    mode = verify_mode(verify)
     found = collective.decide(lambda: detect(path))
     if found.kind is CheckpointKind.SHARDED:
-        check_found(found, verify=verify)
+        during = mode == "during" and ReadVerification.applies(found)
+        verification = ReadVerification(found) if during else None
+        check_found(found, verify=mode is not None and not during)
         metadata, report = restore_sharded(
-            found.backend, found.data, model, optimizers, strict=strict, weights_only=weights_only
+            found.backend,
+            found.data,
+            model,
+            optimizers,
+            strict=strict,
+            weights_only=weights_only,
+            verification=verification,
         )
         return Restored(metadata, report, found.data)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).

@@ -7,6 +7,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from lightning_sharded.checkpoint.load.checks import (
     set_optimizer_state,
     template_like,
 )
+from lightning_sharded.checkpoint.load.checksums import ReadVerification
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
@@ -49,15 +51,20 @@ def restore_sharded(
     *,
     strict: bool,
     weights_only: bool | None,
+    verification: ReadVerification | None = None,
 ) -> tuple[dict[str, Any], KeyReport]:
     """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
 
-    Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys.
+    Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys. With a
+    ``verification``, the checksums of the files are computed from the reads and compared before the
+    model's remaining state and the optimizers are set; a read that fails names a damaged file.
     """
+    reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
     # requests on S3 (see docs/benchmarks.md, "Scale").
-    layout = collective.decide(lambda: read_sharded_layout(path, backend))
+    with reading():
+        layout = collective.decide(lambda: read_sharded_layout(path, backend))
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
@@ -67,9 +74,10 @@ def restore_sharded(
     to_load = {key: target[key] for key in report.common}
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
-    metadata = collective.decide(
-        lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
-    )
+    with reading():
+        metadata = collective.decide(
+            lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
+        )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
     # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
@@ -78,7 +86,10 @@ def restore_sharded(
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
     ]
-    _dcp_load(backend, state, path, layout.metadata)
+    with reading():
+        _dcp_load(backend, state, path, layout.metadata, verification)
+    if verification is not None:
+        verification.check()
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for finish in finishes:
         finish()
@@ -188,14 +199,24 @@ def _stored_optimizer_entries(
     return stored
 
 
-def _dcp_load(backend: Backend, state: dict[str, Any], path: Location, metadata: Any) -> None:
+def _dcp_load(
+    backend: Backend,
+    state: dict[str, Any],
+    path: Location,
+    metadata: Any,
+    verification: ReadVerification | None,
+) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
     run_dcp(
         lambda: load(
             state,
-            storage_reader=backend.dcp_reader(path, metadata=metadata),
+            storage_reader=backend.dcp_reader(
+                path,
+                metadata=metadata,
+                checksums=verification.checksums if verification is not None else None,
+            ),
             planner=DefaultLoadPlanner(allow_partial_load=True),
         ),
         f"Loading the sharded checkpoint {str(path)!r}",
