@@ -54,7 +54,7 @@ class StockCpuFSDP(FSDPStrategy):
 
 def make_strategy(args: argparse.Namespace, world: int) -> Any:
     wrap = {nn.Linear}
-    ours = {"state_dict_type": args.state_dict_type, "async_save": args.async_save}
+    ours = {"state_dict_type": args.state_dict_type, "async_save": args.async_save, "verify": args.verify}
     if args.strategy == "fsdp":
         return ShardedFSDPStrategy(auto_wrap_policy=wrap, **ours)
     if args.strategy == "mp":
@@ -209,6 +209,9 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="also save to --ckpt after the first step")
     parser.add_argument(
         "--async-save", action="store_true", help="this library's strategies: async_save=True"
+    )
+    parser.add_argument(
+        "--verify", default=False, choices=["before", "during"], help="this library's strategies: verify="
     )
     return parser
 

@@ -22,7 +22,15 @@ MP_POLICY = (*MP, "--policy")
 STOCK_FSDP = ("--strategy", "stock-fsdp", "--sharded-tensor")
 STOCK_MP = ("--strategy", "stock-mp", "--sharded-tensor")
 SINGLE = ("--strategy", "single", "--sharded-tensor")  # a plain single-device Trainer, no process group
-RESUMERS = {"fsdp": FSDP, "mp": MP, "mp-policy": MP_POLICY, "stock-fsdp": STOCK_FSDP, "stock-mp": STOCK_MP}
+# Our resumes check the checksums from their own reads (verify="during"): at every world size and
+# across strategies, a whole checkpoint must pass it and load the same values.
+RESUMERS = {
+    "fsdp": (*FSDP, "--verify", "during"),
+    "mp": (*MP, "--verify", "during"),
+    "mp-policy": MP_POLICY,
+    "stock-fsdp": STOCK_FSDP,
+    "stock-mp": STOCK_MP,
+}
 
 # name -> (world size, flags). Jobs run in this order within a world size; "single" jobs come first
 # among the 1-process jobs, before any process group exists in that process.
