@@ -54,6 +54,7 @@ __all__ = [
     "checksum_problem",
     "find_problems",
     "raise_agreed",
+    "size_problem",
     "split_by_size",
     "verify_checkpoint",
 ]
@@ -100,7 +101,7 @@ def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list
         )
         for entry in manifest.files
     )
-    return [problem for entry, size in found if (problem := _size_problem(entry, size)) is not None]
+    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
 
 
 def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
@@ -110,10 +111,10 @@ def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, ran
     found = (
         (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
     )
-    return [problem for entry, size in found if (problem := _size_problem(entry, size)) is not None]
+    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
 
 
-def _size_problem(entry: FileEntry, found: int | None) -> Problem | None:
+def size_problem(entry: FileEntry, found: int | None) -> Problem | None:
     """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
     if found is None:
         return Problem(entry.path, "is missing", entry.rank)

@@ -32,7 +32,13 @@ from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import FileEntry
 from lightning_sharded.checkpoint.problems import Problem
-from lightning_sharded.checkpoint.verify import check_found, checksum_problem, raise_agreed, split_by_size
+from lightning_sharded.checkpoint.verify import (
+    check_found,
+    checksum_problem,
+    raise_agreed,
+    size_problem,
+    split_by_size,
+)
 
 __all__ = ["VERIFY_MODES", "ReadVerification", "VerifyMode", "verify_mode"]
 
@@ -74,7 +80,7 @@ class ReadVerification:
     """
 
     def __init__(self, found: Found) -> None:
-        if found.manifest is None or not found.backend.reads_checksums:
+        if not self.applies(found):
             raise ValueError("a ReadVerification needs a manifest and a backend that reads checksums")
         self.found = found
         #: Given to the DCP reader: the ranges it read and their CRC-32.
@@ -127,7 +133,4 @@ class ReadVerification:
         assert manifest is not None
         path = Path(join(self.found.data, entry.path))
         size, checksum = ranges_checksum(path, entry.size, self.checksums.ranges.get(entry.path, []))
-        if size != entry.size:
-            what = f"is truncated: {size} bytes, the manifest says {entry.size}"
-            return Problem(entry.path, what, entry.rank)
-        return checksum_problem(entry, manifest, checksum)
+        return size_problem(entry, size) or checksum_problem(entry, manifest, checksum)
