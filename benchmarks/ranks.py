@@ -554,6 +554,14 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     world = dist.get_world_size()
     light = name.startswith("throughput-light-")
     strategy_name = name.removeprefix("throughput-").removeprefix("light-")
+    # throughput-writer-{thread,process}-*: the bytes of the save, written by benchmarks/writers.py's
+    # thread or process instead of our async save (the experiment of that module).
+    mimic = None
+    if strategy_name.startswith("writer-"):
+        from benchmarks.writers import Staged, local_tensors, make_writer
+
+        kind, _, strategy_name = strategy_name.removeprefix("writer-").partition("-")
+        mimic, staged = make_writer(kind), Staged()
     batch = args.light_batch if light else args.batch
     ckpt = args.dir / f"{name}.ckpt"
     record: dict[str, Any] = {
@@ -574,15 +582,25 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
             barrier()
             self.start = time.perf_counter()
             if mode == "saving":
+                self._save(trainer)
+
+        def _save(self, trainer: L.Trainer) -> None:
+            if mimic is None:
                 trainer.save_checkpoint(ckpt)
+            else:
+                assert trainer.strategy.model is not None
+                new = staged.stage(local_tensors(trainer.strategy.model, trainer.optimizers[0]))
+                record["staged bytes"] = sum(b.numel() * b.element_size() for b in staged.buffers)
+                mimic.start(staged, str(ckpt), new)
 
         def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
             saver = trainer.strategy._async_saver  # type: ignore[attr-defined]
             self.count += 1
-            done = _all_done(saver is None or not saver.writing)
+            writing = mimic.writing if mimic is not None else saver is not None and saver.writing
+            done = _all_done(not writing)
             if self.mode == "warmup":
                 if self.count == 1:
-                    trainer.save_checkpoint(ckpt)  # allocates the staging buffers
+                    self._save(trainer)  # allocates the staging buffers
                 if self.count >= warmup and done:
                     trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
                     self._begin("steady", trainer)
@@ -606,6 +624,8 @@ def throughput_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     trainer = trainer_for(make_strategy(strategy_name, world, async_save=True), [Measure()])
     trainer.fit_loop.epoch_loop.max_steps = 10_000
     trainer.fit(model)
+    if mimic is not None:
+        mimic.close()
     del trainer, model
     gc.collect()
     remove(ckpt)

@@ -305,8 +305,9 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     """The offline tools on the kept 2-rank checkpoint, each against the disk doing the same bytes.
 
     ``inspect`` and ``verify`` (CLI, a fresh process each, cold cache) against ``cat`` of its files to
-    ``/dev/null``; ``consolidate`` (``--no-verify``: one read of the source) against a raw cold read of
-    the source plus a write+fsync of as many bytes; with its default ``verify`` too. Medians. ``quick``
+    ``/dev/null``; ``consolidate`` (one read of the source, checksummed as it is read; ``--no-verify``
+    without the checksums) against a raw cold read of the source plus a write+fsync of as many bytes.
+    Medians. ``quick``
     runs ``inspect`` and ``consolidate --no-verify`` only (a smoke test: each CLI start imports torch).
     """
     from benchmarks.disk import evict_tree, read_all, write_fsync
@@ -565,8 +566,8 @@ def markdown(report: dict[str, Any]) -> str:
         out += [
             "",
             f"Offline tools on the {tools['bytes'] / 1e9:.2f} GB 2-rank checkpoint (CLI, a fresh process"
-            " each, cold cache; `consolidate --no-verify` reads the source once, the default also checksums"
-            " it first):",
+            " each, cold cache; `consolidate` reads the source once and checksums it as it reads,"
+            " `--no-verify` does not checksum it):",
             "",
             *_md_table(
                 ["command", "s", "GB/s of the checkpoint", "peak RSS GB", "peak anonymous GB"],

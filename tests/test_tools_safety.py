@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -195,6 +196,56 @@ def test_a_corrupted_shard_is_not_laundered(sharded_ckpt: Path, tmp_path: Path) 
     weight = torch.load(dst, weights_only=True)["state_dict"]["layer.weight"]
     good = expected(1)["state_dict"]["layer.weight"]
     assert (weight != good).nonzero().tolist() == [[row, col]]
+
+
+@pytest.mark.parametrize("where", ["tensor", "header", "meta.pt", ".metadata"])
+def test_verify_checks_the_bytes_the_tools_read(
+    sharded_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """consolidate and load_checkpoint checksum the source as they read it (each byte read once, no
+    checksum pass first), and a damaged file anywhere fails them, named, before anything is published."""
+    from lightning_sharded.checkpoint.backends import dcp_reader
+    from lightning_sharded.checkpoint.load import checksums
+    from lightning_sharded.checkpoint.tools import reader
+
+    covered: dict[str, int] = {}
+    real = checksums.ranges_checksum
+
+    def recording(file: Path, size: int, known: list[tuple[int, int, int]]) -> tuple[int, str]:
+        covered[Path(file).name] = sum(length for _, length, _ in known)
+        return real(file, size, known)
+
+    real_check = reader.check_found
+
+    def sizes_only(found: object, *, verify: bool = False, **kwargs: object) -> None:
+        assert not verify, "the tool checksummed the files before reading them"
+        real_check(found, verify=verify, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checksums, "ranges_checksum", recording)
+    monkeypatch.setattr(reader, "check_found", sizes_only)
+    monkeypatch.setattr(dcp_reader, "_DIRECT_FROM", 1)  # this checkpoint's tensors are small: read directly
+    expected_weight = expected(1)["state_dict"]["layer.weight"]
+    assert torch.equal(
+        load_checkpoint(sharded_ckpt, verify=True)["state_dict"]["layer.weight"], expected_weight
+    )
+    assert covered["__0_0.distcp"] > 0 and covered["__1_0.distcp"] > 0  # the tensors, hashed as read
+    out = consolidate(sharded_ckpt, tmp_path / "good.ckpt")
+    assert torch.equal(torch.load(out, weights_only=True)["state_dict"]["layer.weight"], expected_weight)
+
+    if where == "tensor":
+        flip_a_bit_of_the_weight(sharded_ckpt)
+        file = "__1_0.distcp"
+    else:
+        file = "__1_0.distcp" if where == "header" else where
+        flip_bit(sharded_ckpt / file, 40 if where == "header" else None)  # the first pickle, or the middle
+    pattern = rf"'{re.escape(file)}'.*is corrupted: its crc32 is [0-9a-f]{{8}}, the manifest says"
+    dst = tmp_path / "out.ckpt"
+    message = refused(tmp_path, lambda: consolidate(sharded_ckpt, dst), CheckpointError, pattern)
+    assert not dst.exists() and leftovers(dst) == []
+    if where == "tensor":  # found after the read: the message says nothing was published
+        assert f"Nothing was written at {str(dst)!r}." in message
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(sharded_ckpt, verify=True)
 
 
 def test_load_checkpoint_verify(sharded_ckpt: Path) -> None:

@@ -10,6 +10,8 @@ most of it, which reads only the bytes no range covered (zip headers, small entr
 path, other ranks' parts), and compared with the manifest; files that no rank read this way
 (``.metadata``, ``meta.pt``) are split across the ranks by size and read whole. Every rank raises the
 same error or none. On object storage, ``"during"`` checks before the first read, as ``True`` does.
+The single-process tools (``consolidate_checkpoint``, ``load_checkpoint``) check this way with
+``alone=True``: they publish or return nothing before :meth:`ReadVerification.check` passed.
 
 What ``"during"`` gives up: presence and sizes are still checked before the first read, but a file whose
 bytes differ is found once its bytes are in the model's tensors, before the optimizers and the rest of
@@ -77,12 +79,17 @@ class ReadVerification:
 
     Args:
         found: The sharded checkpoint, with its manifest, on a backend whose reader records checksums.
+        alone: Check in this process only, whatever process group is up (the single-process tools);
+            otherwise :meth:`check` and :meth:`reading` are collective over the default group.
+        then: What a checksum error found after the read adds to its message (what the reader holds).
     """
 
-    def __init__(self, found: Found) -> None:
+    def __init__(self, found: Found, *, alone: bool = False, then: str = AFTER_READ) -> None:
         if not self.applies(found):
             raise ValueError("a ReadVerification needs a manifest and a backend that reads checksums")
         self.found = found
+        self.alone = alone
+        self.then = then
         #: Given to the DCP reader: the ranges it read and their CRC-32.
         self.checksums = ReadChecksums()
 
@@ -99,7 +106,7 @@ class ReadVerification:
             yield
         except CheckpointError as err:
             try:
-                check_found(self.found, verify=True)
+                check_found(self.found, verify=True, alone=self.alone)
             except CheckpointError as damage:
                 raise damage from err
             raise
@@ -112,7 +119,7 @@ class ReadVerification:
         """
         found, manifest = self.found, self.found.manifest
         assert manifest is not None
-        where = collective.ranks()
+        where = collective.Ranks(0, 1, 0, None) if self.alone else collective.ranks()
         covered = collective.all_gather(self.checksums.covered(), where)
         owners: dict[str, int] = {}
         for entry in manifest.files:
@@ -126,7 +133,7 @@ class ReadVerification:
             report: tuple[list[Problem], str | None] = (problems, None)
         except OSError as err:
             report = ([], f"Could not read {str(found.data)!r} to check its checksums: {err!r}")
-        raise_agreed(report, where, found.data, manifest, AFTER_READ)
+        raise_agreed(report, where, found.data, manifest, self.then)
 
     def _problem(self, entry: FileEntry) -> Problem | None:
         manifest = self.found.manifest

@@ -79,9 +79,11 @@ def consolidate_checkpoint(
     Nothing is destroyed: the destination is checked first (see
     :mod:`lightning_sharded.checkpoint.destination`): never the source or inside it, an existing file,
     empty directory or sharded checkpoint only with ``overwrite=True``, never a directory of something
-    else; ``dst`` ending with ``/`` means inside that directory. Then, with ``verify`` (the default),
-    every source file's checksum is compared with the manifest, so a corrupted shard fails here, naming
-    the file, instead of being copied into a new file with fresh, matching checksums.
+    else; ``dst`` ending with ``/`` means inside that directory. With ``verify`` (the default), every
+    source file's checksum is compared with the manifest, so a corrupted shard fails, naming the file,
+    instead of being copied into a new file with fresh, matching checksums: the checksums are computed
+    from the bytes as they are read (the source is read once), and compared before the output is
+    published, so a damaged source leaves the destination as it was.
 
     With ``format="safetensors"`` the source may be any checkpoint (sharded or a full file, local or a
     URL) and ``dst`` is a local directory in Hugging Face's layout: ``model.safetensors``, or
@@ -113,7 +115,8 @@ def consolidate_checkpoint(
         prefix: ``"safetensors"`` only: export the keys that start with it, without it (``"llm."``
             for a LightningModule that holds the Hugging Face model as ``self.llm``).
         overwrite: Replace a file, an empty directory or a sharded checkpoint at the output.
-        verify: Compare every source file's checksum with the manifest first (reads the source twice).
+        verify: Compare every source file's checksum with the manifest (computed from the reads)
+            before the output is published.
         progress: Show a progress bar on stderr; ``None`` shows one for checkpoints of 64 MiB or more.
         weights_only: ``True`` (or ``None``): the source's pickles are read safely, as in
             ``load_checkpoint``; ``False`` unpickles anything, running the file's code.
@@ -166,8 +169,11 @@ def consolidate_checkpoint(
             " instead."
         )
     out = output_file(src, real, dst, overwrite=overwrite)
-    reader = open_sharded(found, verify, weights_only)
-    meta = read_meta(found.backend, real, weights_only)
+    reader = open_sharded(
+        found, verify, weights_only, during=True, then=f"Nothing was written at {str(out)!r}."
+    )
+    with reader.reading():
+        meta = read_meta(found.backend, real, weights_only)
     rank_state = meta.pop(names.RANK_STATE_KEY, None)
     if isinstance(rank_state, dict):
         log.info(
@@ -225,6 +231,7 @@ def consolidate_checkpoint(
                 target = get_path(loaded, path)
                 target.copy_(tensor)
                 sums.filled(target)
+            reader.check()  # with verify: the source's checksums, from the reads, before it is published
         finally:
             targets = {}
             del loaded

@@ -14,6 +14,7 @@ unless the caller passes ``weights_only=False`` (:mod:`~lightning_sharded.checkp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import itertools
@@ -29,6 +30,7 @@ from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checksums import ReadVerification
 from lightning_sharded.checkpoint.verify import check_found
 
 log = logging.getLogger(__name__)
@@ -58,13 +60,22 @@ class OfflineReader:
     """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets.
 
     Every pickle (``.metadata``, the non-tensor entries) is read safely unless ``weights_only`` is
-    ``False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
+    ``False`` (:mod:`~lightning_sharded.checkpoint.unpickling`). With a ``verification``, the reads
+    record the CRC-32 of the bytes they read, and :meth:`check` completes and compares them.
     """
 
-    def __init__(self, backend: Backend, root: Location, weights_only: bool | None = True) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        root: Location,
+        weights_only: bool | None = True,
+        verification: ReadVerification | None = None,
+    ) -> None:
         self.backend = backend
         self.root = root
         self.weights_only = weights_only
+        #: Checksums computed from the reads (:func:`open_sharded` with ``during``); see :meth:`check`.
+        self.verification = verification
         self.metadata: Any = read_index(backend, root, weights_only=weights_only)
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -126,20 +137,41 @@ class OfflineReader:
                     raise
 
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        reader = self.backend.dcp_reader(self.root)
+        verification = self.verification
+        if verification is None:
+            reader = self.backend.dcp_reader(self.root)
+        else:
+            reader = self.backend.dcp_reader(self.root, checksums=verification.checksums)
         reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
-        try:
-            _load_state_dict(state, reader, planner=planner, no_dist=True)
-        except (CheckpointException, Exception) as err:
-            if refusals:
-                raise refusals[0] from None
-            where = self.diagnose()
-            raise CheckpointError(
-                f"Reading the sharded checkpoint {str(self.root)!r} failed"
-                + (f": {where}" if where else f" ({first_line(err)})")
-                + ". Restore it from a copy, or load an earlier checkpoint. "
-                + VERIFY_HINT.format(path=self.root)
-            ) from err
+        with self.reading():
+            try:
+                _load_state_dict(state, reader, planner=planner, no_dist=True)
+            except (CheckpointException, Exception) as err:
+                if refusals:
+                    raise refusals[0] from None
+                where = self.diagnose()
+                raise CheckpointError(
+                    f"Reading the sharded checkpoint {str(self.root)!r} failed"
+                    + (f": {where}" if where else f" ({first_line(err)})")
+                    + ". Restore it from a copy, or load an earlier checkpoint. "
+                    + VERIFY_HINT.format(path=self.root)
+                ) from err
+
+    def reading(self) -> contextlib.AbstractContextManager[None]:
+        """Around any read of the checkpoint's files: with a ``verification``, a ``CheckpointError``
+        raised in it is replaced by the damage every file's checksum shows, if any."""
+        return self.verification.reading() if self.verification is not None else contextlib.nullcontext()
+
+    def check(self) -> None:
+        """With a ``verification``: every file's checksum, completed from the bytes the reads did not
+        cover, compared with the manifest; call it after the last read, before what was read is used or
+        published. Without one, nothing (the files were checked before, or not at all).
+
+        Raises:
+            CheckpointError: a file's bytes differ from what was written; names the file and its rank.
+        """
+        if self.verification is not None:
+            self.verification.check()
 
     def diagnose(self) -> str | None:
         """After a failed read: the first stored item that does not deserialize, by file, rank and key.
@@ -308,10 +340,16 @@ def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -
     return checkpoint
 
 
-def open_sharded(found: Found, verify: bool, weights_only: bool | None = True) -> OfflineReader:
+def open_sharded(
+    found: Found, verify: bool, weights_only: bool | None = True, *, during: bool = False, then: str = ""
+) -> OfflineReader:
     """Check a sharded checkpoint's files (against its manifest, or its index), then open its index.
 
-    Both read ``.metadata`` safely unless ``weights_only`` is ``False``.
+    Both read ``.metadata`` safely unless ``weights_only`` is ``False``. With ``verify``, every file's
+    checksum is compared with the manifest before this returns; with ``during`` too (a manifest, local
+    files), presence and sizes are checked now and the checksums are computed from the reader's own
+    reads (each byte read once): the caller must call :meth:`OfflineReader.check` after its last read,
+    before it returns or publishes anything, and ``then`` is what its error adds (what was not done).
     """
     if verify and found.manifest is None:
         log.warning(
@@ -319,6 +357,10 @@ def open_sharded(found: Found, verify: bool, weights_only: bool | None = True) -
             " verify; checked presence and sizes only",
             found.data,
         )
+    if verify and during and ReadVerification.applies(found):
+        check_found(found, verify=False, alone=True, weights_only=weights_only)
+        verification = ReadVerification(found, alone=True, then=then)
+        return OfflineReader(found.backend, found.data, weights_only, verification)
     check_found(found, verify=verify, alone=True, weights_only=weights_only)
     return OfflineReader(found.backend, found.data, weights_only)
 
@@ -344,7 +386,8 @@ def load_checkpoint(
     Args:
         path: A sharded checkpoint directory or a full checkpoint file.
         map_location: Where to put the tensors (a device or device string).
-        verify: Also compare every file's checksum with the manifest before reading.
+        verify: Also compare every file's checksum with the manifest; computed from the bytes as they
+            are read (each read once), so nothing is returned from a damaged checkpoint.
         weights_only: ``True`` (or ``None``, torch's default): every pickle of the checkpoint is read
             as ``torch.load(weights_only=True)`` reads, with what Lightning writes allowed
             (:data:`~lightning_sharded.checkpoint.unpickling.LIGHTNING_SAFE_GLOBALS`), so no code from
@@ -367,8 +410,9 @@ def load_checkpoint(
     real = found.data
     if found.kind is CheckpointKind.FULL:
         return load_full(found.backend, real, map_location, weights_only)
-    reader = open_sharded(found, verify, weights_only)
-    meta = read_meta(found.backend, real, weights_only)
+    reader = open_sharded(found, verify, weights_only, during=True)
+    with reader.reading():
+        meta = read_meta(found.backend, real, weights_only)
     if not optimizer_states:
         reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()
@@ -376,6 +420,7 @@ def load_checkpoint(
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
     }
     reader.read_tensors(targets, None)
+    reader.check()  # with verify: the checksums of what was read, before anything is returned
     flat.update(targets)
     nested: dict[str, Any] = {}
     for key in sorted(flat):
