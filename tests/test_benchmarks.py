@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,28 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
         assert case in rows, f"no throughput figures for {case}"
     assert report["disk"]["write GB/s"] > 0 and report["disk"]["read GB/s"] > 0
     assert "ratio" in proc.stdout or "/ raw" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_the_writer_experiment_writes_the_staged_bytes(tmp_path: Path, kind: str) -> None:
+    """benchmarks/writers.py's thread and process write exactly the staged bytes (the work a save does),
+    and a second save writes the buffers as staged again."""
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from benchmarks.writers import Staged, make_writer
+
+    tensors = [torch.arange(3 << 20, dtype=torch.float32), torch.ones(5, 7, dtype=torch.bfloat16)]
+    staged, writer = Staged(), make_writer(kind)
+    try:
+        for version in (1, 2):
+            new = staged.stage([t * version for t in tensors])
+            assert new == (version == 1)  # the buffers are reused
+            path = tmp_path / f"v{version}.bin"
+            writer.start(staged, str(path), new)
+            while writer.writing:
+                time.sleep(0.01)
+            expected = b"".join(bytes((t * version).reshape(-1).view(torch.uint8).numpy()) for t in tensors)
+            assert path.read_bytes() == expected
+    finally:
+        writer.close()

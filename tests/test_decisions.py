@@ -74,6 +74,16 @@ def test_verify_during_fails_every_rank_alike_on_a_damaged_shard(reports: list[d
     assert first["equal"] and not second["equal"]  # the flipped byte reached rank 1's tensor only
 
 
+def test_verify_true_leaves_every_rank_s_model_as_it_was_on_a_damaged_shard(reports: list[dict]) -> None:
+    first, second = (r["before-damaged"] for r in reports)
+    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["message"] == second["message"]
+    assert "is damaged: '__1_0.distcp' (written by rank 1) is corrupted: its crc32 is" in first["message"]
+    assert "Nothing was loaded from it: the model and the optimizers are as they were." in first["message"]
+    assert first["unchanged"] and second["unchanged"]  # read beside the model, never copied in
+    assert "__1_0.distcp" in second["completed"]  # checked from rank 1's own reads, not a pass before
+
+
 def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
     first, second = (r["full"] for r in reports)
     assert first["type"] == second["type"] == "CheckpointError"

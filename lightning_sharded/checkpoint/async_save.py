@@ -72,13 +72,17 @@ class StagingBuffers:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._used: set[tuple[Any, ...]] = set()
         self._devices: set[torch.device] = set()
+        self._copy = True
         #: Bytes copied by the last :meth:`stage`, and how many of them went into new buffers.
         self.copied_bytes = 0
         self.allocated_bytes = 0
 
     @torch.no_grad()
-    def stage(self, state: Any) -> Any:
+    def stage(self, state: Any, *, copy: bool = True) -> Any:
         """A copy of ``state`` whose tensors live in this object's CPU buffers; the structure is rebuilt.
+
+        With ``copy=False`` the buffers are laid out as ``state``'s tensors but not filled (a load's
+        place to read into before the values may reach the model).
 
         ``DTensor`` and ``ShardedTensor`` values stay sharded like the original: a ``DTensor`` keeps its
         spec (mesh, placements, global shape) with the CPU buffer as its local tensor, as torch's own
@@ -89,6 +93,7 @@ class StagingBuffers:
         """
         self._used = set()
         self._devices = set()
+        self._copy = copy
         self.copied_bytes = self.allocated_bytes = 0
         staged = self._stage(state, ())
         for device in self._devices:  # the non-blocking device-to-host copies
@@ -111,6 +116,8 @@ class StagingBuffers:
             self._buffers[key] = buffer
             self.allocated_bytes += buffer.numel() * buffer.element_size()
         self._used.add(key)
+        if not self._copy:
+            return buffer
         if pin:
             buffer.copy_(source, non_blocking=True)
             self._devices.add(source.device)

@@ -48,9 +48,10 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             ``torch.load`` and a single-device Trainer read.
         async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
         verify: on a load, compare every file's CRC-32 with the checkpoint's manifest; presence and sizes
-            are always checked. ``True`` or ``"before"``: before the first read (the files split across
-            the ranks), so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's own
-            reads, without reading the files twice; a damaged file then fails the resume after its
+            are always checked. ``True`` or ``"before"``: nothing of a damaged checkpoint is loaded
+            (local files: the model's values are read beside it, checked from the reads, then copied
+            in; object storage: every file checksummed before the first read). ``"during"``: from the
+            load's own reads, straight into the model; a damaged file then fails the resume after its
             tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).

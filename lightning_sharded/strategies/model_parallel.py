@@ -56,10 +56,11 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             and atomic publish run in the background (sharded only); the next save, a load and the end
             of training wait for it and raise its error, if any.
         verify: checksum every file against the manifest on each load (presence and sizes are checked
-            on every load anyway). ``True`` or ``"before"``: before the first read (each file is read
-            by one rank), so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's
-            own reads, without reading the files twice; a damaged file then fails the resume after its
-            tensors were read (see ``docs/checkpoint-format.md``).
+            on every load anyway). ``True`` or ``"before"``: nothing of a damaged checkpoint is
+            loaded (local files: the model's values are read beside it, checked from the reads, then
+            copied in; object storage: every file checksummed before the first read). ``"during"``:
+            from the load's own reads, straight into the model; a damaged file then fails the resume
+            after its tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
 

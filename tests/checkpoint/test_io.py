@@ -122,9 +122,11 @@ def _load_wide(path: Path, verify: object) -> tuple[nn.Module, torch.optim.Optim
     return fresh, optimizer
 
 
-def test_verify_during_checks_the_checksums_from_the_reads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("mode", ["during", True])
+def test_verify_checks_the_checksums_from_the_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: object
 ) -> None:
+    """Both modes read each byte once on local files: no checksum pass before the load."""
     from lightning_sharded.checkpoint.load import checksums
 
     torch.manual_seed(0)
@@ -140,7 +142,7 @@ def test_verify_during_checks_the_checksums_from_the_reads(
 
     monkeypatch.setattr(checksums, "ranges_checksum", recording)
     monkeypatch.setattr(load, "check_found", _no_checksums(load.check_found))
-    fresh, fresh_optimizer = _load_wide(path, "during")
+    fresh, fresh_optimizer = _load_wide(path, mode)
     expected, actual = model.state_dict(), fresh.state_dict()
     assert list(expected) == list(actual) and all(torch.equal(expected[k], actual[k]) for k in expected)
     assert fresh_optimizer.param_groups[0]["lr"] == 0.1
@@ -186,13 +188,19 @@ def test_verify_during_names_the_damaged_file_and_leaves_the_optimizer_alone(
     assert not fresh_optimizer.state and fresh_optimizer.param_groups[0]["lr"] == 0.1  # not set from it
     if where == "tensor":  # found after the read: the message says what the model holds
         assert "had already read the model's tensors" in str(raised.value)
-    # The same damage with verify=True is found before anything is read.
+    # The same damage with verify=True leaves the model as it was: its values are read beside it.
     torch.manual_seed(1)
     fresh, fresh_optimizer = _wide()
+    fresh_optimizer.state.clear()
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with pytest.raises(CheckpointError, match=rf"'{re.escape(file.name)}'.*is corrupted"):
+    with pytest.raises(CheckpointError, match=rf"'{re.escape(file.name)}'.*is corrupted") as raised:
         load.restore_checkpoint(path, fresh, [fresh_optimizer], verify=True)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    assert not fresh_optimizer.state
+    if where == "tensor":
+        assert "Nothing was loaded from it: the model and the optimizers are as they were." in str(
+            raised.value
+        )
 
 
 def test_verify_takes_only_its_modes(tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ Cases (one checkpoint of a plain module, saved by both ranks), each a load on bo
 - ``meta``: rank 0 alone fails to read ``meta.pt`` (it is read once, on rank 0, and shared);
 - ``meta-other``: rank 1 alone would fail to read it: nobody does (rank 1 never reads it);
 - ``shard``: rank 1 alone sees ``__1_0.distcp`` missing (a stale listing);
-- ``verify``: ``verify=True`` with one file corrupted: each file is checksummed by one rank only;
-- ``during``, ``during-damaged``: ``verify="during"`` on a DTensor checkpoint (each rank's 2 MiB shard
+- ``verify``: the checksum pass before a read (``check_found(verify=True)``) with one file corrupted:
+  each file is checksummed by one rank only;
+- ``during``, ``during-damaged``, ``before-damaged``: ``verify="during"`` (and ``True`` on the damaged
+  one) on a DTensor checkpoint (each rank's 2 MiB shard
   read directly), whole, then with a byte of rank 1's shard flipped;
 - ``full``: rank 1 alone cannot read a full checkpoint file;
 - ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is).
@@ -32,7 +34,9 @@ from torch import nn
 
 from lightning_sharded.checkpoint import load, names, rank_state, save
 from lightning_sharded.checkpoint.backends import local
+from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import sharded
+from lightning_sharded.checkpoint.verify import check_found
 
 
 def full_gathers() -> dict[str, list[Any]]:
@@ -95,7 +99,7 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
 
     checksums.ReadVerification.check = recording_check  # type: ignore[method-assign]
     checksums.ranges_checksum = recording_ranges  # type: ignore[assignment]
-    for name in ("during", "during-damaged"):
+    for name in ("during", "during-damaged", "before-damaged"):
         if name == "during-damaged" and rank == 1:
             with open(ckpt / "__1_0.distcp", "r+b") as f:  # the middle of rank 1's shard: its tensor's bytes
                 f.seek((ckpt / "__1_0.distcp").stat().st_size // 2)
@@ -106,8 +110,9 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
         covered.clear()
         completed.clear()
         loaded = module(1)
+        mode: Any = True if name == "before-damaged" else "during"  # the flipped byte is still there
         try:
-            restored = load.restore_checkpoint(ckpt, loaded, verify="during")
+            restored = load.restore_checkpoint(ckpt, loaded, verify=mode)
             results[name] = {"type": None, "step": restored.metadata.get("global_step")}
         except Exception as err:
             results[name] = {"type": type(err).__name__, "message": str(err)}
@@ -116,6 +121,7 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
         results[name]["covered"] = dict(covered)
         results[name]["completed"] = list(completed)
         results[name]["equal"] = bool(torch.equal(weight.to_local(), saved.weight.to_local()))  # type: ignore[union-attr]
+        results[name]["unchanged"] = bool(torch.equal(weight.to_local(), module(1).weight.to_local()))  # type: ignore[union-attr]
         dist.barrier()
     checksums.ReadVerification.check = real_check  # type: ignore[method-assign]
     checksums.ranges_checksum = real_ranges  # type: ignore[assignment]
@@ -141,6 +147,8 @@ def main(out: Path) -> None:
     def case(name: str, **kwargs: Any) -> None:
         start = time.perf_counter()
         try:
+            if kwargs.pop("check", False):
+                check_found(detect(ckpt), verify=True)
             restored = load.restore_checkpoint(kwargs.pop("path", ckpt), nn.Linear(64, 64), **kwargs)
             results[name] = {"type": None, "step": restored.metadata.get("global_step")}
         except Exception as err:
@@ -191,7 +199,8 @@ def main(out: Path) -> None:
             f.seek(100)
             f.write(bytes([byte[0] ^ 1]))
     dist.barrier()
-    case("verify", verify=True)
+    # The checksum pass before a read (object storage's verify=True; local loads check from their reads).
+    case("verify", check=True)
     results["checksummed"] = checksummed
     backend.checksum = real_checksum  # type: ignore[method-assign]
 

@@ -22,12 +22,13 @@ MP_POLICY = (*MP, "--policy")
 STOCK_FSDP = ("--strategy", "stock-fsdp", "--sharded-tensor")
 STOCK_MP = ("--strategy", "stock-mp", "--sharded-tensor")
 SINGLE = ("--strategy", "single", "--sharded-tensor")  # a plain single-device Trainer, no process group
-# Our resumes check the checksums from their own reads (verify="during"): at every world size and
-# across strategies, a whole checkpoint must pass it and load the same values.
+# Our resumes check the checksums from their own reads: at every world size and across strategies, a
+# whole checkpoint must pass and load the same values, read straight into the model (verify="during")
+# or beside it and copied in (verify=True: FSDP1's views of its flat shards, FSDP2's DTensors).
 RESUMERS = {
-    "fsdp": (*FSDP, "--verify", "during"),
+    "fsdp": (*FSDP, "--verify", "before"),
     "mp": (*MP, "--verify", "during"),
-    "mp-policy": MP_POLICY,
+    "mp-policy": (*MP_POLICY, "--verify", "before"),
     "stock-fsdp": STOCK_FSDP,
     "stock-mp": STOCK_MP,
 }

@@ -22,7 +22,13 @@ from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import KeyReport
-from lightning_sharded.checkpoint.load.checksums import ReadVerification, VerifyMode, verify_mode
+from lightning_sharded.checkpoint.load.checksums import (
+    AFTER_READ,
+    UNCHANGED,
+    ReadVerification,
+    VerifyMode,
+    verify_mode,
+)
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.verify import check_found
@@ -65,11 +71,13 @@ def restore_checkpoint(
             have are loaded and the others left alone (reported with a warning by the caller).
         weights_only: passed to ``torch.load`` for the Lightning metadata.
         verify: also compare every file's checksum with the manifest (presence and sizes are always
-            checked, before the first read). ``True`` or ``"before"``: before the first read, each file
-            by one rank, so nothing of a damaged checkpoint is loaded. ``"during"``: from the load's own
-            reads (local files; one CRC-32 pass over the bytes in memory instead of a second read
-            of every byte); a damaged file is then found after its tensors reached the model, before the
-            optimizers are set (:mod:`.checksums`).
+            checked, before the first read). Local files are checked from the load's own reads (one
+            CRC-32 pass over the bytes in memory, no second read of every byte; :mod:`.checksums`).
+            ``True`` or ``"before"``: nothing of a damaged checkpoint is loaded: the model's values are
+            read into CPU buffers beside it and copied in once every file matched (one more copy of
+            the rank's model shard in host memory meanwhile); on object storage every file is
+            checksummed before the first read. ``"during"``: read straight into the model; a damaged
+            file is then found after its tensors reached the model, before the optimizers are set.
 
     Returns:
         The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
@@ -84,9 +92,16 @@ def restore_checkpoint(
     mode = verify_mode(verify)
     found = collective.decide(lambda: detect(path))
     if found.kind is CheckpointKind.SHARDED:
-        during = mode == "during" and ReadVerification.applies(found)
-        verification = ReadVerification(found) if during else None
-        check_found(found, verify=mode is not None and not during)
+        # Local files with a manifest are checked from the load's own reads (each byte read once); for
+        # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
+        # storage), every file is checksummed before the first read.
+        from_reads = mode is not None and ReadVerification.applies(found)
+        verification = (
+            ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
+            if from_reads
+            else None
+        )
+        check_found(found, verify=mode is not None and not from_reads)
         metadata, report = restore_sharded(
             found.backend,
             found.data,
@@ -95,6 +110,7 @@ def restore_checkpoint(
             strict=strict,
             weights_only=weights_only,
             verification=verification,
+            keep_model=mode == "before",
         )
         return Restored(metadata, report, found.data)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).

@@ -1,22 +1,27 @@
-"""``verify="during"``: a sharded load's checksums computed from the bytes it reads, not a second read.
+"""A sharded load's checksums computed from the bytes it reads, not from a second read.
 
-``verify=True`` (or ``"before"``) checksums every file before the first read, so nothing of a damaged
-checkpoint reaches the model; that reads each byte twice, once for its checksum, once into the model.
-With ``"during"``, where the backend's DCP reader records what it reads (local files: the
-:class:`~lightning_sharded.checkpoint.backends.dcp_reader.DirectReader`), the CRC-32 of each range it
-reads straight into a tensor is computed as the bytes arrive, still in the CPU's cache. After the read
-(:meth:`ReadVerification.check`, collective), each file's checksum is completed by the rank that read
-most of it, which reads only the bytes no range covered (zip headers, small entries read through torch's
-path, other ranks' parts), and compared with the manifest; files that no rank read this way
-(``.metadata``, ``meta.pt``) are split across the ranks by size and read whole. Every rank raises the
-same error or none. On object storage, ``"during"`` checks before the first read, as ``True`` does.
-The single-process tools (``consolidate_checkpoint``, ``load_checkpoint``) check this way with
-``alone=True``: they publish or return nothing before :meth:`ReadVerification.check` passed.
+Checksumming every file before the first read (``check_found(verify=True)``) reads each byte twice,
+once for its checksum, once into the model. Where the backend's DCP reader records what it reads
+(local files: the :class:`~lightning_sharded.checkpoint.backends.dcp_reader.DirectReader`), the CRC-32
+of each range it reads straight into a tensor is computed as the bytes arrive, still in the CPU's
+cache. After the read (:meth:`ReadVerification.check`, collective), each file's checksum is completed
+by the rank that read most of it, which reads only the bytes no range covered (zip headers, small
+entries read through torch's path, other ranks' parts), and compared with the manifest; files that no
+rank read this way (``.metadata``, ``meta.pt``) are split across the ranks by size and read whole.
+Every rank raises the same error or none. On object storage, both modes check before the first read
+instead.
 
-What ``"during"`` gives up: presence and sizes are still checked before the first read, but a file whose
-bytes differ is found once its bytes are in the model's tensors, before the optimizers and the rest of
-the model's state are set; the error says so. A read that fails (a pickle that does not unpickle) is
-explained the same way: every file is then checksummed, and a damaged one is named.
+``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model
+(``restore_sharded(keep_model=True)``) and copies them in after :meth:`ReadVerification.check`, so a
+damaged checkpoint leaves the model as it was. The single-process tools (``consolidate_checkpoint``,
+``load_checkpoint``) check this way with ``alone=True``: they publish or return nothing before
+:meth:`ReadVerification.check` passed.
+
+What ``"during"`` gives up for not keeping that copy: presence and sizes are still checked before the
+first read, but a file whose bytes differ is found once its bytes are in the model's tensors, before
+the optimizers and the rest of the model's state are set; the error says so. A read that fails (a
+pickle that does not unpickle) is explained the same way: every file is then checksummed, and a
+damaged one is named.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from lightning_sharded.checkpoint.verify import (
     split_by_size,
 )
 
-__all__ = ["VERIFY_MODES", "ReadVerification", "VerifyMode", "verify_mode"]
+__all__ = ["AFTER_READ", "UNCHANGED", "VERIFY_MODES", "ReadVerification", "VerifyMode", "verify_mode"]
 
 #: How a load checks checksums, besides ``False`` (not at all) and ``True`` (``"before"``).
 VerifyMode = Literal["before", "during"]
@@ -62,16 +67,18 @@ def verify_mode(verify: bool | str) -> VerifyMode | None:
     if verify == "during":
         return "during"
     raise ValueError(
-        f"verify={verify!r} is not a way to check a checkpoint: pass False, True (or 'before': every file"
-        " checksummed before the first read) or 'during' (checksums computed from the load's own reads)."
+        f"verify={verify!r} is not a way to check a checkpoint: pass False, True (or 'before': nothing is"
+        " loaded from a damaged checkpoint) or 'during' (the load's reads go straight into the model)."
     )
 
 
-#: What a checksum error found after the read adds to its message.
+#: What a checksum error found after a ``"during"`` read adds to its message.
 AFTER_READ = (
     "The load had already read the model's tensors from it (the optimizers were not set): build the"
     " model again, or restart, before you load another checkpoint."
 )
+#: What it adds after a ``"before"`` (``True``) read, whose values wait beside the model until checked.
+UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as they were."
 
 
 class ReadVerification:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, fsdp1, names, unpickling
+from lightning_sharded.checkpoint.async_save import StagingBuffers
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
@@ -52,12 +53,16 @@ def restore_sharded(
     strict: bool,
     weights_only: bool | None,
     verification: ReadVerification | None = None,
+    keep_model: bool = False,
 ) -> tuple[dict[str, Any], KeyReport]:
     """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
 
     Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys. With a
     ``verification``, the checksums of the files are computed from the reads and compared before the
-    model's remaining state and the optimizers are set; a read that fails names a damaged file.
+    model's remaining state and the optimizers are set; a read that fails names a damaged file. With
+    ``keep_model`` too, the model's tensors are read into CPU buffers laid out as its shards and copied
+    into the model only once the checksums matched, so a damaged checkpoint leaves the model as it was
+    (the cost: one more copy of the rank's model shard in host memory while it loads).
     """
     reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
@@ -81,7 +86,9 @@ def restore_sharded(
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
     # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
-    state: dict[str, Any] = {layout.model_key: to_load}
+    # verify=True from the reads: the model's values are read beside it, and copied in once checked.
+    into = StagingBuffers().stage(to_load, copy=False) if keep_model and verification is not None else to_load
+    state: dict[str, Any] = {layout.model_key: into}
     finishes = [
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
@@ -90,10 +97,32 @@ def restore_sharded(
         _dcp_load(backend, state, path, layout.metadata, verification)
     if verification is not None:
         verification.check()
+    if into is not to_load:
+        _copy_into(to_load, into)
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for finish in finishes:
         finish()
     return metadata, report
+
+
+@torch.no_grad()
+def _copy_into(to_load: dict[str, Any], read: dict[str, Any]) -> None:
+    """The values ``read`` (:meth:`StagingBuffers.stage` twins of ``to_load``'s tensors) into
+    ``to_load``'s own tensors, shard by shard; an entry read as an object replaces its value."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in read.items():
+        target = to_load[key]
+        if isinstance(target, DTensor):
+            target._local_tensor.copy_(value._local_tensor)
+        elif isinstance(target, torch.Tensor) and type(target).__name__ == "ShardedTensor":
+            sharded_target: Any = target
+            for mine, theirs in zip(sharded_target.local_shards(), value.local_shards(), strict=True):
+                mine.tensor.copy_(theirs.tensor)
+        elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
+            target.copy_(value)
+        else:
+            to_load[key] = value
 
 
 def _prepare_optimizer(
