@@ -215,21 +215,23 @@ def test_verify_checks_the_bytes_the_tools_read(
         covered[Path(file).name] = sum(length for _, length, _ in known)
         return real(file, size, known)
 
-    real_check = reader.check_found
+    real_check = checksums.check_found
 
     def sizes_only(found: object, *, verify: bool = False, **kwargs: object) -> None:
         assert not verify, "the tool checksummed the files before reading them"
         real_check(found, verify=verify, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(checksums, "ranges_checksum", recording)
-    monkeypatch.setattr(reader, "check_found", sizes_only)
     monkeypatch.setattr(dcp_reader, "_DIRECT_FROM", 1)  # this checkpoint's tensors are small: read directly
     expected_weight = expected(1)["state_dict"]["layer.weight"]
-    assert torch.equal(
-        load_checkpoint(sharded_ckpt, verify=True)["state_dict"]["layer.weight"], expected_weight
-    )
-    assert covered["__0_0.distcp"] > 0 and covered["__1_0.distcp"] > 0  # the tensors, hashed as read
-    out = consolidate(sharded_ckpt, tmp_path / "good.ckpt")
+    with monkeypatch.context() as whole:  # a whole checkpoint: no checksum pass before the reads
+        whole.setattr(checksums, "ranges_checksum", recording)
+        whole.setattr(checksums, "check_found", sizes_only)
+        whole.setattr(reader, "check_found", sizes_only)
+        assert torch.equal(
+            load_checkpoint(sharded_ckpt, verify=True)["state_dict"]["layer.weight"], expected_weight
+        )
+        assert covered["__0_0.distcp"] > 0 and covered["__1_0.distcp"] > 0  # the tensors, hashed as read
+        out = consolidate(sharded_ckpt, tmp_path / "good.ckpt")
     assert torch.equal(torch.load(out, weights_only=True)["state_dict"]["layer.weight"], expected_weight)
 
     if where == "tensor":

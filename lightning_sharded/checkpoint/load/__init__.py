@@ -101,7 +101,10 @@ def restore_checkpoint(
             if from_reads
             else None
         )
-        check_found(found, verify=mode is not None and not from_reads)
+        if verification is not None:
+            verification.check_sizes()
+        else:
+            check_found(found, verify=mode is not None)
         metadata, report = restore_sharded(
             found.backend,
             found.data,

@@ -105,6 +105,20 @@ class ReadVerification:
         """Whether ``found`` can be verified from its reads (a manifest, and a reader that records)."""
         return found.manifest is not None and found.backend.reads_checksums
 
+    def check_sizes(self, weights_only: bool | None = False) -> None:
+        """Before the first read: every file present with its size (collective, unless ``alone``). If one
+        is not, every file's checksum is computed too, so the error names every damaged file, as a check
+        before the read would.
+
+        Raises:
+            CheckpointError: a file is missing or has another size (the same error on every rank).
+        """
+        try:
+            check_found(self.found, verify=False, alone=self.alone, weights_only=weights_only)
+        except CheckpointError:
+            check_found(self.found, verify=True, alone=self.alone, weights_only=weights_only)
+            raise
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
         """Around a read that every rank fails alike (a collective read): a ``CheckpointError`` raised in

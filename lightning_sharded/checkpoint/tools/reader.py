@@ -358,8 +358,8 @@ def open_sharded(
             found.data,
         )
     if verify and during and ReadVerification.applies(found):
-        check_found(found, verify=False, alone=True, weights_only=weights_only)
         verification = ReadVerification(found, alone=True, then=then)
+        verification.check_sizes(weights_only)
         return OfflineReader(found.backend, found.data, weights_only, verification)
     check_found(found, verify=verify, alone=True, weights_only=weights_only)
     return OfflineReader(found.backend, found.data, weights_only)
