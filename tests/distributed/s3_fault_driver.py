@@ -4,8 +4,9 @@
 
 ``crash``: for each case, saves version 1 at ``URL_PREFIX/<case>``, then version 2 with
 ``LIGHTNING_SHARDED_FAULT=<case>`` (the process kills itself there). ``save``: saves version 3 at
-each case's URL, normally. Every save runs in a process forked from this one after the imports
-(fast, and never a fork of a process with threads such as pytest's). ``OUT_JSON`` gets each case's
+each case's URL, normally. The cases run at once, each in a process forked from this one after the
+imports (fast, and never a fork of a process with threads such as pytest's), and every save in a process
+forked from its case's. ``OUT_JSON`` gets each case's
 exit codes (negative: killed by that signal). The version ``v`` is ``{"model": {"w": full(4, v)}}``
 with global step ``v``.
 """
@@ -46,15 +47,36 @@ def save(url: str, version: int, fault: str = "") -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+def run_case(phase: str, url: str, case: str) -> list[int]:
+    """One case's saves, in order: its exit codes."""
+    if phase == "crash":
+        return [save(url, 1), save(url, 2, case)]
+    return [save(url, 3)]
+
+
 def main(argv: list[str]) -> None:
     phase, prefix, out, cases = argv[0], argv[1], Path(argv[2]), argv[3:]
-    results: dict[str, list[int]] = {}
+    # The cases are independent (each its own URL): each runs in a process of its own, all at once.
+    children: dict[str, int] = {}
     for case in cases:
-        url = f"{prefix}/{case}"
-        if phase == "crash":
-            results[case] = [save(url, 1), save(url, 2, case)]
-        else:
-            results[case] = [save(url, 3)]
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                codes = run_case(phase, f"{prefix}/{case}", case)
+                out.with_name(f"{out.name}.{case}").write_text(json.dumps(codes))
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[case] = pid
+    failed = [case for case, pid in children.items() if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])]
+    if failed:
+        raise SystemExit(f"the driver of case(s) {failed} failed")
+    results = {case: json.loads(out.with_name(f"{out.name}.{case}").read_text()) for case in cases}
     out.write_text(json.dumps(results))
 
 
