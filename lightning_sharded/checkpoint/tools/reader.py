@@ -360,7 +360,8 @@ def open_sharded(
     if verify and during and ReadVerification.applies(found):
         verification = ReadVerification(found, alone=True, then=then)
         verification.check_sizes(weights_only)
-        return OfflineReader(found.backend, found.data, weights_only, verification)
+        with verification.reading():  # the index is the first file read
+            return OfflineReader(found.backend, found.data, weights_only, verification)
     check_found(found, verify=verify, alone=True, weights_only=weights_only)
     return OfflineReader(found.backend, found.data, weights_only)
 
