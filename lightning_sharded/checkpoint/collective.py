@@ -47,12 +47,13 @@ class Ranks:
     group: ProcessGroup | None
 
 
-def ranks(group: ProcessGroup | None = None) -> Ranks:
-    """This process's rank, world size and source rank in ``group`` (the default group when ``None``)."""
+def ranks(group: ProcessGroup | None = None, *, alone: bool = False) -> Ranks:
+    """This process's rank, world size and source rank in ``group`` (the default group when ``None``);
+    with ``alone``, this process by itself (rank 0 of 1), whatever process group is up."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return Ranks(0, 1, 0, group)
+    if alone or not (dist.is_available() and dist.is_initialized()):
+        return Ranks(0, 1, 0, None if alone else group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     return Ranks(dist.get_rank(group), dist.get_world_size(group), src, group)
 

@@ -243,7 +243,7 @@ def check_found(
         CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
             names the first one, its rank and the others.
     """
-    where = collective.Ranks(0, 1, 0, None) if alone else collective.ranks(group)
+    where = collective.ranks(group, alone=alone)
     backend, data, manifest = found.backend, found.data, found.manifest
     try:
         if manifest is None:

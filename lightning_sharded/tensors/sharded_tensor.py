@@ -107,8 +107,10 @@ def _index(shard_metadata: Any) -> tuple[slice, ...]:
     )
 
 
-def _layout(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], str]]:
+def _layout(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], int | None]]:
+    """Each shard's offsets, sizes and the rank that holds it: where the values are, whatever the
+    device (a CPU copy of a CUDA ``ShardedTensor`` has its layout, and copies shard by shard)."""
     return [
-        (tuple(m.shard_offsets), tuple(m.shard_sizes), str(m.placement))
+        (tuple(m.shard_offsets), tuple(m.shard_sizes), m.placement.rank() if m.placement else None)
         for m in value.metadata().shards_metadata
     ]

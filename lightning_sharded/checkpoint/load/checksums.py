@@ -140,7 +140,7 @@ class ReadVerification:
         """
         found, manifest = self.found, self.found.manifest
         assert manifest is not None
-        where = collective.Ranks(0, 1, 0, None) if self.alone else collective.ranks()
+        where = collective.ranks(alone=self.alone)
         covered = collective.all_gather(self.checksums.covered(), where)
         owners: dict[str, int] = {}
         for entry in manifest.files:

@@ -40,6 +40,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     model_state_dict,
     torch_optimizer_template,
 )
+from lightning_sharded.tensors import adapter_for
 
 __all__ = ["load_meta", "restore_sharded"]
 
@@ -108,17 +109,13 @@ def restore_sharded(
 @torch.no_grad()
 def _copy_into(to_load: dict[str, Any], read: dict[str, Any]) -> None:
     """The values ``read`` (:meth:`StagingBuffers.stage` twins of ``to_load``'s tensors) into
-    ``to_load``'s own tensors, shard by shard; an entry read as an object replaces its value."""
-    from torch.distributed.tensor import DTensor
-
+    ``to_load``'s own tensors; an entry read as an object replaces its value. A twin has its target's
+    layout, so each sharded copy is local (no collective)."""
     for key, value in read.items():
         target = to_load[key]
-        if isinstance(target, DTensor):
-            target._local_tensor.copy_(value._local_tensor)
-        elif isinstance(target, torch.Tensor) and type(target).__name__ == "ShardedTensor":
-            sharded_target: Any = target
-            for mine, theirs in zip(sharded_target.local_shards(), value.local_shards(), strict=True):
-                mine.tensor.copy_(theirs.tensor)
+        adapter = adapter_for(target)
+        if adapter is not None:
+            adapter.copy_into(target, value)
         elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
             target.copy_(value)
         else:

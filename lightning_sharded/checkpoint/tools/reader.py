@@ -137,11 +137,8 @@ class OfflineReader:
                     raise
 
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
-        verification = self.verification
-        if verification is None:
-            reader = self.backend.dcp_reader(self.root)
-        else:
-            reader = self.backend.dcp_reader(self.root, checksums=verification.checksums)
+        checksums = self.verification.checksums if self.verification is not None else None
+        reader = self.backend.dcp_reader(self.root, checksums=checksums)
         reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
         with self.reading():
             try:
