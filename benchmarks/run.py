@@ -84,6 +84,24 @@ def median_of_max(per_rank: list[dict[str, Any]], case: str, key: str) -> float:
     return statistics.median(max(values) for values in zip(*series, strict=True))
 
 
+def training_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One throughput case's figures from each rank's record: the slowest rank's median steps/s without
+    and while saving, the longest median save window, the median over every rank's pairs of windows of
+    steps/s while saving / without (the ratio), and those ``pairs``."""
+    pairs = [
+        saving / steady
+        for r in records
+        for saving, steady in zip(r["saving steps/s"], r["steady steps/s"], strict=True)
+    ]
+    return {
+        "steps/s without a save": min(statistics.median(r["steady steps/s"]) for r in records),
+        "steps/s while saving": min(statistics.median(r["saving steps/s"]) for r in records),
+        "save in flight s": max(statistics.median(r["save window s"]) for r in records),
+        "while saving / without": statistics.median(pairs),
+        "pairs": pairs,
+    }
+
+
 def raw_bandwidth(per_rank: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
     """The disk's raw write+fsync and cold read GB/s from the ranks' probes (all ranks at once, each its
     share of ``nbytes``; slowest rank per probe), median over every probe of the run."""
@@ -211,23 +229,12 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
     training_rows: dict[str, dict[str, float]] = {}
     for case in ("throughput-ours-mp", "throughput-ours-fsdp", "throughput-light-ours-mp"):
         if case in ok:
-            steady = [statistics.median(r[case]["steady steps/s"]) for r in per_rank]
-            saving = [statistics.median(r[case]["saving steps/s"]) for r in per_rank]
-            window = max(statistics.median(r[case]["save window s"]) for r in per_rank)
-            pairs = [
-                s / b
-                for r in per_rank
-                for s, b in zip(r[case]["saving steps/s"], r[case]["steady steps/s"], strict=True)
-            ]
             strategy = case.removeprefix("throughput-").removeprefix("light-")
             batch = per_rank[0][case].get("batch")
             kind = "communication-bound" if case.startswith("throughput-light-") else "matmul-bound"
-            training_rows[f"{LABELS[strategy]}, {batch} rows per step ({kind})"] = {
-                "steps/s without a save": min(steady),
-                "steps/s while saving": min(saving),
-                "save in flight s": window,
-                "while saving / without": statistics.median(pairs),
-            }
+            figures = training_figures([r[case] for r in per_rank])
+            del figures["pairs"]
+            training_rows[f"{LABELS[strategy]}, {batch} rows per step ({kind})"] = figures
     return {
         "verify": {
             "rows": verify_rows,
@@ -791,6 +798,31 @@ def finite_positive(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def run_rank_cases(
+    cases: list[str], scratch: Path, width: int, layers: int, *options: str, timeout: float
+) -> list[dict[str, Any]]:
+    """Run ``cases`` of ``benchmarks/ranks.py`` on :data:`WORLD` ranks, their files in ``scratch``, the
+    model ``layers`` x ``Linear(width, width)``; ``options`` go to ``ranks.py``. Each rank's figures."""
+    ranks_out = scratch / "ranks"
+    ranks_out.mkdir()
+    run_ranks(
+        Path(__file__).with_name("ranks.py"),
+        WORLD,
+        *cases,
+        "--dir",
+        str(scratch),
+        "--out",
+        str(ranks_out),
+        "--width",
+        str(width),
+        "--layers",
+        str(layers),
+        *options,
+        timeout=timeout,
+    )
+    return [json.loads((ranks_out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (model + Adam)")
@@ -845,20 +877,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         nbytes = 12 * width * width * layers
-        ranks_out = scratch / "ranks"
-        ranks_out.mkdir()
-        run_ranks(
-            Path(__file__).with_name("ranks.py"),
-            WORLD,
-            *cases,
-            "--dir",
-            str(scratch),
-            "--out",
-            str(ranks_out),
-            "--width",
-            str(width),
-            "--layers",
-            str(layers),
+        per_rank = run_rank_cases(
+            cases,
+            scratch,
+            width,
+            layers,
             "--repeats",
             str(repeats),
             "--full",
@@ -872,7 +895,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             str(1 if args.quick else repeats),
             timeout=args.timeout,
         )
-        per_rank = [json.loads((ranks_out / f"rank{r}.json").read_text()) for r in range(WORLD)]
         kept = scratch / "kept.ckpt"
         tools = (
             tools_section(kept, scratch, 1 if args.quick else repeats, quick=args.quick)

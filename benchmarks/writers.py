@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -73,14 +72,12 @@ class Staged:
     @torch.no_grad()
     def stage(self, tensors: list[torch.Tensor]) -> bool:
         """Copy ``tensors`` in; ``True`` if the buffers were (re)allocated."""
-        if [(b.shape, b.dtype) for b in self.buffers] != [(t.shape, t.dtype) for t in tensors]:
+        new = [(b.shape, b.dtype) for b in self.buffers] != [(t.shape, t.dtype) for t in tensors]
+        if new:
             self.buffers = [torch.empty_like(t, device="cpu").share_memory_() for t in tensors]
-            for buffer, tensor in zip(self.buffers, tensors, strict=True):
-                buffer.copy_(tensor)
-            return True
         for buffer, tensor in zip(self.buffers, tensors, strict=True):
             buffer.copy_(tensor)
-        return False
+        return new
 
 
 class ThreadWriter:
@@ -161,8 +158,7 @@ def make_writer(kind: str) -> ThreadWriter | ProcessWriter:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    from benchmarks.run import WORLD, geometry
-    from tests.distributed.launch import run_ranks
+    from benchmarks.run import geometry, run_rank_cases, training_figures
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="ours-fsdp", choices=["ours-fsdp", "ours-mp"])
@@ -177,56 +173,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     scratch = Path(tempfile.mkdtemp(prefix="lswriters-"))
     try:
-        (scratch / "ranks").mkdir()
-        run_ranks(
-            Path(__file__).with_name("ranks.py"),
-            WORLD,
-            *cases,
-            "--dir",
-            str(scratch),
-            "--out",
-            str(scratch / "ranks"),
-            "--width",
-            str(width),
-            "--layers",
-            str(layers),
-            "--batch",
-            str(args.batch),
-            "--steady",
-            "2",
-            "--cycles",
-            str(args.cycles),
-            timeout=3600,
-        )
-        per_rank = [json.loads((scratch / "ranks" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        options = ("--batch", str(args.batch), "--steady", "2", "--cycles", str(args.cycles))
+        per_rank = run_rank_cases(cases, scratch, width, layers, *options, timeout=3600)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     figures: dict[str, Any] = {}
     for case in cases:
         records = [r[case] for r in per_rank]
-        if any("error" in r for r in records):
-            figures[case] = {"error": next(r["error"] for r in records if "error" in r)}
-            continue
-        # As benchmarks/run.py counts them: the median over every rank's pairs of windows.
-        pairs = [
-            saving / steady
-            for r in records
-            for saving, steady in zip(r["saving steps/s"], r["steady steps/s"], strict=True)
-        ]
-        figures[case] = {
-            "steps/s without a save": min(statistics.median(r["steady steps/s"]) for r in records),
-            "ratios": pairs,
-            "ratio": statistics.median(pairs),
-            "save window s": max(statistics.median(r["save window s"]) for r in records),
-        }
+        errors = [r["error"] for r in records if "error" in r]
+        figures[case] = {"error": errors[0]} if errors else training_figures(records)  # as run.py counts
     for case, figure in figures.items():
         if "error" in figure:
             print(f"{case}: {figure['error']}")
         else:
-            shown = ", ".join(f"{r:.2f}" for r in figure["ratios"])
+            shown = ", ".join(f"{r:.2f}" for r in figure["pairs"])
             print(
-                f"{case}: while saving / without {figure['ratio']:.2f} ({shown}); window"
-                f" {figure['save window s']:.1f} s"
+                f"{case}: while saving / without {figure['while saving / without']:.2f} ({shown}); window"
+                f" {figure['save in flight s']:.1f} s"
             )
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1))

@@ -34,6 +34,7 @@ a kill inside the ``write`` callable (points ``atomic.py`` cannot see):
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
 import shutil
@@ -41,7 +42,6 @@ import signal
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.commit import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
+from tests.distributed.forks import fork
 
 WORLD_SIZE = 2
 ROWS = 8
@@ -201,21 +202,13 @@ def run_save(
     """Fork the ranks of one save and wait for them; a rank still alive after another was killed is
     given ``GRACE_S`` seconds, then killed. Returns each rank's exit code (negative: signal)."""
     port = _free_port()
-    pids = []
-    for rank in range(WORLD_SIZE):
-        pid = os.fork()
-        if pid == 0:  # the rank
-            code = 1
-            try:
-                os.environ[FAULT_ENV] = fault
-                os.environ[NO_EXCHANGE_ENV] = "1" if no_exchange else "0"
-                code = save_rank(rank, port, ckpt, version, kill)
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                os._exit(code)
-        pids.append(pid)
+
+    def the_rank(rank: int) -> int:
+        os.environ[FAULT_ENV] = fault
+        os.environ[NO_EXCHANGE_ENV] = "1" if no_exchange else "0"
+        return save_rank(rank, port, ckpt, version, kill)
+
+    pids = [fork(functools.partial(the_rank, rank)) for rank in range(WORLD_SIZE)]
     codes: dict[int, int] = {}
     deadline = time.monotonic() + TIMEOUT_S
     while len(codes) < len(pids):

@@ -13,10 +13,10 @@ with global step ``v``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,25 +25,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.commit import FAULT_ENV
+from tests.distributed.forks import fork
 
 
 def save(url: str, version: int, fault: str = "") -> int:
     """Fork a process that saves ``version`` at ``url`` with ``fault``; returns its exit code."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.environ[FAULT_ENV] = fault
-            state = {"model": {"w": torch.full((4,), float(version))}}
-            io.write_sharded_checkpoint(url, state, {"global_step": version}, rank=0)
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
+
+    def saving() -> None:
+        os.environ[FAULT_ENV] = fault
+        state = {"model": {"w": torch.full((4,), float(version))}}
+        io.write_sharded_checkpoint(url, state, {"global_step": version}, rank=0)
+
+    _, status = os.waitpid(fork(saving), 0)
     return os.waitstatus_to_exitcode(status)
 
 
@@ -56,23 +49,13 @@ def run_case(phase: str, url: str, case: str) -> list[int]:
 
 def main(argv: list[str]) -> None:
     phase, prefix, out, cases = argv[0], argv[1], Path(argv[2]), argv[3:]
+
     # The cases are independent (each its own URL): each runs in a process of its own, all at once.
-    children: dict[str, int] = {}
-    for case in cases:
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                codes = run_case(phase, f"{prefix}/{case}", case)
-                out.with_name(f"{out.name}.{case}").write_text(json.dumps(codes))
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        children[case] = pid
+    def running(case: str) -> None:
+        codes = run_case(phase, f"{prefix}/{case}", case)
+        out.with_name(f"{out.name}.{case}").write_text(json.dumps(codes))
+
+    children = {case: fork(functools.partial(running, case)) for case in cases}
     failed = [case for case, pid in children.items() if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])]
     if failed:
         raise SystemExit(f"the driver of case(s) {failed} failed")

@@ -21,6 +21,7 @@ to ``OUT/<case>.<phase>.rank<R>.pt``.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import signal
@@ -51,6 +52,7 @@ from lightning_sharded import (  # noqa: E402
     ShardedModelParallelStrategy,
     ShardedStateMixin,
 )
+from tests.distributed.forks import fork  # noqa: E402
 
 #: case -> (strategy, state_dict_type, async_save)
 CASES = {
@@ -305,25 +307,15 @@ def fork_ranks(out: Path, phase: str) -> list[int]:
     from lightning_sharded._launch import free_port, rank_env
 
     port = free_port()
-    pids = []
-    for r in range(2):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.environ.update(rank_env(r, 2, port, REPO))
-                torch.set_num_threads(1)
-                phase_of_rank(out, phase)
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # no interpreter teardown in a fork (see stock_lightning.py)
-        pids.append(pid)
+
+    def rank(r: int) -> None:
+        os.environ.update(rank_env(r, 2, port, REPO))
+        torch.set_num_threads(1)
+        phase_of_rank(out, phase)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    pids = [fork(functools.partial(rank, r)) for r in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
     codes: dict[int, int] = {}
     while len(codes) < len(pids):
