@@ -669,6 +669,10 @@ def main() -> None:
                 results[case] = verify_case(args)
             elif case.startswith("throughput-"):
                 results[case] = throughput_case(case, args)
+            elif case.startswith("savecpu-"):
+                from benchmarks.writers import save_cpu_case
+
+                results[case] = save_cpu_case(case, args)
             elif case.startswith("async-"):
                 results[case] = async_case(case, args)
             else:

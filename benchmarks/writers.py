@@ -24,7 +24,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import zlib
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_sharded.checkpoint.checksum import crc32
 
 #: What the writer writes at a time (as the DCP writer's checksummed pieces).
 PIECE = 4 << 20
@@ -47,7 +48,7 @@ def write_bytes(buffers: list[torch.Tensor], path: str) -> None:
             view = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
             for start in range(0, len(view), PIECE):
                 piece = view[start : start + PIECE]
-                zlib.crc32(piece)
+                crc32(piece)
                 while piece:
                     piece = piece[os.write(fd, piece) :]
         os.fsync(fd)
@@ -157,6 +158,104 @@ def make_writer(kind: str) -> ThreadWriter | ProcessWriter:
     return ThreadWriter() if kind == "thread" else ProcessWriter()
 
 
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+    """``{thread id: (name, user s, system s)}`` of every thread of this process now (Linux ``/proc``).
+
+    Python threads are named by their ``threading`` name (digits dropped, so a pool's threads add up in
+    :func:`by_name`), the main thread ``main``, the others (gloo's, torch's) by their kernel name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main_id = threading.main_thread().native_id
+    found: dict[int, tuple[str, float, float]] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{task}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended
+            continue
+        tid = int(task)
+        name = "main" if tid == main_id else names.get(tid, comm)
+        name = "".join(c for c in name if not c.isdigit()).rstrip("_-")
+        found[tid] = (name, int(fields[11]) / tick, int(fields[12]) / tick)
+    return found
+
+
+def by_name(
+    before: dict[int, tuple[str, float, float]], after: dict[int, tuple[str, float, float]]
+) -> dict[str, list[float]]:
+    """``{thread name: [user s, system s]}`` spent between two :func:`thread_cpu` readings."""
+    spent: dict[str, list[float]] = {}
+    for tid, (name, user, system) in after.items():
+        _, user0, system0 = before.get(tid, (name, 0.0, 0.0))
+        if user - user0 + system - system0 > 0:
+            total = spent.setdefault(name, [0.0, 0.0])
+            total[0] += user - user0
+            total[1] += system - system0
+    return spent
+
+
+def save_cpu_case(name: str, args: Any) -> dict[str, Any]:
+    """CPU seconds one async save costs this rank, by thread, against the same bytes from a bare thread.
+
+    Training is idle while the save runs (the main thread sleeps until every rank's save is published),
+    so the seconds are the save's own: ``--cycles`` times, our async save (``trainer.save_checkpoint``
+    with ``async_save=True``) and then :func:`write_bytes` of the same staged tensors from a thread
+    (staging included). Threads that end during a window (DCP's, the checksum helper's) count their
+    seconds up to their last reading, so each window reads every thread's times once more at its end.
+    """
+    import time
+
+    import lightning as L
+    import torch.distributed as dist
+
+    from benchmarks.ranks import ThroughputModel, _all_done, make_strategy, remove, settle, trainer_for
+
+    strategy_name = name.removeprefix("savecpu-")
+    ckpt = args.dir / f"{name}.ckpt"
+    record: dict[str, Any] = {"ours": [], "bare": [], "ours wall s": [], "bare wall s": []}
+    staged, writer = Staged(), ThreadWriter()
+
+    def window(kind: str, trainer: L.Trainer) -> None:
+        settle()
+        before, start = thread_cpu(), time.perf_counter()
+        if kind == "ours":
+            trainer.save_checkpoint(ckpt)
+        else:
+            assert trainer.strategy.model is not None
+            new = staged.stage(local_tensors(trainer.strategy.model, trainer.optimizers[0]))
+            writer.start(staged, str(ckpt) + ".bare", new)
+        saver = trainer.strategy._async_saver  # type: ignore[attr-defined]
+        # Threads the save starts end before the window does: sample them while they live.
+        latest = thread_cpu()
+        while not _all_done(not (saver.writing if kind == "ours" else writer.writing)):
+            time.sleep(0.05)
+            latest = {**latest, **thread_cpu()}
+        trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
+        writer.close()
+        wall = time.perf_counter() - start
+        record[kind].append(by_name(before, {**latest, **thread_cpu()}))
+        record[f"{kind} wall s"].append(wall)
+
+    class Measure(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            for i in range(args.cycles + 1):  # the first of each allocates the staging buffers
+                for kind in ("ours", "bare"):
+                    window(kind, trainer)
+                    if i == 0:
+                        record[kind].pop()
+                        record[f"{kind} wall s"].pop()
+
+    model = ThroughputModel(args.width, args.layers, strategy_name.endswith("mp"), args.batch)
+    trainer = trainer_for(make_strategy(strategy_name, dist.get_world_size(), async_save=True), [Measure()])
+    trainer.fit(model)
+    del trainer, model
+    remove(ckpt)
+    remove(Path(str(ckpt) + ".bare"))
+    return record
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.run import geometry, run_rank_cases, training_figures
 
@@ -166,8 +265,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--cycles", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="write the figures here as JSON")
+    parser.add_argument(
+        "--cpu", action="store_true", help="instead: CPU seconds of a save by thread, ours against bare bytes"
+    )
     args = parser.parse_args(argv)
     width, layers = geometry(args.size_gb)
+    if args.cpu:
+        return cpu_main(args, width, layers)
     cases = [f"throughput-{args.strategy}"] + [
         f"throughput-writer-{kind}-{args.strategy}" for kind in ("thread", "process")
     ]
@@ -191,6 +295,41 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{case}: while saving / without {figure['while saving / without']:.2f} ({shown}); window"
                 f" {figure['save in flight s']:.1f} s"
             )
+    if args.out is not None:
+        args.out.write_text(json.dumps(figures, indent=1))
+    return figures
+
+
+def cpu_main(args: argparse.Namespace, width: int, layers: int) -> dict[str, Any]:
+    """``--cpu``: print each rank's median CPU seconds per thread of our save and of the bare bytes."""
+    import statistics
+
+    from benchmarks.run import run_rank_cases
+
+    case = f"savecpu-{args.strategy}"
+    scratch = Path(tempfile.mkdtemp(prefix="lswriters-"))
+    try:
+        options = ("--batch", str(args.batch), "--cycles", str(args.cycles))
+        per_rank = [r[case] for r in run_rank_cases([case], scratch, width, layers, *options, timeout=3600)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    figures: dict[str, Any] = {}
+    for rank, record in enumerate(per_rank):
+        if "error" in record:
+            print(f"rank {rank}: {record['error']}")
+            continue
+        for kind in ("ours", "bare"):
+            threads = sorted({t for window in record[kind] for t in window})
+            median = {
+                t: [statistics.median(w.get(t, [0.0, 0.0])[i] for w in record[kind]) for i in (0, 1)]
+                for t in threads
+            }
+            total = sum(u + s for u, s in median.values())
+            wall = statistics.median(record[f"{kind} wall s"])
+            print(f"rank {rank} {kind}: {total:.2f} CPU s in a {wall:.2f} s window")
+            for t, (u, s) in sorted(median.items(), key=lambda kv: -sum(kv[1])):
+                print(f"    {t:<40} user {u:6.2f}  system {s:6.2f}")
+            figures[f"rank {rank} {kind}"] = {"threads": median, "cpu s": total, "window s": wall}
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1))
     return figures

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
-from lightning_sharded.checkpoint.checksum import crc32_combine, file_checksum
+from lightning_sharded.checkpoint.checksum import crc32, crc32_combine, file_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 
 
@@ -97,6 +97,21 @@ def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatc
 def test_crc32_combine_equals_zlib_of_the_joined_bytes(first: bytes, second: bytes, start: int) -> None:
     whole = zlib.crc32(second, zlib.crc32(first, start))
     assert crc32_combine(zlib.crc32(first, start), zlib.crc32(second), len(second)) == whole
+
+
+@given(data=st.binary(max_size=5000), start=st.integers(0, 0xFFFFFFFF), cut=st.integers(0, 5000))
+@settings(max_examples=200, deadline=None)
+def test_crc32_is_zlibs(data: bytes, start: int, cut: int) -> None:
+    """The checksum of every file is zlib's CRC-32, whoever computes it (ISA-L where installed)."""
+    view = memoryview(bytearray(data))
+    assert crc32(view, start) == zlib.crc32(data, start)
+    assert crc32(view[cut:], crc32(view[:cut])) == zlib.crc32(data)
+
+
+def test_crc32_of_a_tensors_bytes_is_zlibs() -> None:
+    values = torch.randn(3 << 18)  # 3 MiB of float32, through the buffer a tensor gives
+    view = memoryview(values.numpy()).cast("B")
+    assert crc32(view) == zlib.crc32(view)
 
 
 def test_crc32_combine_of_large_pieces() -> None:

@@ -26,7 +26,6 @@ import os
 import queue
 import struct
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.utils import _create_file_view
 
 from lightning_sharded.checkpoint import libc
+from lightning_sharded.checkpoint.checksum import crc32
 
 __all__ = ["DirectReader", "GivenMetadata", "ReadChecksums", "fsspec_reader"]
 
@@ -117,7 +117,7 @@ def _readinto(file: Any, offset: int, target: torch.Tensor, crc: bool = False) -
         if not n:
             return False, checksum
         if crc:
-            checksum = zlib.crc32(view[done : done + n], checksum)
+            checksum = crc32(view[done : done + n], checksum)
         done += n
     return True, checksum
 

@@ -10,7 +10,10 @@ it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.check
 would give.
 
 It also switches off ``torch.save``'s own per-record CRC-32 for the shards it writes (DCP stores each
-tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours).
+tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours), and
+keeps a large shard's write-back going as it is written, its pages leaving the page cache once on disk
+(:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: a save then takes no fresh memory for
+the page cache, which costs a background save's CPU, and so training's).
 Files written that way load everywhere, with or without this library.
 """
 
@@ -27,6 +30,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 
 from lightning_sharded.checkpoint.checksum import HashingStream
+from lightning_sharded.checkpoint.writeback import WriteBehind
 
 __all__ = ["ChecksummingWriter", "without_torch_crc32"]
 
@@ -46,9 +50,11 @@ class _ChecksummingFileSystem(FileSystem):
             return
         path = Path(path)
         with open(path, mode + "b" if "b" not in mode else mode) as raw:
-            stream = HashingStream(raw)
+            behind = WriteBehind(raw.fileno())
+            stream = HashingStream(raw, write_behind=behind)
             try:
-                yield stream
+                yield stream  # DCP writes the file and fsyncs it (its sync_files)
+                behind.finish()
             except BaseException as err:  # kept: torch's extra writer threads only print it
                 with self._lock:
                     self.errors.append(err)

@@ -12,7 +12,6 @@ import os
 import re
 import struct
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +20,7 @@ import torch
 
 from lightning_sharded.checkpoint import libc, names, unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
-from lightning_sharded.checkpoint.checksum import crc32_combine
+from lightning_sharded.checkpoint.checksum import crc32, crc32_combine
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
@@ -351,7 +350,7 @@ class _FillChecksums:
         if index < 0 or start + nbytes > self._starts[index] + self._sizes[self._starts[index]]:
             return
         data = memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy()))
-        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, zlib.crc32(data)))
+        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc32(data)))
         _start_writeback(self._fd, start, nbytes)
 
     def crcs(self) -> dict[int, int]:
@@ -416,7 +415,7 @@ def _fix_zip_crcs(file: Path, known: dict[int, int] | None = None) -> None:
                     chunk = f.read(min(left, 8 << 20))
                     if not chunk:
                         break
-                    crc = zlib.crc32(chunk, crc)
+                    crc = crc32(chunk, crc)
                     left -= len(chunk)
             if crc == info.CRC:
                 continue

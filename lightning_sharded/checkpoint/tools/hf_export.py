@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends import Location, basename, is_url
 from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.checksum import crc32
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -292,7 +292,7 @@ class _Checksummed:
     def write(self, data: bytes | memoryview) -> None:
         assert self.file is not None
         self.file.write(data)
-        self.crc = zlib.crc32(data, self.crc)
+        self.crc = crc32(data, self.crc)
         self.size += len(data)
 
     def write_tensor(self, value: torch.Tensor) -> None:

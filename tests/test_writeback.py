@@ -1,0 +1,120 @@
+"""Write-behind: a large checkpoint file leaves the page cache as it is written, and its bytes and
+checksum are those written."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, file_checksum
+from lightning_sharded.checkpoint.writeback import WINDOW, WriteBehind
+
+MiB = 1 << 20
+
+
+def resident(path: Path, start: int = 0, end: int | None = None) -> float:
+    """The fraction of the file's pages in ``[start, end)`` that are in the page cache (``mincore``)."""
+    size = path.stat().st_size
+    end = size if end is None else end
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+        pages = -(-size // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+        first, last = start // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)
+        return sum(vector[i] & 1 for i in range(first, last)) / max(1, last - first)
+
+
+@pytest.fixture
+def droppable(tmp_path: Path) -> Path:
+    """``tmp_path``, on a filesystem whose clean pages ``POSIX_FADV_DONTNEED`` drops (not tmpfs)."""
+    probe = tmp_path / "probe"
+    with open(probe, "wb") as f:
+        f.write(os.urandom(64 << 10))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if resident(probe) > 0:
+        pytest.skip(f"{tmp_path}'s filesystem keeps the pages of written files (tmpfs?): nothing to drop")
+    probe.unlink()
+    return tmp_path
+
+
+def _write(path: Path, chunks: list[bytes], window: int | None) -> tuple[int, str]:
+    with open(path, "wb") as raw:
+        behind = WriteBehind(raw.fileno(), window=window) if window is not None else None
+        stream = HashingStream(raw, write_behind=behind)
+        for chunk in chunks:
+            stream.write(chunk)
+        raw.flush()
+        os.fsync(raw.fileno())
+        if behind is not None:
+            assert resident(path, 0, len(chunks[0]) - window - CHUNK_SIZE) == 0  # dropped while written
+            behind.finish()
+        return stream.result()
+
+
+def test_a_large_file_leaves_the_page_cache_as_it_is_written(droppable: Path) -> None:
+    chunks = [os.urandom(20 * MiB + 123), b"header", os.urandom(3 * MiB)]  # pieces, inline, a last piece
+    plain, behind = droppable / "plain", droppable / "behind"
+    plain_figures = _write(plain, chunks, window=None)
+    figures = _write(behind, chunks, window=2 * MiB)
+    whole = b"".join(chunks)
+    assert figures == plain_figures == (len(whole), f"{zlib.crc32(whole):08x}")
+    assert behind.read_bytes() == plain.read_bytes() == whole
+    assert resident(plain) > 0.9  # what the kernel does by itself: every written page stays
+    # After finish, nothing of it is left but what the read-back above brought in again: drop that
+    # and check that only the read did it (the file was not left dirty: DONTNEED drops clean pages).
+    with open(behind, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert resident(behind) == 0
+
+
+def test_a_small_file_keeps_its_pages(droppable: Path) -> None:
+    path = droppable / "small"
+    with open(path, "wb") as raw:
+        behind = WriteBehind(raw.fileno())
+        stream = HashingStream(raw, write_behind=behind)
+        stream.write(os.urandom(WINDOW // 2))
+        raw.flush()
+        behind.finish()
+    assert resident(path) > 0.9  # no larger than the window: cached as any small file
+
+
+def test_a_descriptor_without_write_back_is_written_as_before() -> None:
+    read, write = os.pipe()  # sync_file_range fails on a pipe (ESPIPE): write-behind does nothing
+    try:
+        behind = WriteBehind(write, window=4096)
+        os.write(write, b"x" * 8192)
+        behind.advance(8192)
+        behind.advance(16384)
+        behind.finish()
+        assert os.read(read, 16384) == b"x" * 8192
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_a_dcp_save_of_a_large_shard_checksums_loads_and_is_not_cached(droppable: Path) -> None:
+    torch.manual_seed(0)
+    state = {"big": torch.randn(12 * MiB), "small": torch.arange(7)}  # 48 MiB: more than WINDOW
+    writer = ChecksummingWriter(droppable / "ckpt")
+    with without_torch_crc32():
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    shards = sorted((droppable / "ckpt").glob("*.distcp"))
+    assert shards and max(resident(p) for p in shards) < 0.05  # the shard left the cache on disk
+    for name, figures in writer.checksums.items():
+        assert file_checksum(droppable / "ckpt" / name) == figures
+    loaded = {"big": torch.zeros_like(state["big"]), "small": torch.zeros_like(state["small"])}
+    dcp.load(loaded, checkpoint_id=droppable / "ckpt", no_dist=True)
+    assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["small"], state["small"])
