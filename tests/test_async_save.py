@@ -82,6 +82,7 @@ def test_async_checkpoint_equals_sync_checkpoint(main_run: tuple[str, Path, Any]
     assert not all(
         torch.equal(saved[k], result["after_training"][k]) for k in saved if k.startswith("model.")
     )
+    assert result["deferred bytes"] > 0  # the optimizer state's copy was deferred to the next step
     on_disk_async = read_values(root / "async", strategy)
     assert_equal(saved, on_disk_async)
     assert_whole(root / "async")
@@ -149,6 +150,77 @@ def test_staging_reuses_buffers_and_isolates_from_later_changes() -> None:
     assert again["a"].data_ptr() == first_ptr and buffers.allocated_bytes == 0
     assert torch.equal(again["a"], torch.arange(6.0) + 1)
     assert again["nested"][1] == 3 and again["s"] == "text"
+
+
+def _trained_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+
+
+def test_deferred_optimizer_state_is_copied_before_the_next_step(tmp_path: Path, monkeypatch: Any) -> None:
+    """The optimizer's state is copied after save() returns; its next step() waits for the copy."""
+    model, optimizer = _trained_adam()
+    expected = {
+        i: {k: v.clone() for k, v in entries.items()}
+        for i, entries in optimizer.state_dict()["state"].items()
+    }
+    original = StagingBuffers.copy_deferred
+
+    def slow(self: StagingBuffers) -> None:
+        time.sleep(0.5)  # a step right after save() would change the state before this copy
+        original(self)
+
+    monkeypatch.setattr(StagingBuffers, "copy_deferred", slow)
+    written: dict[str, Any] = {}
+    saver = AsyncSaver()
+    state = {"optimizer_0": optimizer.state_dict(), "model": model.state_dict()}  # the live tensors
+    saver.save(
+        tmp_path / "c",
+        state,
+        lambda path, staged, group: written.update(staged=staged),
+        defer=[("optimizer_0", "state")],
+        optimizers=[optimizer],
+    )
+    assert saver.buffers.deferred_bytes == 2 * 257 * 256 * 4 + 2 * 4  # exp_avg, exp_avg_sq, steps
+    _step(model, optimizer)  # waits for the deferred copies
+    saver.wait()
+    staged = written["staged"]["optimizer_0"]["state"]
+    for index, entries in expected.items():
+        for key, value in entries.items():
+            assert torch.equal(staged[index][key], value), (index, key)
+    assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], expected[0]["exp_avg"])
+    assert not optimizer._optimizer_step_pre_hooks  # removed once the save was waited for
+
+
+def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monkeypatch: Any) -> None:
+    model, optimizer = _trained_adam()
+
+    def broken(self: StagingBuffers) -> None:
+        raise RuntimeError("copy failed (injected)")
+
+    monkeypatch.setattr(StagingBuffers, "copy_deferred", broken)
+    saver = AsyncSaver()
+    written: list[Any] = []
+    saver.save(
+        tmp_path / "c",
+        {"optimizer_0": optimizer.state_dict()},
+        lambda *args: written.append(args),
+        defer=[("optimizer_0", "state")],
+        optimizers=[optimizer],
+    )
+    _step(model, optimizer)  # does not hang
+    with pytest.raises(CheckpointError, match="copy failed"):
+        saver.wait()
+    assert not written and not optimizer._optimizer_step_pre_hooks
 
 
 def test_saver_raises_the_background_error_once_and_names_the_path(tmp_path: Path) -> None:

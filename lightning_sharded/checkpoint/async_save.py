@@ -31,6 +31,7 @@ lives, and no device memory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import logging
@@ -38,7 +39,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -73,16 +74,24 @@ class StagingBuffers:
         self._used: set[tuple[Any, ...]] = set()
         self._devices: set[torch.device] = set()
         self._copy = True
-        #: Bytes copied by the last :meth:`stage`, and how many of them went into new buffers.
+        self._defer: tuple[tuple[Any, ...], ...] = ()
+        #: ``(buffer, source)`` of the host copies the last :meth:`stage` deferred (see ``defer``).
+        self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Bytes copied by the last :meth:`stage` (and its deferred copies), how many of them went into
+        #: new buffers, and how many were deferred.
         self.copied_bytes = 0
         self.allocated_bytes = 0
+        self.deferred_bytes = 0
 
     @torch.no_grad()
-    def stage(self, state: Any, *, copy: bool = True) -> Any:
+    def stage(self, state: Any, *, copy: bool = True, defer: Sequence[tuple[Any, ...]] = ()) -> Any:
         """A copy of ``state`` whose tensors live in this object's CPU buffers; the structure is rebuilt.
 
         With ``copy=False`` the buffers are laid out as ``state``'s tensors but not filled (a load's
-        place to read into before the values may reach the model).
+        place to read into before the values may reach the model). ``defer``: key paths (the keys and
+        indices that lead into ``state``) whose host tensors are not copied now; their
+        ``(buffer, source)`` pairs are left in :attr:`deferred` for :meth:`copy_deferred` (the staged
+        structure already holds the buffers). Device tensors are always copied now.
 
         ``DTensor`` and ``ShardedTensor`` values stay sharded like the original: a ``DTensor`` keeps its
         spec (mesh, placements, global shape) with the CPU buffer as its local tensor, as torch's own
@@ -94,7 +103,9 @@ class StagingBuffers:
         self._used = set()
         self._devices = set()
         self._copy = copy
-        self.copied_bytes = self.allocated_bytes = 0
+        self._defer = tuple(tuple(prefix) for prefix in defer)
+        self.deferred = []
+        self.copied_bytes = self.allocated_bytes = self.deferred_bytes = 0
         staged = self._stage(state, ())
         for device in self._devices:  # the non-blocking device-to-host copies
             torch.cuda.synchronize(device)
@@ -121,10 +132,22 @@ class StagingBuffers:
         if pin:
             buffer.copy_(source, non_blocking=True)
             self._devices.add(source.device)
+        elif any(key[: len(prefix)] == prefix for prefix in self._defer):
+            self.deferred.append((buffer, source))
+            self.deferred_bytes += buffer.numel() * buffer.element_size()
+            return buffer
         else:
             buffer.copy_(source)
         self.copied_bytes += buffer.numel() * buffer.element_size()
         return buffer
+
+    @torch.no_grad()
+    def copy_deferred(self) -> None:
+        """Make the copies the last :meth:`stage` deferred (any thread; the sources must not change)."""
+        deferred, self.deferred = self.deferred, []
+        for buffer, source in deferred:
+            buffer.copy_(source)
+            self.copied_bytes += buffer.numel() * buffer.element_size()
 
     def _stage(self, obj: Any, key: tuple[Any, ...]) -> Any:
         from torch.distributed.tensor import DTensor
@@ -190,6 +213,9 @@ class AsyncSaver:
         self.buffers = StagingBuffers()
         # Called in the training thread once the save in flight is published (never if it fails).
         self._on_published: list[Callable[[], None]] = []
+        # The deferred copies of the save in flight, and the optimizer step hooks that wait for them.
+        self._staging: Future[None] | None = None
+        self._step_hooks: list[Any] = []
         #: Seconds the last :meth:`save` blocked its caller (waiting for the previous save excluded).
         self.last_stall_s = 0.0
 
@@ -218,6 +244,7 @@ class AsyncSaver:
     def poll(self) -> None:
         """Run the :meth:`on_published` callbacks if the save in flight has been published; never blocks
         and never raises the save's error (the next :meth:`wait` does)."""
+        self._drop_step_hooks(unless_pending=True)
         future = self._future
         if future is None or not future.done() or future.exception() is not None:
             return
@@ -242,11 +269,29 @@ class AsyncSaver:
             self._group_made = True
         return self._group
 
-    def save(self, path: Location, state: Any, write: WriteFn) -> None:
+    def save(
+        self,
+        path: Location,
+        state: Any,
+        write: WriteFn,
+        *,
+        defer: Sequence[tuple[Any, ...]] = (),
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+    ) -> None:
         """Stage ``state`` into host memory, then run ``write(path, staged, group)`` in the background.
 
         Collective: every rank calls it with its own shards, in the same order. Returns once the state
-        is copied; the model and optimizer may change right after.
+        is copied (but see ``defer``); the model and optimizer may change right after.
+
+        Args:
+            path: where the checkpoint goes.
+            state: what to save; staged as :meth:`StagingBuffers.stage` does.
+            write: writes the staged state (in the background thread).
+            defer: key paths into ``state`` of tensors that only the ``optimizers``' ``step()`` changes
+                (their ``state``): their host copies are made after this returns, in a thread of the
+                caller's priority, and the next ``step()`` of every optimizer waits for them (a step
+                pre-hook). Ignored unless every optimizer has ``register_step_pre_hook``.
+            optimizers: the optimizers whose ``step()`` waits for the deferred copies.
 
         Raises:
             CheckpointError: the previous background save failed (this save is then not started).
@@ -254,26 +299,65 @@ class AsyncSaver:
         self.wait()
         group = self.group()
         start = time.perf_counter()
-        staged = self.buffers.stage(state)
+        if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
+            defer = ()
+        staged = self.buffers.stage(state, defer=defer)
+        staging = self._copy_deferred(optimizers) if self.buffers.deferred else None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
         with self._lock:
             self._path = path
-            self._future = self._executor.submit(self._run, write, path, staged, group)
+            self._staging = staging
+            self._future = self._executor.submit(self._run, write, path, staged, group, staging)
         self.last_stall_s = time.perf_counter() - start
         log.info(
-            "Staged checkpoint %s in %.2f s (%.2f GB, %.2f GB newly allocated); writing in the background",
+            "Staged checkpoint %s in %.2f s (%.2f GB, %.2f GB newly allocated, %.2f GB of optimizer state"
+            " copied next); writing in the background",
             path,
             self.last_stall_s,
             self.buffers.copied_bytes / 1e9,
             self.buffers.allocated_bytes / 1e9,
+            self.buffers.deferred_bytes / 1e9,
         )
 
+    def _copy_deferred(self, optimizers: Sequence[torch.optim.Optimizer]) -> Future[None]:
+        """Start the deferred copies in a new thread (which has the caller's priority, not the writer's);
+        every optimizer's next ``step()`` waits until they are done."""
+        done: Future[None] = Future()
+        done.set_running_or_notify_cancel()
+
+        def copy() -> None:
+            try:
+                self.buffers.copy_deferred()
+            except BaseException as err:  # raised by the write (the save fails), never lost
+                done.set_exception(err)
+            else:
+                done.set_result(None)
+
+        def before_step(*_: Any) -> None:
+            concurrent.futures.wait([done])  # a failed copy fails the save, not the step
+
+        self._step_hooks = [optimizer.register_step_pre_hook(before_step) for optimizer in optimizers]
+        threading.Thread(target=copy, name=f"{self._name}-stage", daemon=True).start()
+        return done
+
+    def _drop_step_hooks(self, *, unless_pending: bool = False) -> None:
+        """Remove the step hooks of the last save (in the training thread: never from inside a step)."""
+        if unless_pending and self._staging is not None and not self._staging.done():
+            return
+        hooks, self._step_hooks, self._staging = self._step_hooks, [], None
+        for hook in hooks:
+            hook.remove()
+
     @staticmethod
-    def _run(write: WriteFn, path: Location, staged: Any, group: ProcessGroup | None) -> None:
-        _lower_priority()
+    def _run(
+        write: WriteFn, path: Location, staged: Any, group: ProcessGroup | None, staging: Future[None] | None
+    ) -> None:
         start = time.perf_counter()
         try:
+            if staging is not None:
+                staging.result()  # the deferred copies, made at the training's priority
+            _lower_priority()
             write(path, staged, group)
         except BaseException as err:  # DCP's CheckpointException is a BaseException; keep it for wait()
             raise _BackgroundError(err) from err
@@ -294,6 +378,7 @@ class AsyncSaver:
         try:
             future.result()
         except _BackgroundError as err:
+            self._drop_step_hooks()
             self._on_published = []  # nothing was published: nobody hears of it
             cause = err.cause
             raise CheckpointError(
@@ -301,6 +386,7 @@ class AsyncSaver:
                 " checkpoint at that path, if any, is unchanged; fix the cause (disk space, permissions)"
                 " and save again."
             ) from cause
+        self._drop_step_hooks()
         self._run_published()
 
     def close(self) -> None:

@@ -205,7 +205,12 @@ class ShardedCheckpointing(ParallelStrategy):
                     target, staged[0], staged[1], rank=rank, group=group, extra_files=rank_files
                 )
 
-            self._async_saver.save(path, (state, metadata), write)
+            # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
+            # changes only in step(): its copy is made after this returns, the next step waits for it.
+            optimizer_state = [(0, names.optimizer_key(i), "state") for i in range(len(self.optimizers))]
+            self._async_saver.save(
+                path, (state, metadata), write, defer=optimizer_state, optimizers=self.optimizers
+            )
             self._defer_logger_notifications()
             rank_zero_info(
                 f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"

@@ -147,6 +147,8 @@ def main_phase(args: argparse.Namespace) -> dict[str, Any]:
         t.save_checkpoint(d / "sync")
         strategy.async_save = True
         t.save_checkpoint(d / "async")
+        # The optimizer state is copied after save_checkpoint returns, before the next step.
+        result["deferred bytes"] = strategy._async_saver.buffers.deferred_bytes
         result["saved"] = full_values(t)  # the values both checkpoints hold; training goes on after
 
     t = trainer(args.strategy, 4, [SaveAt(2, save_both)])
