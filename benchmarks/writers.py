@@ -12,6 +12,13 @@ cases, so the rows compare with ``throughput-ours-*`` (our real async save) in t
 
     python benchmarks/writers.py                      # ShardedFSDP, 2 GB, 512 rows per step
     python benchmarks/writers.py --strategy ours-mp --cycles 3
+    python benchmarks/writers.py --cpu                # CPU seconds of one save, by thread
+
+``--cpu`` is the profile of what a save takes from training: with training idle, each rank makes
+``--cycles`` async saves and as many bare writes of the same staged bytes, and prints the CPU seconds
+(user and system) each thread spent from the save's start to its publication (``/proc/self/task``).
+It found the page cache's fresh memory in the save thread's system time (what
+:mod:`lightning_sharded.checkpoint.writeback` now avoids).
 """
 
 from __future__ import annotations
