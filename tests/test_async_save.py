@@ -201,6 +201,48 @@ def test_deferred_optimizer_state_is_copied_before_the_next_step(tmp_path: Path,
     assert not optimizer._optimizer_step_pre_hooks  # removed once the save was waited for
 
 
+@pytest.mark.parametrize("passed", ["positional", "keyword"])
+def test_with_a_closure_the_step_waits_after_it(tmp_path: Path, monkeypatch: Any, passed: str) -> None:
+    """Lightning runs the training step in the closure: the copy goes on meanwhile, the update waits."""
+    model, optimizer = _trained_adam()
+    live = optimizer.state_dict()["state"]
+    expected = {i: {k: v.clone() for k, v in entries.items()} for i, entries in live.items()}
+    events: list[str] = []
+    original = StagingBuffers.copy_deferred
+
+    def slow(self: StagingBuffers) -> None:
+        time.sleep(0.5)
+        original(self)
+        events.append("copied")
+
+    monkeypatch.setattr(StagingBuffers, "copy_deferred", slow)
+    written: dict[str, Any] = {}
+    saver = AsyncSaver()
+    saver.save(
+        tmp_path / "c",
+        {"optimizer_0": optimizer.state_dict()},
+        lambda path, staged, group: written.update(staged=staged),
+        defer=[("optimizer_0", "state")],
+        optimizers=[optimizer],
+    )
+
+    def closure() -> torch.Tensor:
+        events.append("closure")
+        loss = model(torch.randn(4, 256)).sum()
+        loss.backward()
+        return loss
+
+    if passed == "positional":
+        optimizer.step(closure)
+    else:
+        optimizer.step(closure=closure)
+    saver.wait()
+    assert events == ["closure", "copied"]  # the closure ran while the copy went on
+    staged = written["staged"]["optimizer_0"]["state"]
+    assert all(torch.equal(staged[i][k], v) for i, entries in expected.items() for k, v in entries.items())
+    assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], expected[0]["exp_avg"])
+
+
 def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monkeypatch: Any) -> None:
     model, optimizer = _trained_adam()
 

@@ -289,8 +289,9 @@ class AsyncSaver:
             write: writes the staged state (in the background thread).
             defer: key paths into ``state`` of tensors that only the ``optimizers``' ``step()`` changes
                 (their ``state``): their host copies are made after this returns, in a thread of the
-                caller's priority, and the next ``step()`` of every optimizer waits for them (a step
-                pre-hook). Ignored unless every optimizer has ``register_step_pre_hook``.
+                caller's priority, and the next ``step()`` of every optimizer waits for them before it
+                changes its state (a step pre-hook; after the step's closure where it has one: see
+                :func:`_waiting_step`). Ignored unless every optimizer has ``register_step_pre_hook``.
             optimizers: the optimizers whose ``step()`` waits for the deferred copies.
 
         Raises:
@@ -334,10 +335,7 @@ class AsyncSaver:
             else:
                 done.set_result(None)
 
-        def before_step(*_: Any) -> None:
-            concurrent.futures.wait([done])  # a failed copy fails the save, not the step
-
-        self._step_hooks = [optimizer.register_step_pre_hook(before_step) for optimizer in optimizers]
+        self._step_hooks = [optimizer.register_step_pre_hook(_waiting_step(done)) for optimizer in optimizers]
         threading.Thread(target=copy, name=f"{self._name}-stage", daemon=True).start()
         return done
 
@@ -397,6 +395,37 @@ class AsyncSaver:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+
+
+def _waiting_step(done: Future[None]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]:
+    """A step pre-hook that keeps ``step()`` from changing the optimizer's state before ``done``.
+
+    torch's optimizers run the closure (Lightning's training step: forward and backward) before they
+    change their state, so with a closure the hook waits after it, and the copy is hidden behind the
+    step's own compute; without one, or for an optimizer that is not torch's, it waits at once. A
+    failed copy fails the save (raised by the write), not the step.
+    """
+
+    def waiting(closure: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = closure(*args, **kwargs)
+            concurrent.futures.wait([done])
+            return result
+
+        return run
+
+    def before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if done.done():
+            return None
+        if type(optimizer).__module__.startswith("torch.optim."):
+            if callable(kwargs.get("closure")):
+                return args, {**kwargs, "closure": waiting(kwargs["closure"])}
+            if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer
+                return (args[0], waiting(args[1]), *args[2:]), kwargs
+        concurrent.futures.wait([done])
+        return None
+
+    return before_step
 
 
 #: The background writer's ``nice`` increment (Linux: per thread; inherited by the threads it starts,
