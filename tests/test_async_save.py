@@ -182,6 +182,7 @@ def test_deferred_optimizer_state_is_copied_before_the_next_step(tmp_path: Path,
     monkeypatch.setattr(StagingBuffers, "copy_deferred", slow)
     written: dict[str, Any] = {}
     saver = AsyncSaver()
+    saver.follow([optimizer])
     state = {"optimizer_0": optimizer.state_dict(), "model": model.state_dict()}  # the live tensors
     saver.save(
         tmp_path / "c",
@@ -198,7 +199,9 @@ def test_deferred_optimizer_state_is_copied_before_the_next_step(tmp_path: Path,
         for key, value in entries.items():
             assert torch.equal(staged[index][key], value), (index, key)
     assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], expected[0]["exp_avg"])
-    assert not optimizer._optimizer_step_pre_hooks  # removed once the save was waited for
+    assert len(optimizer._optimizer_step_pre_hooks) == 1  # the save's hook went once waited for
+    saver.close()
+    assert not optimizer._optimizer_step_pre_hooks  # and the saver's own, counting steps
 
 
 @pytest.mark.parametrize("passed", ["positional", "keyword"])
@@ -218,6 +221,7 @@ def test_with_a_closure_the_step_waits_after_it(tmp_path: Path, monkeypatch: Any
     monkeypatch.setattr(StagingBuffers, "copy_deferred", slow)
     written: dict[str, Any] = {}
     saver = AsyncSaver()
+    saver.follow([optimizer])
     saver.save(
         tmp_path / "c",
         {"optimizer_0": optimizer.state_dict()},
@@ -243,6 +247,49 @@ def test_with_a_closure_the_step_waits_after_it(tmp_path: Path, monkeypatch: Any
     assert not torch.equal(optimizer.state_dict()["state"][0]["exp_avg"], expected[0]["exp_avg"])
 
 
+def test_a_save_from_inside_a_step_copies_the_optimizer_state_at_once(tmp_path: Path) -> None:
+    """A checkpoint saved in the training step (the closure) is followed by that step's update."""
+    model, optimizer = _trained_adam()
+    expected = {i: {k: v.clone() for k, v in e.items()} for i, e in optimizer.state_dict()["state"].items()}
+    saver = AsyncSaver()
+    written: dict[str, Any] = {}
+
+    def closure() -> torch.Tensor:
+        saver.save(
+            tmp_path / "c",
+            {"optimizer_0": optimizer.state_dict()},
+            lambda path, staged, group: written.update(staged=staged),
+            defer=[("optimizer_0", "state")],
+            optimizers=[optimizer],
+        )
+        loss = model(torch.randn(4, 256)).sum()
+        loss.backward()
+        return loss
+
+    unfollowed = AsyncSaver()
+    unfollowed.save(
+        tmp_path / "d", {"x": torch.ones(3)}, lambda *a: None, defer=[("x",)], optimizers=[optimizer]
+    )
+    assert unfollowed.buffers.deferred_bytes == 0  # not followed: nothing deferred
+    unfollowed.close()
+    saver.follow([optimizer])
+    optimizer.step(closure)
+    assert saver.buffers.deferred_bytes == 0  # inside step(): copied before save() returned
+    saver.wait()
+    staged = written["staged"]["optimizer_0"]["state"]
+    assert all(torch.equal(staged[i][k], v) for i, entries in expected.items() for k, v in entries.items())
+    saver.save(
+        tmp_path / "c",
+        {"optimizer_0": optimizer.state_dict()},
+        lambda *a: None,
+        defer=[("optimizer_0", "state")],
+        optimizers=[optimizer],
+    )
+    assert saver.buffers.deferred_bytes > 0  # between steps: deferred again
+    saver.close()
+    assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
+
+
 def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monkeypatch: Any) -> None:
     model, optimizer = _trained_adam()
 
@@ -251,6 +298,7 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monk
 
     monkeypatch.setattr(StagingBuffers, "copy_deferred", broken)
     saver = AsyncSaver()
+    saver.follow([optimizer])
     written: list[Any] = []
     saver.save(
         tmp_path / "c",
@@ -262,7 +310,8 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monk
     _step(model, optimizer)  # does not hang
     with pytest.raises(CheckpointError, match="copy failed"):
         saver.wait()
-    assert not written and not optimizer._optimizer_step_pre_hooks
+    assert not written and len(optimizer._optimizer_step_pre_hooks) == 1
+    saver.close()
 
 
 def test_saver_raises_the_background_error_once_and_names_the_path(tmp_path: Path) -> None:

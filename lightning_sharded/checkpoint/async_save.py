@@ -216,6 +216,9 @@ class AsyncSaver:
         # The deferred copies of the save in flight, and the optimizer step hooks that wait for them.
         self._staging: Future[None] | None = None
         self._step_hooks: list[Any] = []
+        # Optimizers whose step() this saver follows (id -> steps in progress, the hooks that count).
+        self._in_step: dict[int, int] = {}
+        self._tracking: list[Any] = []
         #: Seconds the last :meth:`save` blocked its caller (waiting for the previous save excluded).
         self.last_stall_s = 0.0
 
@@ -300,7 +303,7 @@ class AsyncSaver:
         self.wait()
         group = self.group()
         start = time.perf_counter()
-        if not optimizers or not all(hasattr(o, "register_step_pre_hook") for o in optimizers):
+        if not self._may_defer(optimizers):
             defer = ()
         staged = self.buffers.stage(state, defer=defer)
         staging = self._copy_deferred(optimizers) if self.buffers.deferred else None
@@ -320,6 +323,33 @@ class AsyncSaver:
             self.buffers.allocated_bytes / 1e9,
             self.buffers.deferred_bytes / 1e9,
         )
+
+    def _may_defer(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether the optimizers' state may be copied after :meth:`save` returns: each is followed
+        (:meth:`follow`) and is not inside its ``step()`` now (a save from inside a training step,
+        whose update comes right after, copies everything at once). A step that raised leaves its
+        count up: that optimizer's state is then always copied at once."""
+        return bool(optimizers) and all(not self._in_step.get(id(o), 1) for o in optimizers)
+
+    def follow(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Follow these optimizers' ``step()`` calls from now on (step pre- and post-hooks, removed by
+        :meth:`close`), so that a later :meth:`save` knows whether it runs inside one and may defer
+        their state. Call it before training steps start (the strategies do, in ``on_train_start``)."""
+        for optimizer in optimizers:
+            if id(optimizer) not in self._in_step and hasattr(optimizer, "register_step_post_hook"):
+                self._follow(optimizer)
+
+    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
+        key = id(optimizer)
+        self._in_step[key] = 0
+
+        def enter(*_: Any) -> None:
+            self._in_step[key] += 1
+
+        def leave(*_: Any) -> None:
+            self._in_step[key] -= 1
+
+        self._tracking += [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
 
     def _copy_deferred(self, optimizers: Sequence[torch.optim.Optimizer]) -> Future[None]:
         """Start the deferred copies in a new thread (which has the caller's priority, not the writer's);
@@ -392,6 +422,9 @@ class AsyncSaver:
         try:
             self.wait()
         finally:
+            for hook in self._tracking:
+                hook.remove()
+            self._tracking, self._in_step = [], {}
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None

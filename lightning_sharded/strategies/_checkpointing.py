@@ -305,6 +305,11 @@ class ShardedCheckpointing(ParallelStrategy):
         ``on_train_start`` of callbacks and the LightningModule.
         """
         super().on_train_start()
+        # Before the first step, whether async_save is on yet or not (it may be switched on later):
+        # the saver then knows when a save comes from inside a step (which copies everything at once).
+        if self._async_saver is None:
+            self._async_saver = AsyncSaver(type(self).__name__)
+        self._async_saver.follow(self.optimizers)
         pending, self._pending_rng = self._pending_rng, None
         if pending is not None:
             skipped = rank_state.set_rng_states(pending)
