@@ -77,8 +77,8 @@ class StagingBuffers:
         self._defer: tuple[tuple[Any, ...], ...] = ()
         #: ``(buffer, source)`` of the host copies the last :meth:`stage` deferred (see ``defer``).
         self.deferred: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: Bytes copied by the last :meth:`stage` (and its deferred copies), how many of them went into
-        #: new buffers, and how many were deferred.
+        #: Bytes the last :meth:`stage` copied itself, how many bytes it put into new buffers, and how
+        #: many it left to :meth:`copy_deferred`.
         self.copied_bytes = 0
         self.allocated_bytes = 0
         self.deferred_bytes = 0
@@ -147,7 +147,6 @@ class StagingBuffers:
         deferred, self.deferred = self.deferred, []
         for buffer, source in deferred:
             buffer.copy_(source)
-            self.copied_bytes += buffer.numel() * buffer.element_size()
 
     def _stage(self, obj: Any, key: tuple[Any, ...]) -> Any:
         from torch.distributed.tensor import DTensor
