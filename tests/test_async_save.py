@@ -161,6 +161,14 @@ def _trained_adam() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def _save_optimizer_state(
+    saver: AsyncSaver, optimizer: torch.optim.Optimizer, path: Path, write: Any
+) -> None:
+    """``saver.save`` of the optimizer's live state dict, its ``state`` deferred."""
+    state = {"optimizer_0": optimizer.state_dict()}
+    saver.save(path, state, write, defer=[("optimizer_0", "state")], optimizers=[optimizer])
+
+
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     model(torch.randn(4, 256)).sum().backward()
     optimizer.step()
@@ -222,12 +230,8 @@ def test_with_a_closure_the_step_waits_after_it(tmp_path: Path, monkeypatch: Any
     written: dict[str, Any] = {}
     saver = AsyncSaver()
     saver.follow([optimizer])
-    saver.save(
-        tmp_path / "c",
-        {"optimizer_0": optimizer.state_dict()},
-        lambda path, staged, group: written.update(staged=staged),
-        defer=[("optimizer_0", "state")],
-        optimizers=[optimizer],
+    _save_optimizer_state(
+        saver, optimizer, tmp_path / "c", lambda path, staged, group: written.update(staged=staged)
     )
 
     def closure() -> torch.Tensor:
@@ -255,12 +259,8 @@ def test_a_save_from_inside_a_step_copies_the_optimizer_state_at_once(tmp_path: 
     written: dict[str, Any] = {}
 
     def closure() -> torch.Tensor:
-        saver.save(
-            tmp_path / "c",
-            {"optimizer_0": optimizer.state_dict()},
-            lambda path, staged, group: written.update(staged=staged),
-            defer=[("optimizer_0", "state")],
-            optimizers=[optimizer],
+        _save_optimizer_state(
+            saver, optimizer, tmp_path / "c", lambda path, staged, group: written.update(staged=staged)
         )
         loss = model(torch.randn(4, 256)).sum()
         loss.backward()
@@ -278,13 +278,7 @@ def test_a_save_from_inside_a_step_copies_the_optimizer_state_at_once(tmp_path: 
     saver.wait()
     staged = written["staged"]["optimizer_0"]["state"]
     assert all(torch.equal(staged[i][k], v) for i, entries in expected.items() for k, v in entries.items())
-    saver.save(
-        tmp_path / "c",
-        {"optimizer_0": optimizer.state_dict()},
-        lambda *a: None,
-        defer=[("optimizer_0", "state")],
-        optimizers=[optimizer],
-    )
+    _save_optimizer_state(saver, optimizer, tmp_path / "c", lambda *a: None)
     assert saver.buffers.deferred_bytes > 0  # between steps: deferred again
     saver.close()
     assert not optimizer._optimizer_step_pre_hooks and not optimizer._optimizer_step_post_hooks
@@ -300,13 +294,7 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monk
     saver = AsyncSaver()
     saver.follow([optimizer])
     written: list[Any] = []
-    saver.save(
-        tmp_path / "c",
-        {"optimizer_0": optimizer.state_dict()},
-        lambda *args: written.append(args),
-        defer=[("optimizer_0", "state")],
-        optimizers=[optimizer],
-    )
+    _save_optimizer_state(saver, optimizer, tmp_path / "c", lambda *args: written.append(args))
     _step(model, optimizer)  # does not hang
     with pytest.raises(CheckpointError, match="copy failed"):
         saver.wait()

@@ -12,11 +12,23 @@ import functools
 import mmap
 from typing import Any
 
-__all__ = ["MADV_DONTNEED", "MADV_POPULATE_WRITE", "PAGE", "function", "madvise", "populate_write_works"]
+__all__ = [
+    "MADV_DONTNEED",
+    "MADV_POPULATE_WRITE",
+    "PAGE",
+    "SYNC_FILE_RANGE_WAIT_AFTER",
+    "SYNC_FILE_RANGE_WAIT_BEFORE",
+    "SYNC_FILE_RANGE_WRITE",
+    "function",
+    "madvise",
+    "populate_write_works",
+    "sync_file_range",
+]
 
 PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
 MADV_POPULATE_WRITE = 23  # Linux 5.14: make pages present (as if written), their bytes untouched
+SYNC_FILE_RANGE_WAIT_BEFORE, SYNC_FILE_RANGE_WRITE, SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4
 
 
 @functools.cache
@@ -38,6 +50,13 @@ def madvise(start: int, nbytes: int, advice: int) -> bool:
     first = -(-start // PAGE) * PAGE
     last = (start + nbytes) // PAGE * PAGE
     return call is not None and last > first and call(first, last - first, advice) == 0
+
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+    """``sync_file_range`` on a file range (``nbytes`` 0: to the end); ``False`` if it did nothing
+    (no such call, or an error such as a descriptor that is not a regular file's)."""
+    call = function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return call is not None and call(fd, offset, nbytes, flags) == 0
 
 
 @functools.cache

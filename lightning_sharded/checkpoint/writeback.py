@@ -25,9 +25,7 @@ written as before. It is advice, not durability: the save's ``fsync`` is what ma
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-from typing import Any
 
 from lightning_sharded.checkpoint import libc
 
@@ -36,12 +34,6 @@ __all__ = ["WINDOW", "WriteBehind"]
 #: Bytes of a file allowed in the page cache while it is written (those not yet confirmed on disk).
 #: Large enough to keep the disk's queue full (a few MiB per request), small against a shard.
 WINDOW = 32 << 20
-
-_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
-
-
-def _sync_file_range() -> Any:
-    return libc.function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
 class WriteBehind:
@@ -53,7 +45,7 @@ class WriteBehind:
     """
 
     def __init__(self, fd: int, *, window: int = WINDOW) -> None:
-        self._call: Any = _sync_file_range() if hasattr(os, "posix_fadvise") else None
+        self._on = hasattr(os, "posix_fadvise")
         self._fd = fd
         self._window = window
         self._started = 0  # bytes whose write-back has been started
@@ -61,11 +53,12 @@ class WriteBehind:
 
     def advance(self, written: int) -> None:
         """Say that the first ``written`` bytes of the file are written (handed to the kernel)."""
-        call = self._call
-        if call is None or written <= self._started:
+        if not self._on or written <= self._started:
             return
-        if call(self._fd, self._started, written - self._started, _WRITE) != 0:
-            self._call = None  # not supported here (a filesystem without it): write as before
+        if not libc.sync_file_range(
+            self._fd, self._started, written - self._started, libc.SYNC_FILE_RANGE_WRITE
+        ):
+            self._on = False  # not supported here (no such call, not a regular file): write as before
             return
         self._started = written
         # Whole pages only, and only those the sequential writes have left behind for good.
@@ -75,13 +68,16 @@ class WriteBehind:
 
     def finish(self) -> None:
         """After the file's last write (and its ``fsync``): drop what is left of it from the page cache."""
-        if self._call is not None and self._started > self._window:
+        if self._on and self._started > self._window:
             self._drop(self._started)
 
     def _drop(self, upto: int) -> None:
         nbytes = upto - self._dropped
         # Wait for the range's write-back (a page still dirty or under write-back is not dropped).
-        self._call(self._fd, self._dropped, nbytes, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+        waits = (
+            libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
+        )
+        libc.sync_file_range(self._fd, self._dropped, nbytes, waits)
         with contextlib.suppress(OSError):
             os.posix_fadvise(self._fd, self._dropped, nbytes, os.POSIX_FADV_DONTNEED)
         self._dropped = upto

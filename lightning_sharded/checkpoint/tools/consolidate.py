@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
 import gc
 import logging
@@ -351,7 +350,7 @@ class _FillChecksums:
             return
         data = memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy()))
         self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc32(data)))
-        _start_writeback(self._fd, start, nbytes)
+        libc.sync_file_range(self._fd, start, nbytes, libc.SYNC_FILE_RANGE_WRITE)  # advice: start writing
 
     def crcs(self) -> dict[int, int]:
         """``{record data start: CRC-32}`` of every record its filled pieces cover exactly."""
@@ -370,16 +369,6 @@ class _FillChecksums:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing a file range's dirty pages to disk, without waiting (Linux)."""
-    call = libc.function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    if call is not None:
-        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # advice: its errors do not matter
 
 
 def _fix_zip_crcs(file: Path, known: dict[int, int] | None = None) -> None:
