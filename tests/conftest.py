@@ -1,5 +1,6 @@
-"""Shared fixtures: a one-rank gloo process group for in-process tests of distributed values, and one
-run of the fault driver that gives the crash cases and a clean 2-rank sharded checkpoint."""
+"""Shared fixtures: a one-rank gloo process group for in-process tests of distributed values, a folder
+whose file pages can be dropped from the page cache, and one run of the fault driver that gives the
+crash cases and a clean 2-rank sharded checkpoint."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._pages import drops_pages
 from tests.distributed.launch import free_port, shell_env
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
@@ -38,6 +40,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def droppable(tmp_path: Path) -> Path:
+    """``tmp_path``, on a filesystem whose clean pages ``POSIX_FADV_DONTNEED`` drops (not tmpfs)."""
+    if not drops_pages(tmp_path):
+        pytest.skip(f"{tmp_path}'s filesystem keeps the pages of written files (tmpfs?): nothing to drop")
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

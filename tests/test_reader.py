@@ -1,7 +1,10 @@
-"""DirectReader: tensors read straight into their targets equal what torch's own reader loads."""
+"""DirectReader: tensors read straight into their targets equal what torch's own reader loads, and the
+pages they were read through leave the page cache unless another rank reads the same bytes."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from pathlib import Path
 
@@ -10,8 +13,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, ReadChecksums, _storage_location
+from lightning_sharded.checkpoint.backends.dcp_reader import (
+    DirectReader,
+    ReadChecksums,
+    _readinto,
+    _storage_location,
+)
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from tests._pages import resident
+from tests.distributed.launch import run_ranks
+
+MiB = 1 << 20
+# The largest page-cache folio (a PMD: 2 MiB with 4 KiB pages): the kernel drops only whole folios.
+EDGE = 2 * MiB
 
 
 def _state() -> dict[str, object]:
@@ -79,9 +93,11 @@ def test_direct_reads_go_through_two_streams_and_commit_in_the_calling_thread(
     readers: dict[str, str] = {}
     real = dcp_reader._readinto
 
-    def recording(file: object, offset: int, target: torch.Tensor, crc: bool = False) -> tuple[bool, int]:
+    def recording(
+        file: object, offset: int, target: torch.Tensor, crc: bool = False, drop: bool = False
+    ) -> tuple[bool, int]:
         readers[str(offset)] = threading.current_thread().name  # unique, where an ident can be reused
-        return real(file, offset, target, crc)
+        return real(file, offset, target, crc, drop)
 
     monkeypatch.setattr(dcp_reader, "_readinto", recording)
     out = {key: torch.zeros_like(value) for key, value in state.items()}
@@ -125,3 +141,41 @@ def test_checksums_of_direct_reads_are_those_of_the_bytes_in_the_file(tmp_path: 
         assert ranges_checksum(path / relative, entry.size, ranges) == file_checksum(path / relative)
         assert file_checksum(path / relative)[1] == entry.checksum
     assert sum(checksums.covered().values()) == 5 << 20
+
+
+def test_a_direct_read_drops_the_pages_it_read_and_only_those(droppable: Path) -> None:
+    file = droppable / "three"
+    data = os.urandom(24 * MiB + 123)
+    with open(file, "wb") as f:  # on disk (a dirty page is not dropped), and cached: as just saved
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    file.read_bytes()
+    # Not aligned: the large folios (up to EDGE) it shares with its neighbours stay cached.
+    start, nbytes = 8 * MiB + 123, 8 * MiB
+    target = torch.empty(nbytes, dtype=torch.uint8)
+    with open(file, "rb", buffering=0) as f:
+        whole, _ = _readinto(f, start, target, drop=True)
+    assert whole and target.numpy().tobytes() == data[start : start + nbytes]
+    assert resident(file, start + EDGE, start + nbytes - EDGE) == 0
+    assert resident(file, 0, start) == 1.0 and resident(file, start + nbytes) == 1.0
+    with open(file, "rb", buffering=0) as f:
+        _readinto(f, 0, torch.empty(4 * MiB, dtype=torch.uint8))  # without drop: left cached
+    assert resident(file, 0, 4 * MiB) == 1.0
+
+
+def test_what_only_one_rank_reads_leaves_the_cache_what_two_read_stays(droppable: Path) -> None:
+    """Two ranks: each reads its half of a sharded tensor and both the replicated one, saved once. A
+    rank dropping the replicated tensor's pages would make the other read them from the disk again."""
+    script = Path(__file__).parent / "distributed" / "read_behind_script.py"
+    out = droppable / "cached.json"
+    run_ranks(script, 2, str(droppable / "ckpt"), str(out), timeout=120)
+    report = json.loads(out.read_text())
+    assert report["equal"] == [True, True]
+    cached = {(chunk["key"], i): chunk["cached"] for i, chunk in enumerate(report["chunks"])}
+    assert sorted(key for key, _ in cached) == ["replicated", "sharded", "sharded"]
+    for (key, _), (whole, inside) in cached.items():
+        if key == "replicated":
+            assert whole == 1.0, cached
+        else:
+            assert inside == 0, cached

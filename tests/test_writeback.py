@@ -3,51 +3,19 @@ checksum are those written."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import zlib
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, file_checksum
 from lightning_sharded.checkpoint.writeback import WINDOW, WriteBehind
+from tests._pages import resident
 
 MiB = 1 << 20
-
-
-def resident(path: Path, start: int = 0, end: int | None = None) -> float:
-    """The fraction of the file's pages in ``[start, end)`` that are in the page cache (``mincore``)."""
-    size = path.stat().st_size
-    end = size if end is None else end
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
-        pages = -(-size // mmap.PAGESIZE)
-        vector = (ctypes.c_ubyte * pages)()
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-        mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        assert mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
-        first, last = start // mmap.PAGESIZE, -(-end // mmap.PAGESIZE)
-        return sum(vector[i] & 1 for i in range(first, last)) / max(1, last - first)
-
-
-@pytest.fixture
-def droppable(tmp_path: Path) -> Path:
-    """``tmp_path``, on a filesystem whose clean pages ``POSIX_FADV_DONTNEED`` drops (not tmpfs)."""
-    probe = tmp_path / "probe"
-    with open(probe, "wb") as f:
-        f.write(os.urandom(64 << 10))
-        f.flush()
-        os.fsync(f.fileno())
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    if resident(probe) > 0:
-        pytest.skip(f"{tmp_path}'s filesystem keeps the pages of written files (tmpfs?): nothing to drop")
-    probe.unlink()
-    return tmp_path
 
 
 def _write(path: Path, chunks: list[bytes], window: int | None) -> tuple[int, str]:

@@ -9,6 +9,17 @@ finds the storage record, and ``readinto``-s its bytes into the target's memory:
 allocation. Items it cannot do exactly that way (byte items, tensors that are views, narrowed
 reads, dtype or layout differences, extensions) go through torch's own path, item by item.
 
+A resume reads each byte once and never again, so a direct read drops the page cache's pages of what
+it read behind it (``POSIX_FADV_DONTNEED``, piece by piece): the reads then recycle a few MiB of page
+cache instead of taking a shard's worth of fresh memory, which on a VM that gives free memory back to
+its host (free page reporting) is a host fault per page, and the shard's memory is left to the
+tensors being made. Bytes that more than one rank reads (a replicated tensor saved once, an HSDP
+shard) keep their pages, so the other ranks of the machine find them cached: the coordinator counts
+the readers of every stored item across all ranks' plans (:meth:`DirectReader.prepare_global_plan`)
+and DCP scatters the count with the plans. Measured on the project's machine (2 ranks, 2 GB of model
+and Adam, interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 1.26 GB/s without it,
+1.49 and 1.44 GB/s with it.
+
 Both readers here (:class:`DirectReader` locally, :func:`fsspec_reader` for URLs) can be given the
 checkpoint's DCP ``Metadata`` (``.metadata``) already read: ``read_metadata``, which DCP calls on every
 rank of every load, then returns it without touching storage. A load reads ``.metadata`` once, on rank
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 import os
 import queue
@@ -37,7 +49,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from lightning_sharded.checkpoint import libc
 from lightning_sharded.checkpoint.checksum import crc32
 
-__all__ = ["DirectReader", "GivenMetadata", "ReadChecksums", "fsspec_reader"]
+__all__ = ["DirectReader", "GivenMetadata", "ReadChecksums", "SharedReads", "fsspec_reader"]
 
 # Smaller tensors are not worth the zip parsing: torch's path.
 _DIRECT_FROM = 1 << 20
@@ -104,14 +116,18 @@ def _prefault(jobs: list[Any]) -> None:
         libc.madvise(job.target.data_ptr(), job.nbytes, libc.MADV_POPULATE_WRITE)
 
 
-def _readinto(file: Any, offset: int, target: torch.Tensor, crc: bool = False) -> tuple[bool, int]:
+def _readinto(
+    file: Any, offset: int, target: torch.Tensor, crc: bool = False, drop: bool = False
+) -> tuple[bool, int]:
     """Read ``target``'s bytes from ``offset``; returns whether the file had them all, and (with
-    ``crc``) their CRC-32, computed piece by piece as each :data:`_CRC_PIECE` arrives (still in cache)."""
+    ``crc``) their CRC-32, computed piece by piece as each :data:`_CRC_PIECE` arrives (still in cache).
+    With ``drop``, the page cache's whole pages of each piece are dropped once it is read."""
     view = memoryview(cast(Any, target.view(torch.uint8).reshape(-1).numpy())).cast("B")
     file.seek(offset)
     done = 0
     checksum = 0
-    step = _CRC_PIECE if crc else len(view)
+    step = _CRC_PIECE if crc or drop else len(view)
+    behind = _ReadBehind(file.fileno(), offset) if drop else None
     while done < len(view):
         n = file.readinto(view[done : done + step])
         if not n:
@@ -119,7 +135,34 @@ def _readinto(file: Any, offset: int, target: torch.Tensor, crc: bool = False) -
         if crc:
             checksum = crc32(view[done : done + n], checksum)
         done += n
+        if behind is not None:
+            behind.advance(offset + done)
     return True, checksum
+
+
+class _ReadBehind:
+    """Drops the pages of a range of a file from the page cache as a sequential read leaves them behind
+    (``POSIX_FADV_DONTNEED``); does nothing where that is not available.
+
+    The kernel drops only the folios wholly inside the range it is given, and the page cache holds
+    large folios (2 MiB ones on the project's machine, ext4 on Linux 6.18), so every call covers the
+    read from its start: a folio that began before the last call's end is dropped once the read has
+    passed its end. The folios a read shares with its neighbours in the file stay.
+    """
+
+    def __init__(self, fd: int, start: int) -> None:
+        self._fd = fd
+        self._on = hasattr(os, "posix_fadvise")
+        self._start = start
+
+    def advance(self, upto: int) -> None:
+        """Say that the bytes of the range up to the file offset ``upto`` have been read."""
+        if not self._on or upto <= self._start:
+            return
+        try:
+            os.posix_fadvise(self._fd, self._start, upto - self._start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            self._on = False
 
 
 class GivenMetadata:
@@ -170,6 +213,14 @@ class ReadChecksums:
         return {path: sum(length for _, length, _ in ranges) for path, ranges in self.ranges.items()}
 
 
+@dataclass(frozen=True)
+class SharedReads:
+    """What :meth:`DirectReader.prepare_global_plan` puts in each rank's plan (``storage_data``): the
+    stored items (DCP ``MetadataIndex``) read more than once in the load, by any ranks."""
+
+    indices: frozenset[Any]
+
+
 @dataclass
 class _Job:
     """One item to read directly: its bytes at ``offset`` of ``path`` go into ``target``."""
@@ -179,6 +230,8 @@ class _Job:
     relative: str
     offset: int
     target: torch.Tensor
+    #: Whether its pages leave the page cache once read: not when another rank reads the same bytes.
+    drop: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +245,9 @@ class DirectReader(GivenMetadata, FileSystemReader):
     own contiguous part of the bytes in file order (its own file descriptors, so the kernel's
     read-ahead sees a sequential reader), with the next items requested ahead (``WILLNEED``). Each
     item is located and its target resolved in the calling thread first, and committed there as soon
-    as its bytes are in; the threads only move bytes.
+    as its bytes are in; the threads only move bytes. The pages of what a direct read read leave the
+    page cache behind it, unless the load reads the same stored item more than once (see the module
+    doc); a plan this reader's :meth:`prepare_global_plan` did not mark keeps them all.
 
     ``metadata=`` (keyword): the checkpoint's DCP ``Metadata`` already read, see :class:`GivenMetadata`.
     ``checksums=`` (keyword): a :class:`ReadChecksums` that gets the CRC-32 of every range read
@@ -203,7 +258,19 @@ class DirectReader(GivenMetadata, FileSystemReader):
         super().__init__(*args, **kwargs)
         self._checksums = checksums
 
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        """On the coordinator, with every rank's plan: mark in each plan the stored items read more than
+        once (by several ranks: a replicated tensor, an HSDP shard), whose pages stay in the page cache."""
+        plans = super().prepare_global_plan(plans)
+        readers: dict[Any, int] = {}  # reads of each stored item: by several ranks, or twice by one
+        for plan in plans:
+            for item in plan.items:
+                readers[item.storage_index] = readers.get(item.storage_index, 0) + 1
+        shared = frozenset(index for index, count in readers.items() if count > 1)
+        return [dataclasses.replace(plan, storage_data=SharedReads(shared)) for plan in plans]
+
     def read_data(self, plan: Any, planner: Any) -> Any:
+        shared = plan.storage_data.indices if isinstance(plan.storage_data, SharedReads) else None
         fallback: list[Any] = []
         jobs: list[_Job] = []
         per_file: dict[str, list[Any]] = {}
@@ -217,6 +284,8 @@ class DirectReader(GivenMetadata, FileSystemReader):
                     if job is None:
                         fallback.append(req)
                     else:
+                        # Without the coordinator's count (a plan not made by this reader), keep them.
+                        job.drop = shared is not None and req.storage_index not in shared
                         jobs.append(job)
         fallback += self._read_jobs(jobs, planner)
         return super().read_data(type(plan)(fallback, plan.storage_data, plan.planner_data), planner)
@@ -251,7 +320,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
                     for position, job in enumerate(part):
                         for ahead in part[position + 1 : position + 1 + _AHEAD_ITEMS]:
                             _will_need(opened(ahead.path), ahead.offset, ahead.nbytes)
-                        whole, crc = _readinto(opened(job.path), job.offset, job.target, hashing)
+                        whole, crc = _readinto(opened(job.path), job.offset, job.target, hashing, job.drop)
                         finished.put((job, whole, crc, None))
             except BaseException as err:  # reported to the calling thread, which raises it
                 finished.put((None, False, 0, err))
