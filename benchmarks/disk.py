@@ -2,13 +2,15 @@
 
 Sequential write+fsync and cold sequential read of one large file, with random bytes (nothing to
 compress) in 64 MiB chunks; the page cache is dropped for the file before reading
-(``posix_fadvise(DONTNEED)``), so the read comes from the device.
+(``posix_fadvise(DONTNEED)``), so the read comes from the device. Beside them, the same cold read
+into new memory laid out as a resume's (:func:`read_into_new_memory`): what a resume cannot beat.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 CHUNK = 64 << 20
@@ -65,3 +67,40 @@ def raw_write_read(directory: Path, nbytes: int) -> dict[str, float]:
     read_s = time.perf_counter() - start
     path.unlink()
     return {"write GB/s": nbytes / write_s / 1e9, "read GB/s": nbytes / read_s / 1e9}
+
+
+def read_into_new_memory(path: Path, nbytes: int) -> Callable[[], None]:
+    """A cold read of the first ``nbytes`` of ``path`` into memory laid out as a resume's, with the
+    reads a resume makes (:class:`~lightning_sharded.checkpoint.backends.dcp_reader.DirectReader`'s:
+    two streams, the new memory faulted in ahead of them, the page cache dropped behind them) and no
+    DCP, Lightning or strategy around them: a resume's floor on this machine. Returns the read, to time.
+
+    A third of the bytes go into a tensor touched now (the model's shards, which exist before a
+    resume), two thirds into tensors the read makes, 32 MiB each (the optimizer state, which a resume
+    must make: on a VM that gives free memory back to its host, every new page is a fault).
+    """
+    import torch
+
+    from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, _Job
+
+    piece = 32 << 20
+    model = torch.ones(nbytes // 3, dtype=torch.uint8)
+
+    class Planner:
+        def commit_tensor(self, req: object, tensor: object) -> None:
+            pass
+
+    def read() -> None:
+        targets = [model[i : i + piece] for i in range(0, model.numel(), piece)]
+        targets += [
+            torch.empty(min(piece, nbytes - done), dtype=torch.uint8)
+            for done in range(model.numel(), nbytes, piece)
+        ]
+        jobs, offset = [], 0
+        for target in targets:
+            jobs.append(_Job(None, os.fspath(path), path.name, offset, target))
+            offset += target.numel()
+        short = DirectReader(path.parent)._read_jobs(jobs, Planner())
+        assert not short, f"{path} is shorter than {nbytes} bytes"
+
+    return read

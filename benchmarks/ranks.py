@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.disk import CHUNK, evict_tree, read_all, write_fsync  # noqa: E402
+from benchmarks.disk import CHUNK, evict_tree, read_all, read_into_new_memory, write_fsync  # noqa: E402
 
 STEPS = 1
 
@@ -214,8 +214,9 @@ _RANDOM = os.urandom(CHUNK)
 
 def raw_probe(args: argparse.Namespace, record: dict[str, Any]) -> None:
     """The disk's raw bandwidth, taken the way the checkpoints use it: every rank writes (then fsyncs)
-    and cold-reads its share of ``--raw-bytes`` at once. Interleaved with the timed saves, so both see
-    the same disk (its bandwidth drifts by 2x on these machines)."""
+    and cold-reads its share of ``--raw-bytes`` at once, then cold-reads it again into new memory laid
+    out as a resume's (``benchmarks/disk.py``, :func:`read_into_new_memory`). Interleaved with the
+    timed saves, so both see the same disk (its bandwidth drifts by 2x on these machines)."""
     if not args.raw_bytes:
         return
     file = args.dir / f"raw.rank{dist.get_rank()}.bin"
@@ -224,6 +225,10 @@ def raw_probe(args: argparse.Namespace, record: dict[str, Any]) -> None:
     record.setdefault("raw write s", []).append(timed(lambda: write_fsync(file, share, _RANDOM)))
     evict_own(file)
     record.setdefault("raw read s", []).append(timed(lambda: read_all(file)))
+    read = read_into_new_memory(file, share)
+    evict_own(file)
+    record.setdefault("raw new-memory read s", []).append(timed(read))
+    del read
     file.unlink()
 
 
