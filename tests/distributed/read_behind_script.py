@@ -3,7 +3,7 @@ cache behind the read, what both read (a replicated tensor) stays for the other.
 
     read_behind_script.py CHECKPOINT_DIR OUT_JSON
 
-Each rank saves its part (a replicated 8 MiB tensor, saved once, and a 16 MiB tensor sharded in two),
+Each rank saves its part (a replicated 4 MiB tensor, saved once, and a 16 MiB tensor sharded in two),
 rank 0 reads every file into the page cache, both load into zeroed tensors of the same placements,
 and rank 0 writes, per stored chunk, the fraction of its bytes still cached (all of them, and those
 2 MiB or more inside it) and whether each rank's values are those saved.
@@ -33,7 +33,9 @@ def main(root: Path, out: Path) -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
-    full = {"replicated": torch.randn(2048, 1024), "sharded": torch.randn(4096, 1024)}
+    # The replicated tensor comes last in its file (DCP writes in the state's order): the read-ahead of
+    # the rank that reads it after its writer cannot reach into bytes their own reader already dropped.
+    full = {"sharded": torch.randn(4096, 1024), "replicated": torch.randn(1024, 1024)}
     placements = {"replicated": [Replicate()], "sharded": [Shard(0)]}
     state = {key: distribute_tensor(value, mesh, placements[key]) for key, value in full.items()}
     dcp.save(state, storage_writer=FileSystemWriter(root))
@@ -55,7 +57,7 @@ def main(root: Path, out: Path) -> None:
         chunks = []
         for index, info in metadata.storage_data.items():
             path = root / info.relative_path
-            nbytes = 8 << 20  # every chunk here: the replicated tensor, and each half of the sharded one
+            nbytes = (4 if index.fqn == "replicated" else 8) << 20
             with open(path, "rb", buffering=0) as file:
                 start = _storage_location(file, info.offset, info.length, nbytes)
             assert start is not None, index
