@@ -2,7 +2,8 @@
 
 ``renameat2`` (publish by exchange), ``madvise`` (give back or fault in the pages of a tensor) and
 ``sync_file_range`` (start a write-back) are Linux calls with no binding in :mod:`os`. A function libc
-does not have is ``None``: every caller then does without it.
+does not have is ``None``: every caller then does without it. :func:`drop_cached` is :mod:`os`'s
+``posix_fadvise``, with the same rule (nothing where it is missing or fails).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 from typing import Any
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "SYNC_FILE_RANGE_WAIT_AFTER",
     "SYNC_FILE_RANGE_WAIT_BEFORE",
     "SYNC_FILE_RANGE_WRITE",
+    "drop_cached",
     "function",
     "madvise",
     "populate_write_works",
@@ -57,6 +60,19 @@ def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
     (no such call, or an error such as a descriptor that is not a regular file's)."""
     call = function("sync_file_range", ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     return call is not None and call(fd, offset, nbytes, flags) == 0
+
+
+def drop_cached(fd: int, offset: int, nbytes: int) -> bool:
+    """Drop a file range's clean pages from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``);
+    ``False`` if it did nothing (no such call here, or an error). The kernel drops only the folios wholly
+    inside the range (large ones: 2 MiB on the project's machine), and no dirty page."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
 
 
 @functools.cache

@@ -24,7 +24,6 @@ written as before. It is advice, not durability: the save's ``fsync`` is what ma
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 from lightning_sharded.checkpoint import libc
@@ -78,6 +77,5 @@ class WriteBehind:
             libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
         )
         libc.sync_file_range(self._fd, self._dropped, nbytes, waits)
-        with contextlib.suppress(OSError):
-            os.posix_fadvise(self._fd, self._dropped, nbytes, os.POSIX_FADV_DONTNEED)
+        libc.drop_cached(self._fd, self._dropped, nbytes)
         self._dropped = upto

@@ -121,13 +121,13 @@ def _readinto(
 ) -> tuple[bool, int]:
     """Read ``target``'s bytes from ``offset``; returns whether the file had them all, and (with
     ``crc``) their CRC-32, computed piece by piece as each :data:`_CRC_PIECE` arrives (still in cache).
-    With ``drop``, the page cache's whole pages of each piece are dropped once it is read."""
+    With ``drop``, the page cache's folios wholly inside what was read are dropped after each piece;
+    those the read shares with its neighbours in the file stay."""
     view = memoryview(cast(Any, target.view(torch.uint8).reshape(-1).numpy())).cast("B")
     file.seek(offset)
     done = 0
     checksum = 0
     step = _CRC_PIECE if crc or drop else len(view)
-    behind = _ReadBehind(file.fileno(), offset) if drop else None
     while done < len(view):
         n = file.readinto(view[done : done + step])
         if not n:
@@ -135,34 +135,11 @@ def _readinto(
         if crc:
             checksum = crc32(view[done : done + n], checksum)
         done += n
-        if behind is not None:
-            behind.advance(offset + done)
+        if drop:
+            # From the read's start every time: the kernel drops only whole (large) folios, so one that
+            # began before the last call's end goes once the read has passed its end.
+            libc.drop_cached(file.fileno(), offset, done)
     return True, checksum
-
-
-class _ReadBehind:
-    """Drops the pages of a range of a file from the page cache as a sequential read leaves them behind
-    (``POSIX_FADV_DONTNEED``); does nothing where that is not available.
-
-    The kernel drops only the folios wholly inside the range it is given, and the page cache holds
-    large folios (2 MiB ones on the project's machine, ext4 on Linux 6.18), so every call covers the
-    read from its start: a folio that began before the last call's end is dropped once the read has
-    passed its end. The folios a read shares with its neighbours in the file stay.
-    """
-
-    def __init__(self, fd: int, start: int) -> None:
-        self._fd = fd
-        self._on = hasattr(os, "posix_fadvise")
-        self._start = start
-
-    def advance(self, upto: int) -> None:
-        """Say that the bytes of the range up to the file offset ``upto`` have been read."""
-        if not self._on or upto <= self._start:
-            return
-        try:
-            os.posix_fadvise(self._fd, self._start, upto - self._start, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            self._on = False
 
 
 class GivenMetadata:
