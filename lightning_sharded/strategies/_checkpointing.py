@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sharded._exit import drain_at_exit
 from lightning_sharded.checkpoint import load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
@@ -65,6 +66,12 @@ class ShardedCheckpointing(ParallelStrategy):
     save_rank_state: bool = True
     #: The RNG states a resume restores in :meth:`on_train_start` (set by :meth:`load_checkpoint`).
     _pending_rng: dict[str, Any] | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # The process group exists now: let its worker threads finish before the interpreter exits.
+        drain_at_exit()
 
     def _init_async_save(self, async_save: bool) -> None:
         if async_save and not self._saves_sharded:
