@@ -56,13 +56,13 @@ _DIRECT_FROM = 1 << 20
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_HEADER_MAGIC = b"PK\x03\x04"
 _DESCRIPTOR_MAGIC = b"PK\x07\x08"
-# Items whose reading is requested ahead of the one being copied, so the disk queue is not empty
-# while an item's bytes are copied.
-_AHEAD_ITEMS = 2
 # Threads reading at once, each its contiguous part. Here (2 ranks reading their 1 GB shards at once,
 # cold) one sequential reader per rank got 1.14 GB/s in all (median of 4; 0.98-1.67), two per rank
 # 2.56 (2.53-2.60), four 1.85: the disk rewards a second stream, not more.
 _STREAMS = 2
+# No `POSIX_FADV_WILLNEED` for the next items: on top of the kernel's own read-ahead it made a resume
+# slower here (2 ranks x 1 GB: 1.23-1.41 s with the next 2 items requested, 0.82-0.85 s without; an
+# FSDP2 resume 1.52-1.69 GB/s against 2.18-2.33).
 # With checksums on, bytes are read this many at a time, each piece hashed right after its read, while
 # it is still in the CPU's cache (a hash of the whole tensor afterwards reads it again from memory).
 _CRC_PIECE = 4 << 20
@@ -96,14 +96,6 @@ def _storage_location(file: Any, base: int, length: int, nbytes: int) -> int | N
             return base + data if nbytes in (size32, size64) else None
         position = head.find(_LOCAL_HEADER_MAGIC, position + 4)
     return None
-
-
-def _will_need(file: Any, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start reading a file range now (``POSIX_FADV_WILLNEED``; no-op elsewhere)."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        with contextlib.suppress(OSError):
-            advise(file.fileno(), offset, nbytes, os.POSIX_FADV_WILLNEED)
 
 
 # Fresh memory (an optimizer state template made with `torch.empty`) is faulted in page by page as a
@@ -220,7 +212,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
 
     The items it reads directly are read by :data:`_STREAMS` threads at once, each going through its
     own contiguous part of the bytes in file order (its own file descriptors, so the kernel's
-    read-ahead sees a sequential reader), with the next items requested ahead (``WILLNEED``). Each
+    read-ahead sees a sequential reader, and is all the reading ahead there is). Each
     item is located and its target resolved in the calling thread first, and committed there as soon
     as its bytes are in; the threads only move bytes. The pages of what a direct read read leave the
     page cache behind it, unless the load reads the same stored item more than once (see the module
@@ -294,9 +286,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
                             files[path] = stack.enter_context(open(path, "rb", buffering=0))
                         return files[path]
 
-                    for position, job in enumerate(part):
-                        for ahead in part[position + 1 : position + 1 + _AHEAD_ITEMS]:
-                            _will_need(opened(ahead.path), ahead.offset, ahead.nbytes)
+                    for job in part:
                         whole, crc = _readinto(opened(job.path), job.offset, job.target, hashing, job.drop)
                         finished.put((job, whole, crc, None))
             except BaseException as err:  # reported to the calling thread, which raises it
