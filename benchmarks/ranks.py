@@ -17,9 +17,11 @@ others). Cases:
   ``ModelParallelStrategy`` in the ``stock-mp`` case) into the sharded model, recording the peak resident
   memory (``VmHWM``, reset through ``/proc/self/clear_refs`` before the restore).
 - ``async-ours-mp``, ``async-ours-fsdp``: ``async_save=True``: how long ``save_checkpoint`` blocks the
-  training loop, against a synchronous save of the same state in the same process.
+  training loop, against a synchronous save of the same state in the same process (``--async-repeats``
+  of each).
 - ``verify-ours-mp``: ``ShardedModelParallelStrategy`` resumes with ``verify=True`` and with
-  ``verify="during"`` against without, in turn; its checkpoint stays for the offline tools' figures.
+  ``verify="during"`` against without, in turn (``--verify-cycles`` rounds); its checkpoint stays for
+  the offline tools' figures.
 - ``throughput-ours-mp``, ``throughput-ours-fsdp``: steps per second of a training step of ``--batch``
   rows (matmul-bound at the full run's 512: about half the step is the matmuls, the rest FSDP's
   all-gathers and reduce-scatters over gloo) while an async save is in flight, against the steps just
@@ -456,7 +458,7 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
             strategy: Any = trainer.strategy
             sync, stall, total = [], [], []
             # One more async save than timed: the first allocates the staging buffers (kept apart).
-            for i in range(args.repeats + 1):
+            for i in range(args.async_repeats + 1):
                 if i:
                     strategy.async_save = False
                     settle()
@@ -478,7 +480,7 @@ def async_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     trainer.fit(model)
     del trainer, model
     gc.collect()
-    for i in range(args.repeats + 1):
+    for i in range(args.async_repeats + 1):
         remove(ckpt.with_suffix(f".sync{i}"))
         remove(ckpt.with_suffix(f".async{i}"))
     return record
@@ -505,7 +507,7 @@ def verify_case(args: argparse.Namespace) -> dict[str, Any]:
     gc.collect()
     keys = {False: "plain load s", True: "verify load s", "during": "verify during load s"}
     record: dict[str, Any] = {key: [] for key in keys.values()} | {"bytes": tree_bytes(ckpt)}
-    for _ in range(args.cycles):
+    for _ in range(args.verify_cycles):
         for verify in keys:
             evict(ckpt)
             restore: dict[str, float] = {}
@@ -652,10 +654,14 @@ def main() -> None:
         "--light-batch", type=int, default=8, help="rows per step of the throughput-light-* cases"
     )
     parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
-    parser.add_argument(
-        "--cycles", type=int, default=2, help="loads and save windows of the verify/throughput cases"
-    )
+    parser.add_argument("--cycles", type=int, default=2, help="save windows of the throughput cases")
+    # The async stalls and the verify loads take a second or less each: a few more of them make their
+    # medians robust to one slow repeat at little cost.
+    parser.add_argument("--async-repeats", type=int, default=None, help="timed async saves (--repeats)")
+    parser.add_argument("--verify-cycles", type=int, default=None, help="verify case's loads (--cycles)")
     args = parser.parse_args()
+    args.async_repeats = args.async_repeats or args.repeats
+    args.verify_cycles = args.verify_cycles or args.cycles
     torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
