@@ -655,8 +655,6 @@ def main() -> None:
     )
     parser.add_argument("--steady", type=int, default=6, help="steps per window without a save")
     parser.add_argument("--cycles", type=int, default=2, help="save windows of the throughput cases")
-    # The async stalls and the verify loads take a second or less each: a few more of them make their
-    # medians robust to one slow repeat at little cost.
     parser.add_argument("--async-repeats", type=int, default=None, help="timed async saves (--repeats)")
     parser.add_argument("--verify-cycles", type=int, default=None, help="verify case's loads (--cycles)")
     args = parser.parse_args()

@@ -19,6 +19,7 @@ running or waiting for a core, for at most :data:`LIMIT` seconds: with it, 0 of 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import time
@@ -29,8 +30,6 @@ __all__ = ["LIMIT", "drain_at_exit", "running_threads"]
 LIMIT = 1.0
 _POLL = 0.005
 _TASKS = "/proc/self/task"
-_registered = False
-_lock = threading.Lock()
 
 
 def running_threads() -> int | None:
@@ -62,18 +61,12 @@ def _drain(limit: float = LIMIT) -> None:
     deadline = time.monotonic() + limit
     time.sleep(_POLL)
     while time.monotonic() < deadline:
-        running = running_threads()
-        if running is None:  # no way to tell: the one pause above is what there is
-            return
-        if running == 0:
+        if not running_threads():  # none runs, or no way to tell (then the one pause above is all)
             return
         time.sleep(_POLL)
 
 
+@functools.cache
 def drain_at_exit() -> None:
     """Register the exit handler described in the module doc (once per process; later calls do nothing)."""
-    global _registered
-    with _lock:
-        if not _registered:
-            atexit.register(_drain)
-            _registered = True
+    atexit.register(_drain)

@@ -60,9 +60,6 @@ _DESCRIPTOR_MAGIC = b"PK\x07\x08"
 # cold) one sequential reader per rank got 1.14 GB/s in all (median of 4; 0.98-1.67), two per rank
 # 2.56 (2.53-2.60), four 1.85: the disk rewards a second stream, not more.
 _STREAMS = 2
-# No `POSIX_FADV_WILLNEED` for the next items: on top of the kernel's own read-ahead it made a resume
-# slower here (2 ranks x 1 GB: 1.23-1.41 s with the next 2 items requested, 0.82-0.85 s without; an
-# FSDP2 resume 1.52-1.69 GB/s against 2.18-2.33).
 # With checksums on, bytes are read this many at a time, each piece hashed right after its read, while
 # it is still in the CPU's cache (a hash of the whole tensor afterwards reads it again from memory).
 _CRC_PIECE = 4 << 20
@@ -286,6 +283,9 @@ class DirectReader(GivenMetadata, FileSystemReader):
                             files[path] = stack.enter_context(open(path, "rb", buffering=0))
                         return files[path]
 
+                    # No `POSIX_FADV_WILLNEED` for the next items: on top of the kernel's read-ahead
+                    # it made a resume slower here (2 ranks x 1 GB: 1.23-1.41 s with the next 2 items
+                    # requested, 0.82-0.85 s without; FSDP2 resume 1.52-1.69 GB/s against 2.18-2.33).
                     for job in part:
                         whole, crc = _readinto(opened(job.path), job.offset, job.target, hashing, job.drop)
                         finished.put((job, whole, crc, None))
