@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -145,6 +146,9 @@ def serve(cases: Mapping[str, Case], argv: Sequence[str] | None = None) -> None:
 
     Exits non-zero when a rank did (after killing the others) or a case name is unknown.
     """
+    # As before the rank runner was a package: no warning printed in a timed call (FSDP1's
+    # ShardedTensor views warn of its deprecation on every DCP operation).
+    warnings.filterwarnings("ignore")
     args = parser().parse_args(argv)
     args.async_repeats = args.async_repeats or args.repeats
     args.verify_cycles = args.verify_cycles or args.cycles
