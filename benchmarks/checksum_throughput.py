@@ -1,6 +1,6 @@
 """Checksum throughput against the disk's write speed, to choose the manifest's checksum.
 
-Usage: ``python benchmarks/checksum_throughput.py [DIR] [MB]`` (default: a temp dir, 512 MB).
+Usage: ``python -m benchmarks.checksum_throughput [DIR] [MB]`` (default: a temp dir, 512 MB).
 Prints GB/s for write+fsync of MB megabytes to DIR, a cold-ish read-back checksum of that file with
 ``file_checksum`` (what a save adds), and in-memory throughput of the candidate algorithms.
 """
@@ -15,8 +15,6 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_sharded.checkpoint.checksum import crc32, file_checksum
 

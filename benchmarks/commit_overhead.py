@@ -1,6 +1,6 @@
 """What the atomic commit adds to a sharded save: DCP into a directory, plain vs through commit_directory.
 
-Usage: ``python benchmarks/commit_overhead.py [DIR] [MB] [REPEAT]`` (default: a temp dir, 1024 MB, 3).
+Usage: ``python -m benchmarks.commit_overhead [DIR] [MB] [REPEAT]`` (default: a temp dir, 1024 MB, 3).
 Three ways: DCP in place (no atomicity), commit_directory reading the files back to checksum them,
 commit_directory with ``ChecksummingWriter`` (CRC-32 computed while writing).
 One process (DCP ``no_dist``), tensors of 64 MiB; best of REPEAT, each save over the previous one.
@@ -13,8 +13,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter

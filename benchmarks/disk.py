@@ -4,16 +4,43 @@ Sequential write+fsync and cold sequential read of one large file, with random b
 compress) in 64 MiB chunks; the page cache is dropped for the file before reading
 (``posix_fadvise(DONTNEED)``), so the read comes from the device. Beside them, the same cold read
 into new memory laid out as a resume's (:func:`read_into_new_memory`): what a resume cannot beat.
+
+:data:`PROBES` names every probe a rank records (``benchmarks.world.raw_probe`` runs :func:`probe`
+between the timed saves) and the figure ``benchmarks.report`` makes of it: a new probe is one entry
+there and one step in :func:`probe`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One kind of probe: its seconds per probe in a rank's record (``key``), its GB/s in the report
+    (``name``; ``"write GB/s"`` has its list of probes under ``"write probes GB/s"``)."""
+
+    key: str
+    name: str
+
+
+WRITE = Probe("raw write s", "write GB/s")
+READ = Probe("raw read s", "read GB/s")
+NEW_MEMORY_READ = Probe("raw new-memory read s", "new-memory read GB/s")
+PROBES = (WRITE, READ, NEW_MEMORY_READ)
+
+
+@functools.cache
+def random_chunk() -> bytes:
+    """64 MiB of random bytes, made once per process."""
+    return os.urandom(CHUNK)
 
 
 def evict(path: Path) -> None:
@@ -57,9 +84,8 @@ def raw_write_read(directory: Path, nbytes: int) -> dict[str, float]:
     """GB/s of a sequential write+fsync and of a cold sequential read of ``nbytes``, one process."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "raw.bin"
-    chunk = os.urandom(CHUNK)
     start = time.perf_counter()
-    write_fsync(path, nbytes, chunk)
+    write_fsync(path, nbytes, random_chunk())
     write_s = time.perf_counter() - start
     evict(path)
     start = time.perf_counter()
@@ -104,3 +130,22 @@ def read_into_new_memory(path: Path, nbytes: int) -> Callable[[], None]:
         assert not short, f"{path} is shorter than {nbytes} bytes"
 
     return read
+
+
+def probe(
+    file: Path,
+    nbytes: int,
+    timed: Callable[[Callable[[], object]], float],
+    evict_file: Callable[[Path], None],
+) -> dict[str, float]:
+    """One probe of each kind of :data:`PROBES` on ``nbytes`` at ``file`` (removed after): seconds by
+    probe key. ``timed`` times a call (every rank together), ``evict_file`` drops the file's cache."""
+    seconds = {WRITE.key: timed(lambda: write_fsync(file, nbytes, random_chunk()))}
+    evict_file(file)
+    seconds[READ.key] = timed(lambda: read_all(file))
+    read = read_into_new_memory(file, nbytes)
+    evict_file(file)
+    seconds[NEW_MEMORY_READ.key] = timed(read)
+    del read
+    file.unlink()
+    return seconds

@@ -1,6 +1,6 @@
 """Peak memory of the Hugging Face export and of ``load_pretrained``, against model size and largest tensor.
 
-Usage: ``python benchmarks/hf_memory.py [--dir DIR] [--sizes 256,1024] [--largest 32] [--json OUT]``
+Usage: ``python -m benchmarks.hf_memory [--dir DIR] [--sizes 256,1024] [--largest 32] [--json OUT]``
 (sizes and largest tensor in MiB; ``--quick``: sizes 16,64 and largest 4).
 
 For each model size, a sharded checkpoint (DCP, two ``float32`` tensors per "layer", the largest one
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import ROOT
 
 MIB = 1 << 20
 
@@ -143,9 +143,22 @@ def child(op: str, src: str, dst: str, layers: int, largest: int) -> dict[str, f
 
 
 def run_child(op: str, src: Path, dst: Path, layers: int, largest: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(
-        [sys.executable, __file__, "--child", op, str(src), str(dst), str(layers), str(largest)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.hf_memory",
+            "--child",
+            op,
+            str(src),
+            str(dst),
+            str(layers),
+            str(largest),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -153,11 +166,14 @@ def run_child(op: str, src: Path, dst: Path, layers: int, largest: int) -> dict[
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{op} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    figures: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return figures
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.hf_memory", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--sizes", default="256,1024", help="model sizes in MiB")
     parser.add_argument("--largest", type=int, default=32, help="largest tensor in MiB")

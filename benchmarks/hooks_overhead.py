@@ -8,7 +8,7 @@ is printed beside it.
 Also measured, for reference: torch's own ShardedTensor state-dict hook (a plain walk of
 ``named_modules()`` and every ``__dict__``).
 
-Run: ``python benchmarks/hooks_overhead.py [--modules 2000] [--repeats 41] [--json OUT]``
+Run: ``python -m benchmarks.hooks_overhead [--modules 2000] [--repeats 41] [--json OUT]``
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_sharded import register_sharded_state_hooks
 
@@ -120,7 +121,7 @@ def measure(modules: int, sharded: int, repeats: int) -> dict[str, float]:
         repeats,
     )
     # torch's load_state_dict is quadratic in the width of a ModuleList (each child filters all of
-    # its parent's keys), so loads take ~50x longer than state_dict(): fewer repeats suffice.
+    # its parent's keys), so loads take far longer than state_dict(): fewer repeats suffice.
     # Without the hooks, strict=False: the plain load skips what it does not know about.
     load = interleaved(
         {
@@ -147,14 +148,34 @@ def run(modules: int = 2000, repeats: int = 101) -> dict[str, dict[str, float]]:
     }
 
 
+def one_process_group() -> None:
+    """A gloo process group of this process alone, unless one exists (the sharded attributes' mesh)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+
+
+def section(modules: int, repeats: int) -> dict[str, Any]:
+    """The hooks section of ``benchmarks.run``: :func:`run` on one intra-op thread, with every ratio."""
+    one_process_group()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = run(modules, repeats)
+    finally:
+        torch.set_num_threads(threads)
+    ratios = {f"{case}: {k}": v for case, r in rows.items() for k, v in r.items() if "ratio" in k}
+    return {"rows": rows, "ratios": ratios}
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.hooks_overhead", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--modules", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=101)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    one_process_group()
     torch.set_num_threads(1)
     results = run(args.modules, args.repeats)
     for case, figures in results.items():

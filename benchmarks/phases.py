@@ -1,35 +1,48 @@
 """Where a checkpoint's seconds go: per-phase timers around one save and one resume of each strategy.
 
-Run: ``python benchmarks/phases.py [--size-gb 2] [--cases stock-fsdp ours-fsdp stock-mp ours-mp]``.
-It starts 2 ranks (as ``benchmarks/run.py`` does, same model and Trainers), and for each case fits one
+Run: ``python -m benchmarks.phases [--size-gb 2] [--cases stock-fsdp ours-fsdp stock-mp ours-mp]``.
+It starts 2 ranks (as ``benchmarks.run`` does, same model and Trainers), and for each case fits one
 step, times one ``trainer.save_checkpoint`` and one resume (``fit(ckpt_path=...)``, page cache dropped),
-with timers wrapped around the functions each phase runs (inclusive seconds, the slowest rank's): the
-state dicts Lightning builds before saving, DCP's planning, writes and reads, the optimizer templates,
-copies into the model, Lightning's own restore. ``--cprofile DIR`` also writes rank 0's profile of each
-save and load (``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this script.
+with timers wrapped around the functions each phase runs (:data:`PHASES`; inclusive seconds, the
+slowest rank's): the state dicts Lightning builds before saving, DCP's planning, writes and reads, the
+optimizer templates, copies into the model, Lightning's own restore. A case ``S+OPTION`` resumes with
+``OPTION=True`` (``ours-mp+verify``). ``--cprofile DIR`` also writes rank 0's profile of each save and
+load (``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this module; its rank cases are
+``phases-<case>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
-import functools
-import importlib
 import json
 import os
-import sys
+import shutil
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import lightning as L
+import torch.distributed as dist
 
-#: (dotted owner, attribute, label): the functions timed, wherever they are looked up.
+from benchmarks.builders import (
+    STRATEGIES,
+    WORLD,
+    BenchModel,
+    geometry,
+    make_strategy,
+    shards_layers,
+    trainer_for,
+)
+from benchmarks.ranks import Case, run_rank_cases
+from benchmarks.save_load import restore_timer
+from benchmarks.timing import PhaseTimers
+from benchmarks.world import evict, remove, settle, timed, world_size
+
+#: (dotted owner, attribute, label): the functions timed, wherever they are looked up (``STRATEGY``:
+#: the case's strategy class, inherited methods included).
 PHASES: list[tuple[str, str, str]] = [
     # Lightning
     (
@@ -131,76 +144,9 @@ PHASES: list[tuple[str, str, str]] = [
 ]
 
 
-class Timers:
-    """Inclusive seconds and call counts per label, for the functions of :data:`PHASES`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, owner: Any, attr: str, label: str) -> None:
-        original = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        raw = original.__func__ if isinstance(original, classmethod | staticmethod) else original
-
-        @functools.wraps(raw)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return raw(*args, **kwargs)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - start
-                self.calls[label] = self.calls.get(label, 0) + 1
-
-        replacement: Any = timed
-        if isinstance(original, classmethod):
-            replacement = classmethod(timed)
-        elif isinstance(original, staticmethod):
-            replacement = staticmethod(timed)
-        setattr(owner, attr, replacement)
-        self._undo.append(lambda: setattr(owner, attr, original))
-
-    def install(self, strategy_cls: type) -> None:
-        for dotted, attr, label in PHASES:
-            owner: Any
-            if dotted == "STRATEGY":
-                owner = strategy_cls
-                if attr not in owner.__dict__:  # time the inherited method on this class
-                    setattr(owner, attr, getattr(owner, attr))
-            else:
-                owner = _resolve(dotted)
-                if owner is None or not hasattr(owner, attr):
-                    continue
-                if isinstance(owner, type) and attr not in owner.__dict__:
-                    owner = next(base for base in owner.__mro__ if attr in base.__dict__)
-            self.wrap(owner, attr, label)
-
-    def reset(self) -> None:
-        self.seconds, self.calls = {}, {}
-
-    def uninstall(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo = []
-
-
-def _resolve(dotted: str) -> Any:
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part, None)
-            if obj is None:
-                return None
-        return obj
-    return None
-
-
-@contextmanager
+@contextlib.contextmanager
 def profiled(path: Path | None) -> Iterator[None]:
+    """A ``cProfile`` of the block written to ``path`` (nothing when ``None``)."""
     if path is None:
         yield
         return
@@ -213,79 +159,69 @@ def profiled(path: Path | None) -> Iterator[None]:
         profile.dump_stats(str(path))
 
 
-class _SaveOnce:
-    """A Lightning callback (made a subclass at run time) timing one ``save_checkpoint`` at the end of fit."""
+class _SaveOnce(L.Callback):
+    """Times one ``save_checkpoint`` at the end of fit, with the phases' timers."""
 
-    def __new__(cls, *args: Any) -> Any:
-        from benchmarks import ranks
+    def __init__(self, ckpt: Path, timers: PhaseTimers, record: dict[str, Any], profile: Path | None) -> None:
+        self.ckpt, self.timers, self.record, self.profile = ckpt, timers, record, profile
 
-        class SaveOnce(ranks.L.Callback):
-            def __init__(
-                self, ckpt: Path, timers: Timers, record: dict[str, Any], profile: Path | None
-            ) -> None:
-                self.ckpt, self.timers, self.record, self.profile = ckpt, timers, record, profile
-
-            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-                ranks.settle()
-                self.timers.reset()
-                with profiled(self.profile):
-                    self.record["save s"] = ranks.timed(lambda: trainer.save_checkpoint(self.ckpt))
-                self.record["save phases"] = dict(self.timers.seconds)
-                self.record["save calls"] = dict(self.timers.calls)
-
-        return SaveOnce(*args)
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        settle()
+        self.timers.reset()
+        with profiled(self.profile):
+            self.record["save s"] = timed(lambda: trainer.save_checkpoint(self.ckpt))
+        self.record["save phases"] = dict(self.timers.seconds)
+        self.record["save calls"] = dict(self.timers.calls)
 
 
-def rank_main(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from benchmarks import ranks
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    world = dist.get_world_size()
-    results: dict[str, Any] = {}
-    for case in args.cases:
-        torch.manual_seed(0)
-        ckpt = args.dir / f"{case}.ckpt"
-        # "ours-mp+verify": ours-mp, resumed with verify=True
-        base, _, option = case.partition("+")
-        options = {option: True} if option else {}
-        strategy = ranks.make_strategy(base, world)
-        timers = Timers()
-        timers.install(type(strategy))
-        record: dict[str, Any] = {}
-        prof = args.cprofile if rank == 0 else None
-
-        save_profile = prof / f"{case}.save.pstats" if prof else None
-        save = _SaveOnce(ckpt, timers, record, save_profile)
-        model = ranks.BenchModel(args.width, args.layers, shard_layers=base.endswith("mp"))
-        trainer = ranks.trainer_for(strategy, [save])
+def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``phases-<strategy>[+<option>]``: one timed save and one timed cold resume, by phase."""
+    case = name.removeprefix("phases-")
+    ckpt = args.dir / f"{case}.ckpt"
+    base, _, option = case.partition("+")
+    options = {option: True} if option else {}
+    strategy = make_strategy(base, world_size())
+    timers = PhaseTimers()
+    record: dict[str, Any] = {}
+    prof = args.cprofile if dist.get_rank() == 0 else None
+    phases = [
+        (type(strategy) if where == "STRATEGY" else where, attr, label) for where, attr, label in PHASES
+    ]
+    with timers.installed(phases):
+        save = _SaveOnce(ckpt, timers, record, prof / f"{case}.save.pstats" if prof else None)
+        model = BenchModel(args.width, args.layers, shard_layers=shards_layers(base))
+        trainer = trainer_for(strategy, [save])
         trainer.fit(model)
         del trainer, model
-        ranks.evict(ckpt)
-        model = ranks.BenchModel(args.width, args.layers, shard_layers=base.endswith("mp"))
-        trainer = ranks.trainer_for(ranks.make_strategy(base, world, **options))
+        evict(ckpt)
+        model = BenchModel(args.width, args.layers, shard_layers=shards_layers(base))
+        trainer = trainer_for(make_strategy(base, world_size(), **options))
         timers.reset()
         restore: dict[str, float] = {}
-        with ranks.timing_restore(trainer, restore), profiled(prof / f"{case}.load.pstats" if prof else None):
+        with restore_timer(trainer, restore), profiled(prof / f"{case}.load.pstats" if prof else None):
             trainer.fit(model, ckpt_path=ckpt)
         record["load s"] = restore["restore s"]
         record["load phases"] = dict(timers.seconds)
         record["load calls"] = dict(timers.calls)
-        timers.uninstall()
-        del trainer, model
-        ranks.remove(ckpt)
-        results[case] = record
-        (args.out / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
+    del trainer, model
+    remove(ckpt)
+    return record
+
+
+CASES: dict[str, Case] = {
+    **{f"phases-{s}": phases_case for s in STRATEGIES},
+    **{f"phases-{s}+verify": phases_case for s in STRATEGIES if s.startswith("ours-")},
+}
 
 
 def report(per_rank: list[dict[str, Any]]) -> str:
+    """Each case's save and load: the slowest rank's total, then each phase's seconds and calls."""
     lines = []
     for case in per_rank[0]:
+        errors = [r[case]["error"] for r in per_rank if "error" in r[case]]
+        if errors:
+            lines.append(f"\n{case}: FAILED: {errors[0]}")
+            continue
         for kind in ("save", "load"):
             total = max(r[case][f"{kind} s"] for r in per_rank)
             lines.append(f"\n{case} {kind}: {total:.2f} s (slowest rank)")
@@ -300,54 +236,25 @@ def report(per_rank: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.phases", description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=2.0)
     parser.add_argument("--cases", nargs="+", default=["stock-fsdp", "ours-fsdp", "stock-mp", "ours-mp"])
     parser.add_argument("--cprofile", type=Path, default=None, help="write rank 0's pstats here")
     parser.add_argument("--json", type=Path, default=None, help="write the ranks' figures here")
-    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--dir", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--layers", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.rank:
-        rank_main(args)
-        return
-    from benchmarks.run import WORLD, geometry
-    from tests.distributed.launch import run_ranks
-
+    args = parser.parse_args(argv)
     width, layers = geometry(args.size_gb)
     scratch = Path(tempfile.mkdtemp(prefix="lsphases-"))
-    (scratch / "out").mkdir()
+    extra = []
     if args.cprofile:
         args.cprofile.mkdir(parents=True, exist_ok=True)
-    extra = ["--cprofile", str(args.cprofile.resolve())] if args.cprofile else []
+        extra = ["--cprofile", str(args.cprofile.resolve())]
     try:
-        run_ranks(
-            Path(__file__).resolve(),
-            WORLD,
-            "--rank",
-            "--cases",
-            *args.cases,
-            "--dir",
-            str(scratch),
-            "--out",
-            str(scratch / "out"),
-            "--width",
-            str(width),
-            "--layers",
-            str(layers),
-            *extra,
-            timeout=1800,
-            env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
-        )
-        per_rank = [json.loads((scratch / "out" / f"rank{r}.json").read_text()) for r in range(WORLD)]
+        cases = [f"phases-{case}" for case in args.cases]
+        ranks = run_rank_cases(cases, scratch, width, layers, *extra, world=WORLD, timeout=1800)
     finally:
-        import shutil
-
         shutil.rmtree(scratch, ignore_errors=True)
+    per_rank = [{case.removeprefix("phases-"): figures for case, figures in r.items()} for r in ranks]
     if args.json:
         args.json.write_text(json.dumps(per_rank, indent=1))
     print(f"uptime: {os.getloadavg()}")

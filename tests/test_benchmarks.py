@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark suite: ``benchmarks/run.py --quick`` runs end to end (2 real ranks).
+"""Smoke test of the benchmark suite: ``python -m benchmarks.run --quick`` runs end to end (2 real ranks).
 
 No timing assertions: only that every section is there and every ratio is a finite positive number.
 """
@@ -24,7 +24,8 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "run.py"),
+            "-m",
+            "benchmarks.run",
             "--quick",
             "--out",
             str(out),
@@ -54,12 +55,11 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
 def test_the_writer_experiment_writes_the_staged_bytes(tmp_path: Path, kind: str) -> None:
-    """benchmarks/writers.py's thread and process write exactly the staged bytes (the work a save does),
-    and a second save writes the buffers as staged again."""
+    """The writer experiment's thread and process (``benchmarks.staging``) write exactly the staged bytes
+    (the work a save does), and a second save writes the buffers as staged again."""
     import torch
 
-    sys.path.insert(0, str(REPO))
-    from benchmarks.writers import Staged, make_writer
+    from benchmarks.staging import Staged, make_writer
 
     tensors = [torch.arange(3 << 20, dtype=torch.float32), torch.ones(5, 7, dtype=torch.bfloat16)]
     staged, writer = Staged(), make_writer(kind)
@@ -75,3 +75,101 @@ def test_the_writer_experiment_writes_the_staged_bytes(tmp_path: Path, kind: str
             assert path.read_bytes() == expected
     finally:
         writer.close()
+
+
+def _benchmark_imports() -> dict[str, set[str]]:
+    """``{module: what it imports of benchmarks and tests}`` for every module of ``benchmarks``, read from
+    the source (imports inside functions included)."""
+    import ast
+
+    modules = {
+        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): path
+        for path in (REPO / "benchmarks").rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[name] = {m for m in found if m != name and (m in modules or m.split(".")[0] == "tests")}
+    return graph
+
+
+def test_the_benchmarks_import_nothing_from_the_tests_and_have_no_cycle() -> None:
+    graph = _benchmark_imports()
+    assert "benchmarks.ranks" in graph["benchmarks.run"]  # the graph is read
+    from_tests = {m: sorted(i for i in imports if i.split(".")[0] == "tests") for m, imports in graph.items()}
+    assert not {m: i for m, i in from_tests.items() if i}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        assert module not in path, "import cycle: " + " -> ".join([*path[path.index(module) :], module])
+        if module not in done:
+            for imported in sorted(graph[module]):
+                visit(imported, [*path, module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_one_timer_times_every_kind_of_function_and_always_restores() -> None:
+    """``benchmarks.timing``: a method, classmethod, staticmethod, an instance's method and a module's
+    function are timed per call, and every one is what it was after the block, raised or not."""
+    import types
+
+    from benchmarks.timing import PhaseTimers, timer
+
+    class Base:
+        def method(self) -> str:
+            return "method"
+
+        @classmethod
+        def klass(cls) -> str:
+            return cls.__name__
+
+        @staticmethod
+        def static() -> str:
+            return "static"
+
+    class Child(Base):
+        pass
+
+    module = types.ModuleType("fake")
+    module.function = lambda: "function"  # type: ignore[attr-defined]
+    instance = Child()
+    before = {
+        name: dict(vars(owner)) for name, owner in (("Base", Base), ("Child", Child), ("module", module))
+    }
+    timers = PhaseTimers()
+    phases = [
+        (Child, "method", "child method"),  # inherited: timed on Child only
+        (Base, "klass", "classmethod"),
+        (Base, "static", "staticmethod"),
+        (module, "function", "function"),
+    ]
+    with timers.installed(phases):
+        assert "method" in vars(Child)
+        assert (instance.method(), Child.klass(), instance.static(), module.function()) == (  # type: ignore[attr-defined]
+            "method",
+            "Child",
+            "static",
+            "function",
+        )
+        assert Base().method() == "method"  # Base's own method is not timed
+    assert timers.calls == {"child method": 1, "classmethod": 1, "staticmethod": 1, "function": 1}
+    assert all(seconds >= 0 for seconds in timers.seconds.values())
+    after = {
+        name: dict(vars(owner)) for name, owner in (("Base", Base), ("Child", Child), ("module", module))
+    }
+    assert after == before
+
+    seconds: list[float] = []
+    with pytest.raises(RuntimeError, match="boom"), timer(instance, "method", seconds.append):
+        assert instance.method() == "method"
+        raise RuntimeError("boom")
+    assert seconds and "method" not in vars(instance)  # the instance's attribute is gone again

@@ -1,4 +1,5 @@
-"""What one rank's save and load cost at N = 8 and 64 simulated ranks (``benchmarks/scale.py --quick``).
+"""What one rank's save and load cost at N = 8 and 64 simulated ranks (``python -m benchmarks.scale
+--quick``).
 
 Counts only, never times. The point is what must not grow with the world size: a rank other than 0
 never reads the small files every rank needs (``.metadata``, ``meta.pt``, the manifest: read once, on
@@ -28,7 +29,8 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     proc = subprocess.run(
         [
             sys.executable,
-            str(REPO / "benchmarks" / "scale.py"),
+            "-m",
+            "benchmarks.scale",
             "--quick",
             "--no-times",
             "--no-stock",

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.ranks import launcher_env
 from lightning_sharded._launch import free_port
 from lightning_sharded._launch import rank_env as _rank_env
 from tests.distributed.zygote import COLD_ENV, ForkedRank, Zygote
@@ -112,26 +113,10 @@ def wait_all(procs: list[Rank], timeout: float, label: str, what: str) -> list[s
     return outputs
 
 
-#: Variables a launcher sets per rank; a process that starts its own ranks must not inherit them.
-RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_PORT")
-
-
 def shell_env() -> dict[str, str]:
     """A user's shell for a command the docs show: this interpreter's scripts (lightning-sharded,
     torchrun) first on ``PATH``, no rank variables, terminal width 80."""
     env = launcher_env()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["COLUMNS"] = "80"
-    return env
-
-
-def launcher_env() -> dict[str, str]:
-    """This process's environment for a child that starts ranks itself (torchrun, Lightning's launcher)."""
-    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-    )
     return env

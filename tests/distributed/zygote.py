@@ -41,21 +41,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-COLD_ENV = "LIGHTNING_SHARDED_TEST_COLD"
+# What the zygote imports once (third-party only; Lightning's rank_zero_only is set again in _become):
+# the same as the benchmarks' rank runner.
+from benchmarks.ranks import PRELOAD, exit_after, redirect_output
 
-#: Imported once in the zygote: third-party only, none of which reads per-rank state at import
-#: except Lightning's rank_zero_only (see _become).
-PRELOAD = (
-    "torch",
-    "torch.distributed",
-    "torch.distributed.checkpoint",
-    "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp",
-    "torch.distributed.tensor",
-    "torch.distributed.tensor.parallel",
-    "lightning.pytorch",
-    "lightning.fabric",
-)
+COLD_ENV = "LIGHTNING_SHARDED_TEST_COLD"
 
 
 # --------------------------------------------------------------------------------- the zygote side
@@ -73,13 +63,10 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _become(request: dict[str, Any], import_env: dict[str, str]) -> None:
     """In the forked child: turn into ``python ARGV`` with the request's environment; never returns."""
-    code = 1
-    try:
+
+    def run() -> int:
         os.setsid()
-        out = os.open(request["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
+        redirect_output(request["out"])
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
@@ -104,14 +91,9 @@ def _become(request: dict[str, Any], import_env: dict[str, str]) -> None:
             code = 1
         threading._shutdown()  # type: ignore[attr-defined]  # what interpreter exit does first
         atexit._run_exitfuncs()
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+        return code
+
+    exit_after(run)
 
 
 def serve() -> None:

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# The model of benchmarks/run.py (bias-free Linear(width, width) layers, Adam) and its strategies.
-from benchmarks.ranks import BenchModel, make_strategy  # noqa: E402
+# The model of the benchmarks (bias-free Linear(width, width) layers, Adam) and its strategies.
+from benchmarks.builders import BenchModel, make_strategy  # noqa: E402
 
 TARGETS = {
     "stall_vs_sync": ("<=", 0.10),

@@ -1,0 +1,124 @@
+"""The offline tools' figures of ``benchmarks.run``: the CLI on the kept 2-rank checkpoint, against the disk.
+
+``inspect`` and ``verify`` (a fresh process each, its start and torch's import counted, cold cache)
+against ``cat`` of the checkpoint's files to ``/dev/null``; ``consolidate`` (one read of the source,
+checksummed as it is read; ``--no-verify`` without the checksums) against a raw cold read of the
+source plus a write+fsync of as many bytes. Peak RSS and peak anonymous memory of each command.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.disk import evict_tree, read_all, write_fsync
+
+_MEASURE = """
+import resource, subprocess, sys, time
+def anon(pid):
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+start = time.perf_counter()
+child = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+peak_anon = 0
+while child.poll() is None:
+    peak_anon = max(peak_anon, anon(child.pid))
+    time.sleep(0.005)
+elapsed = time.perf_counter() - start
+child.stderr.read()
+print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, child.returncode, peak_anon)
+"""
+
+
+def measure(command: list[str]) -> tuple[float, int, int]:
+    """(seconds, peak RSS bytes, peak anonymous memory bytes) of ``command`` run in a fresh process
+    (whose start is counted).
+
+    RSS counts the pages of files the process maps (``consolidate`` maps its output, which the page
+    cache holds); anonymous memory (``RssAnon``, sampled every 5 ms) is what the process allocates.
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, *command], capture_output=True, text=True, check=True
+    ).stdout.split()
+    if out[2] != "0":
+        raise RuntimeError(f"{command} failed with exit code {out[2]}")
+    return float(out[0]), int(out[1]) * 1024, int(out[3]) * 1024
+
+
+def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) -> dict[str, Any]:
+    """The offline tools on the kept 2-rank checkpoint, each against the disk doing the same bytes.
+
+    ``inspect`` and ``verify`` (CLI, a fresh process each, cold cache) against ``cat`` of its files to
+    ``/dev/null``; ``consolidate`` (one read of the source, checksummed as it is read; ``--no-verify``
+    without the checksums) against a raw cold read of the source plus a write+fsync of as many bytes.
+    Medians. ``quick``
+    runs ``inspect`` and ``consolidate --no-verify`` only (a smoke test: each CLI start imports torch).
+    """
+    files = sorted(str(p) for p in ckpt.rglob("*") if p.is_file())
+    nbytes = sum(Path(f).stat().st_size for f in files)
+    cli = [sys.executable, "-c", "import sys; from lightning_sharded.cli import main; sys.exit(main())"]
+    dst = scratch / "consolidated.ckpt"
+    raw_file = scratch / "raw-consolidate.bin"
+    series: dict[str, list[float]] = {}
+    peaks: dict[str, int] = {}
+    anon: dict[str, int] = {}
+
+    def run(name: str, command: list[str]) -> None:
+        os.sync()
+        evict_tree(ckpt)
+        seconds, peak, peak_anon = measure(command)
+        series.setdefault(name, []).append(seconds)
+        peaks[name] = max(peaks.get(name, 0), peak)
+        anon[name] = max(anon.get(name, 0), peak_anon)
+        if dst.exists():
+            dst.unlink()
+
+    for _ in range(repeats):
+        run("cat", ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files) + " > /dev/null"])
+        run("inspect", [*cli, "inspect", str(ckpt)])
+        if not quick:
+            run("verify", [*cli, "verify", str(ckpt)])
+        run(
+            "consolidate --no-verify",
+            [*cli, "consolidate", "--no-verify", "--no-progress", str(ckpt), str(dst)],
+        )
+        if not quick:
+            run("consolidate", [*cli, "consolidate", "--no-progress", str(ckpt), str(dst)])
+        os.sync()
+        evict_tree(ckpt)
+        start = time.perf_counter()
+        for f in files:
+            read_all(Path(f))
+        write_fsync(raw_file, nbytes)
+        series.setdefault("raw read + write", []).append(time.perf_counter() - start)
+        raw_file.unlink()
+    med = {name: statistics.median(values) for name, values in series.items()}
+    rows = {
+        name: {
+            "seconds": med[name],
+            "GB/s": nbytes / med[name] / 1e9,
+            "peak rss bytes": peaks.get(name, 0),
+            "peak anon bytes": anon.get(name, 0),
+        }
+        for name in med
+    }
+    ratios = {
+        "inspect / cat": med["inspect"] / med["cat"],
+        "consolidate --no-verify GB/s / raw read+write": med["raw read + write"]
+        / med["consolidate --no-verify"],
+        "consolidate peak anonymous memory / checkpoint": anon["consolidate --no-verify"] / nbytes,
+    }
+    if not quick:
+        ratios["verify / cat"] = med["verify"] / med["cat"]
+        ratios["consolidate GB/s / raw read+write"] = med["raw read + write"] / med["consolidate"]
+    return {"rows": rows, "ratios": ratios, "bytes": nbytes, "series": series}
