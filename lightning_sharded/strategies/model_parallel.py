@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import os
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -63,6 +64,20 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             after its tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        warm_start: a checkpoint (sharded directory or full file) whose model state (weights and sharded
+            attributes) a ``fit`` without ``ckpt_path`` starts from; the optimizers, LR schedulers,
+            loops and step count start fresh, and only the model's bytes are read. A ``fit`` that resumes
+            (``ckpt_path``) ignores it, so a run configured with both resumes itself after a crash.
+        exclude_from_loading: parts of a checkpoint a resume leaves out, by their Lightning checkpoint
+            key: ``"optimizer_states"``, ``"lr_schedulers"``, ``"loops"``, ``"callbacks"``,
+            ``"callbacks.<Name>"`` (one callback), ``"rank_state"``; one line says what was left out.
+        save_trainable_only: save only the parameters with ``requires_grad`` (and buffers, sharded
+            attributes and everything else); the checkpoint names ``frozen_source`` as where a load reads
+            the frozen parameters from.
+        frozen_source: the weights the frozen parameters were loaded from (a Hugging Face directory, a
+            full or a sharded checkpoint); required with ``save_trainable_only``. On a load it overrides
+            the source a trainable-only checkpoint names.
+        frozen_prefix: the part of the frozen parameters' keys the source's keys lack (``"model."``).
 
     Example::
 
@@ -71,7 +86,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         trainer.fit(model, ckpt_path="checkpoints/last.ckpt")
     """
 
+    strategy_name = "sharded_model_parallel"
     _model_key = STATE_DICT
+    _registry_names = ("sharded_model_parallel",)
 
     def __init__(
         self,
@@ -85,6 +102,11 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: bool = False,
         verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
+        warm_start: str | os.PathLike[str] | None = None,
+        exclude_from_loading: Sequence[str] = (),
+        save_trainable_only: bool = False,
+        frozen_source: str | os.PathLike[str] | None = None,
+        frozen_prefix: str = "",
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -106,6 +128,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._init_async_save(async_save)
         self._init_verify(verify)
         self.save_rank_state = save_rank_state
+        self._init_partial(
+            warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
+        )
 
     @override
     def setup_environment(self) -> None:

@@ -65,7 +65,9 @@ def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
         raise CheckpointError(
             f"The checkpoint {str(path)!r} has no optimizer state but {configured} optimizer(s) are"
             " configured: it was probably saved with `ModelCheckpoint(save_weights_only=True)`. Resume"
-            " from a full training checkpoint, or load the weights only (with `trainer.validate`, say)."
+            " from a full training checkpoint, or leave the optimizer states out of the load"
+            " (`exclude_from_loading=['optimizer_states', 'lr_schedulers']` on the strategy), or start a new"
+            " run from its weights (`warm_start=PATH`)."
         )
     raise CheckpointError(
         f"You have configured {configured} optimizer(s) but the checkpoint {str(path)!r} contains {saved}"
@@ -79,6 +81,12 @@ def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
             f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
             f"{report.describe()} Make the model match the checkpoint, or set `self.strict_loading = False`"
             " in the LightningModule to load only the keys both have."
+        )
+    if report.missing and not report.common:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} holds none of the model's {len(report.missing)} key(s): it is not"
+            f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
+            " saved from this model."
         )
 
 
