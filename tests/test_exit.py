@@ -146,4 +146,5 @@ def test_the_mixin_under_stock_ddp_exits_cleanly_right_after_a_collective(tmp_pa
     # Each rank got to the last line: the table (6 x 4, +1 per step on each shard, 2 steps) gathered.
     assert all("table sum 48.0" in r["tail"] for r in results)
     saved = torch.load(tmp_path / "table.ckpt", weights_only=True)["state_dict"]["table"]
-    assert type(saved) is torch.Tensor and torch.equal(saved, torch.full((6, 4), 2.0))  # the mixin gathered it
+    assert type(saved) is torch.Tensor  # the mixin gathered it
+    assert torch.equal(saved, torch.full((6, 4), 2.0))
