@@ -98,7 +98,9 @@ def restore_full(
     set_model_state(model, to_load)
     del to_load, source
 
-    for index, (optimizer, optim_state) in enumerate(zip(optimizers, optimizer_states or [], strict=True)):
+    # A load of the model only (`optimizers` empty: evaluation, a warm start) reads no optimizer state.
+    states = optimizer_states or [] if optimizers else []
+    for index, (optimizer, optim_state) in enumerate(zip(optimizers, states, strict=True)):
         _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
     return checkpoint, report, frozen
 
