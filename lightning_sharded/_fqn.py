@@ -143,6 +143,6 @@ def clean_keys(model: nn.Module, state: dict[str, object]) -> dict[str, object]:
     renamed: dict[str, object] = {}
     for key, value in state.items():
         head, dot, name = key.rpartition(".")
-        clean = prefixes.get(head + dot) if dot else None
-        renamed[clean + name if clean is not None else key] = value
+        spelled = prefixes.get(head + dot) if dot else None
+        renamed[spelled + name if spelled is not None else key] = value
     return renamed

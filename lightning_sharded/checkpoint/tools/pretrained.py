@@ -28,6 +28,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import KeyReport, global_shape, set_model_state
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.state_dicts import has_fsdp1, model_state_dict
+from lightning_sharded.checkpoint.tools.frozen import frozen_listing
 from lightning_sharded.checkpoint.tools.weight_sources import Listing, list_source, read_weights
 
 __all__ = ["PretrainedKeys", "load_frozen", "load_pretrained"]
@@ -137,26 +138,12 @@ def load_frozen(
     """
     if not frozen.keys:
         return
-    try:
-        listing = collective.decide(lambda: list_source(frozen.source, weights_only))
-    except FileNotFoundError as err:
-        raise FileNotFoundError(
-            f"The checkpoint {checkpoint!r} holds only the trainable weights; its frozen weights are to be"
-            f" read from {frozen.source!r}, which does not exist ({err}). Put the frozen weights back there,"
-            " or name where they are now with `frozen_source=` on the strategy."
-        ) from None
+    fix = "name where they are now with `frozen_source=` (and `frozen_prefix=`) on the strategy"
+    listing = collective.decide(lambda: frozen_listing(frozen, checkpoint, weights_only, fix))
     root = _root(module)
     state = model_state_dict(root, full=False)
     prefix = frozen.prefix
     targets = {key[len(prefix) :]: state[key] for key in frozen.keys}
-    missing = sorted(prefix + key for key in targets if key not in listing.shapes)
-    if missing:
-        hint = f" (with prefix {prefix!r})" if prefix else ""
-        raise CheckpointError(
-            f"The checkpoint {checkpoint!r} holds only the trainable weights, and the frozen source"
-            f" {listing.shown!r}{hint} lacks {len(missing)} of the frozen ones: {_summary(missing)}. Name the"
-            " weights the run started from with `frozen_source=` (and `frozen_prefix=`) on the strategy."
-        )
     _check_shapes(listing, targets, prefix, type(module).__name__)
     read_weights(listing, targets, weights_only)
     set_model_state(root, {prefix + key: value for key, value in targets.items()})
