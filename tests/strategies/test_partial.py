@@ -305,3 +305,69 @@ def test_a_missing_checkpoint_part_is_not_an_error_and_a_named_callback_is() -> 
         CheckpointError, match=r"callback 'Stop', but the checkpoint 'c.ckpt' holds no state of it"
     ):
         drop_parts(checkpoint, ("callbacks.Stop",), "c.ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sdt", ["sharded", "full"])
+def test_the_offline_tools_make_a_trainable_only_checkpoint_whole_or_say_it_is_partial(
+    run: Run, sdt: str, tmp_path: Path
+) -> None:
+    from lightning_sharded import (
+        ShardedStateMixin,
+        consolidate_checkpoint,
+        load_checkpoint,
+        verify_checkpoint,
+    )
+    from lightning_sharded.cli import main
+    from tests.distributed.scenario_partial import LoraModel
+
+    ckpt = run.ckpt(f"lora-fsdp-{sdt}", sdt)
+    saved = run.results[f"fit-lora-fsdp-{sdt}"]
+    expected = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
+    # load_checkpoint: whole (the base read from its source), or what the checkpoint holds.
+    whole = load_checkpoint(ckpt)["state_dict"]
+    assert sorted(whole) == sorted(expected)
+    assert all(torch.equal(whole[k], v) for k, v in expected.items())
+    alone = load_checkpoint(ckpt, merge_frozen=False)
+    assert not [k for k in alone["state_dict"] if k.startswith("base.")]
+    assert alone[FROZEN_KEY]["keys"] == BASE_KEYS
+    # The mixin's load_from_checkpoint: the complete model, strictly.
+
+    class Loaded(ShardedStateMixin, LoraModel):
+        pass
+
+    model = Loaded.load_from_checkpoint(ckpt)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    # inspect says it is partial and where the rest is.
+    info = inspect_checkpoint(ckpt)
+    assert info.frozen == {"source": str(run.base), "keys": BASE_KEYS, "prefix": "base."}
+    capture = tmp_path / "inspect.txt"
+    with open(capture, "w") as out, pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.stdout", out)
+        assert main(["inspect", ckpt]) == 0
+    line = "partial:     trainable only: 4 frozen parameter(s) not in it, read from"
+    line += f" {run.base} (keys less 'base.')"
+    assert line in capture.read_text()
+    if sdt == "full":
+        return
+    notes = verify_checkpoint(ckpt).notes
+    assert (
+        f"trainable only: 4 frozen parameter(s) are not in this checkpoint; a load reads them from {run.base}"
+        in " ".join(notes)
+    )
+    # consolidate merges the frozen part: a complete file that plain torch and stock Lightning load.
+    out = consolidate_checkpoint(ckpt, tmp_path / "whole.ckpt")
+    state = torch.load(out, weights_only=True)["state_dict"]
+    plain = LoraModel()
+    plain.configure_model()
+    plain.load_state_dict(state)  # strict
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in expected.items())
+    hf = consolidate_checkpoint(ckpt, tmp_path / "hf", format="safetensors", prefix="base.")
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(str(Path(hf) / "model.safetensors"))) == [
+        "0.bias",
+        "0.weight",
+        "1.bias",
+        "1.weight",
+    ]
