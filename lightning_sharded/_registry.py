@@ -16,12 +16,13 @@ strategies run on CPU.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
 
 __all__ = ["STRATEGIES", "install", "register"]
 
@@ -98,20 +99,20 @@ def _register_into(module: ModuleType) -> None:
         register(registry)
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: it lets the other finders find :data:`REGISTRY_MODULE`, and makes the
-    module's loader register this library's names once the module has executed."""
+class _RegisterAfterImport:
+    """A ``sys.meta_path`` finder that finds nothing itself: it lets the other finders find
+    :data:`REGISTRY_MODULE`, and makes the module's loader register this library's names once the
+    module has executed. (Not an ``importlib.abc.MetaPathFinder``: importing that module costs more
+    than all of this one.)"""
 
-    def find_spec(
-        self, fullname: str, path: Any, target: Any = None
-    ) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
         if fullname != REGISTRY_MODULE:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
                 continue
-            spec: importlib.machinery.ModuleSpec | None = find(fullname, path, target)
+            spec: ModuleSpec | None = find(fullname, path, target)
             if spec is not None:
                 break
         else:
