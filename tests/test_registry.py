@@ -38,6 +38,14 @@ def test_a_trainer_makes_the_strategy_from_its_name_on_cpu(name: str) -> None:
     assert name not in FSDPStrategy.get_registered_strategies()
 
 
+def test_cpu_offloading_on_cpu_is_refused_with_the_name_to_use_instead() -> None:
+    trainer = L.Trainer(strategy="sharded_fsdp_cpu_offload", accelerator="cpu", devices=1, logger=False)
+    with pytest.raises(
+        ValueError, match=r"with `accelerator='cpu'` they are on the CPU already.*'sharded_fsdp'"
+    ):
+        trainer.strategy.setup_environment()
+
+
 def test_register_strategies_registers_the_classes_themselves_as_lightning_does() -> None:
     registry = _StrategyRegistry()
     ShardedFSDPStrategy.register_strategies(registry)

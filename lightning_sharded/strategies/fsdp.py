@@ -115,6 +115,16 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if (
+            self.cpu_offload is not None
+            and self.cpu_offload.offload_params
+            and self.root_device.type == "cpu"
+        ):
+            raise ValueError(
+                "CPU offloading (`cpu_offload=True`, the `sharded_fsdp_cpu_offload` strategy) moves FSDP's"
+                " parameters between the GPU and the CPU: with `accelerator='cpu'` they are on the CPU"
+                " already (torch's FSDP1 fails to pin their memory). Use `strategy='sharded_fsdp'` on CPU."
+            )
         mesh = self.kwargs.get("device_mesh")
         if isinstance(mesh, tuple):
             # The parent builds a tuple mesh on "cuda" unconditionally; build it on our device instead.
