@@ -64,20 +64,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             after its tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
-        warm_start: a checkpoint (sharded directory or full file) whose model state (weights and sharded
-            attributes) a ``fit`` without ``ckpt_path`` starts from; the optimizers, LR schedulers,
-            loops and step count start fresh, and only the model's bytes are read. A ``fit`` that resumes
-            (``ckpt_path``) ignores it, so a run configured with both resumes itself after a crash.
-        exclude_from_loading: parts of a checkpoint a resume leaves out, by their Lightning checkpoint
-            key: ``"optimizer_states"``, ``"lr_schedulers"``, ``"loops"``, ``"callbacks"``,
-            ``"callbacks.<Name>"`` (one callback), ``"rank_state"``; one line says what was left out.
-        save_trainable_only: save only the parameters with ``requires_grad`` (and buffers, sharded
-            attributes and everything else); the checkpoint names ``frozen_source`` as where a load reads
-            the frozen parameters from.
-        frozen_source: the weights the frozen parameters were loaded from (a Hugging Face directory, a
-            full or a sharded checkpoint); required with ``save_trainable_only``. On a load it overrides
-            the source a trainable-only checkpoint names.
-        frozen_prefix: the part of the frozen parameters' keys the source's keys lack (``"model."``).
+        warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix: partial
+            loads and trainable-only checkpoints, as in :class:`~lightning_sharded.ShardedFSDPStrategy`.
 
     Example::
 

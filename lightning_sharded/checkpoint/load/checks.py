@@ -12,6 +12,8 @@ from torch.optim import Optimizer
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.checkpoint.names import FROZEN_KEY
 from lightning_sharded.checkpoint.state_dicts import PARAM_GROUPS, PARAMS, STATE, has_fsdp1
 from lightning_sharded.tensors import adapter_for
 
@@ -21,6 +23,7 @@ __all__ = [
     "check_optimizer_count",
     "check_shapes",
     "copy_full_into",
+    "frozen_of",
     "global_shape",
     "named_optimizer_params",
     "set_model_state",
@@ -56,6 +59,24 @@ class KeyReport:
         if self.unexpected:
             parts.append(f"Unexpected key(s) in the checkpoint: {summarize_keys(self.unexpected)}.")
         return " ".join(parts)
+
+
+def frozen_of(checkpoint: Any, path: Location) -> FrozenPart | None:
+    """The frozen part a trainable-only checkpoint dict names (:data:`~.names.FROZEN_KEY`), or ``None``.
+
+    Raises:
+        CheckpointError: the entry is there but is not a frozen part.
+    """
+    value = checkpoint.get(FROZEN_KEY) if isinstance(checkpoint, dict) else None
+    if value is None:
+        return None
+    try:
+        return FrozenPart.from_dict(value)
+    except (TypeError, KeyError) as err:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} has a damaged {FROZEN_KEY!r} entry ({err}): it cannot tell which"
+            " frozen weights it left out. Use another checkpoint."
+        ) from None
 
 
 def check_optimizer_count(path: Location, configured: int, saved: int) -> None:

@@ -22,6 +22,7 @@ from lightning_sharded.checkpoint.load.checks import (
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    frozen_of,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
@@ -76,7 +77,8 @@ def restore_full(
     mapping = FileMapping(path)
     source: dict[str, Any] = checkpoint.pop(STATE_DICT)
     optimizer_states = checkpoint.pop(OPTIMIZER_STATES, None)
-    frozen = _frozen_part(path, checkpoint.pop(FROZEN_KEY, None))
+    frozen = frozen_of(checkpoint, path)
+    checkpoint.pop(FROZEN_KEY, None)
     if optimizers:
         check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
     target = model_state_dict(model, full=False)
@@ -103,19 +105,6 @@ def restore_full(
     for index, (optimizer, optim_state) in enumerate(zip(optimizers, states, strict=True)):
         _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
     return checkpoint, report, frozen
-
-
-def _frozen_part(path: Path, value: Any) -> FrozenPart | None:
-    """A trainable-only file's frozen part (:data:`FROZEN_KEY`), checked."""
-    if value is None:
-        return None
-    try:
-        return FrozenPart.from_dict(value)
-    except (TypeError, KeyError) as err:
-        raise CheckpointError(
-            f"The checkpoint file {str(path)!r} has a damaged {FROZEN_KEY!r} entry ({err}): it cannot tell"
-            " which frozen weights it left out. Resume from another checkpoint."
-        ) from None
 
 
 def _restore_full_optimizer(

@@ -16,25 +16,12 @@ import torch
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.tools.reader import map_tensors, read_checkpoint
 from lightning_sharded.checkpoint.tools.weight_sources import Listing, list_source, read_weights
 
-__all__ = ["frozen_listing", "frozen_of", "load_checkpoint", "read_frozen"]
-
-
-def frozen_of(checkpoint: dict[str, Any], path: str) -> FrozenPart | None:
-    """The frozen part a checkpoint dict names (:data:`~.names.FROZEN_KEY`), or ``None``."""
-    value = checkpoint.get(names.FROZEN_KEY)
-    if value is None:
-        return None
-    try:
-        return FrozenPart.from_dict(value)
-    except (TypeError, KeyError) as err:
-        raise CheckpointError(
-            f"The checkpoint {path!r} has a damaged {names.FROZEN_KEY!r} entry ({err}): it cannot tell which"
-            " frozen weights it left out."
-        ) from None
+__all__ = ["frozen_listing", "load_checkpoint", "read_frozen"]
 
 
 #: What an offline tool tells to do about a frozen source it cannot read.

@@ -36,9 +36,10 @@ from lightning_sharded.checkpoint.checksum import crc32
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.manifest import FrozenPart, Manifest
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
-from lightning_sharded.checkpoint.tools.frozen import frozen_listing, frozen_of, read_frozen
+from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     CONFIG_NAME,

@@ -15,7 +15,7 @@ from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.tools.frozen import frozen_of
+from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.tools.reader import (
     OfflineReader,
     leaves,
