@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_sharded._lazy import lazy_attributes
+from lightning_sharded._registry import install as _install_strategy_names
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 from lightning_sharded.mixin import ShardedStateMixin
@@ -36,6 +37,8 @@ _LAZY = {
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY, globals())
+# `Trainer(strategy="sharded_fsdp")`: the names go into Lightning's registry once it is imported.
+_install_strategy_names()
 
 __all__ = [
     "CheckpointError",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["WRAPPER_PARTS", "Edge", "clean_prefix", "edges", "parameter_names"]
+__all__ = ["WRAPPER_PARTS", "Edge", "clean_keys", "clean_prefix", "edges", "parameter_names"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,31 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
         children = [(path + edge.clean, child) for _, child, edge in edges(module)]
         stack.extend(reversed(children))
     return names
+
+
+def clean_keys(model: nn.Module, state: dict[str, object]) -> dict[str, object]:
+    """``state`` (``model.state_dict()``, raw keys) with every key spelled cleanly, values untouched.
+
+    A key is its module's raw path and a local name; the module's clean path replaces the raw one
+    (``body._orig_mod.0.weight`` -> ``body.0.weight`` for a compiled ``body``). A key whose module is not
+    found stays as it is.
+    """
+    prefixes: dict[str, str] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, str, nn.Module]] = [("", "", model)]
+    while stack:
+        raw, clean, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        if raw != clean:
+            prefixes.setdefault(raw, clean)
+        stack.extend((raw + edge.raw, clean + edge.clean, child) for _, child, edge in edges(module))
+    if not prefixes:
+        return state
+    renamed: dict[str, object] = {}
+    for key, value in state.items():
+        head, dot, name = key.rpartition(".")
+        spelled = prefixes.get(head + dot) if dot else None
+        renamed[spelled + name if spelled is not None else key] = value
+    return renamed

@@ -75,6 +75,12 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
     if info.rank_state_ranks is not None:
         print(f"rank state:  {info.rank_state_ranks} rank(s): RNG and train dataloader state, per rank")
+    if info.frozen is not None:
+        prefix = f" (keys less {info.frozen['prefix']!r})" if info.frozen["prefix"] else ""
+        print(
+            f"partial:     trainable only: {len(info.frozen['keys'])} frozen parameter(s) not in it,"
+            f" read from {info.frozen['source']}{prefix}"
+        )
     if info.not_unpickled:
         from lightning_sharded.checkpoint.unpickling import UNSAFE_FLAG
 

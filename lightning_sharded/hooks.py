@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
 from lightning_sharded._sites import MARKER, SiteIndex
 from lightning_sharded.tensors import adapter_for, agree
@@ -389,7 +390,10 @@ def register_sharded_state_hooks(module: nn.Module) -> nn.Module:
     parameter at that place would have, and on load it is copied in place (same layout) or resharded
     into the attribute's layout (another layout, or a full ``torch.Tensor``). Keys through wrappers
     (FSDP1, activation checkpointing, ``torch.compile``, DDP) are named as torch names parameters there;
-    on load, the clean FQN that ``get_model_state_dict`` gives is accepted too. Idempotent.
+    on load, the clean FQN that ``get_model_state_dict`` gives is accepted too. Idempotent. Also
+    registers, once per process, the exit handler that lets gloo's collective threads finish before
+    the interpreter shuts down (:mod:`lightning_sharded._exit`), so a model with sharded state under
+    any strategy (stock DDP, FSDP, a single device) exits cleanly after its last collective.
 
     Args:
         module: the root of the tree; the hooks walk the tree at every call, so attributes set later
@@ -406,6 +410,8 @@ def register_sharded_state_hooks(module: nn.Module) -> nn.Module:
         >>> sorted(model.state_dict())  # nothing changes for a module without sharded attributes
         ['bias', 'weight']
     """
+    # A process group exists or may come (the model is often built before it): harmless without one.
+    drain_at_exit()
     if has_sharded_state_hooks(module):
         return module
     shared = _Shared()

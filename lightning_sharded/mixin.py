@@ -87,6 +87,9 @@ class ShardedStateMixin:
         that with a device (or device string) as ``map_location`` only the model state goes to that device:
         the rest, optimizer states included, stays memory-mapped on CPU and is read only if used.
 
+        A trainable-only checkpoint (``save_trainable_only``, a directory or a file) gets its frozen
+        parameters from the source it names (:func:`lightning_sharded.load_checkpoint`).
+
         ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
         read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
         see :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code
@@ -106,6 +109,15 @@ class ShardedStateMixin:
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
         if not _is_sharded(checkpoint_path):
+            if _is_local_file(checkpoint_path) and _is_trainable_only(checkpoint_path, weights_only):
+                from lightning_sharded.checkpoint.tools import load_checkpoint
+
+                # Its frozen parameters are read from the source it names: the model gets every key.
+                merged = load_checkpoint(checkpoint_path, location or "cpu", weights_only=weights_only)
+                with _preloaded(checkpoint_path, merged):
+                    return parent.load_from_checkpoint(
+                        checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
+                    )
             if (
                 location is not None
                 and torch.device(location).type != "cpu"
@@ -171,6 +183,18 @@ def _is_sharded(path: str | os.PathLike[str]) -> bool:
 
     loc = location(path)
     return isinstance(loc, os.PathLike) and resolve(loc).is_dir()
+
+
+def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) -> bool:
+    """Whether the full file at ``path`` is a trainable-only checkpoint (memory-mapped: no tensor is
+    read). A file that cannot be read this way is left to Lightning's own load and its errors."""
+    from lightning_sharded.checkpoint.names import FROZEN_KEY
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+    except Exception:
+        return False
+    return isinstance(checkpoint, dict) and checkpoint.get(FROZEN_KEY) is not None
 
 
 def _is_local_file(path: str | os.PathLike[str]) -> bool:

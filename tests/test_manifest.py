@@ -16,8 +16,10 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    PARTIAL_FORMAT_VERSION,
     READABLE_FORMAT_VERSION,
     FileEntry,
+    FrozenPart,
     Manifest,
 )
 
@@ -89,3 +91,24 @@ def test_local_manifests_keep_format_1_without_data_dir(tmp_path: Path) -> None:
     assert "data_dir" not in json.loads(text) and json.loads(text)["format_version"] == 1
     remote = Manifest(files=[], format_version=2, data_dir="data-0123456789abcdef01234567")
     assert Manifest.from_json(remote.to_json()).data_dir == "data-0123456789abcdef01234567"
+
+
+def test_a_trainable_only_manifest_names_its_frozen_part_at_format_3_and_others_are_unchanged() -> None:
+    frozen = FrozenPart("/data/base", ("base.0.bias", "base.0.weight"), "base.")
+    text = Manifest(files=[], frozen=frozen).to_json()
+    data = json.loads(text)
+    assert data["format_version"] == PARTIAL_FORMAT_VERSION == 3
+    assert data["frozen"] == {
+        "source": "/data/base",
+        "keys": ["base.0.bias", "base.0.weight"],
+        "prefix": "base.",
+    }
+    assert Manifest.from_json(text).frozen == frozen
+    remote = Manifest(files=[], format_version=2, frozen=frozen)  # object storage: 3 as well
+    assert remote.format_version == 3
+    # A manifest written before the field existed reads as a complete checkpoint's.
+    old = {"files": [], "format_version": 1, "world_size": 2}
+    assert Manifest.from_json(json.dumps(old)).frozen is None
+    assert "frozen" not in json.loads(Manifest(files=[]).to_json())
+    with pytest.raises(CheckpointError, match="not valid JSON of a lightning_sharded manifest"):
+        Manifest.from_json(json.dumps({**old, "format_version": 3, "frozen": {"source": "x"}}))

@@ -43,7 +43,7 @@ from lightning_sharded.checkpoint.backends import Backend, Location, backend_for
 from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, leftovers, resolve
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault
-from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart, Manifest
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -77,6 +77,7 @@ def commit_directory(
     metadata: Mapping[str, Any] | None = None,
     group: ProcessGroup | None = None,
     backend: Backend | None = None,
+    frozen: FrozenPart | None = None,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
@@ -97,6 +98,8 @@ def commit_directory(
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``.
         group: The process group of the ranks that write.
         backend: The storage; the one of ``path`` (:func:`~.backends.backend_for`) when ``None``.
+        frozen: A trainable-only checkpoint: what it leaves out and where that is (rank 0's value),
+            recorded in the manifest.
 
     Raises:
         CheckpointError: another rank failed while writing, rank 0 failed to prepare or publish, or a
@@ -172,6 +175,7 @@ def commit_directory(
                 world_size=where.world_size,
                 metadata=dict(metadata or {}),
                 **backend.manifest_fields(staging),
+                frozen=frozen,
             )
             backend.write_manifest(staging, manifest)
             fault(FaultPoint.BEFORE_PUBLISH, rank)

@@ -23,7 +23,9 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "OBJECT_STORE_FORMAT_VERSION",
+    "PARTIAL_FORMAT_VERSION",
     "FileEntry",
+    "FrozenPart",
     "Manifest",
 ]
 
@@ -35,8 +37,12 @@ CHECKSUM_ALGORITHM = "crc32"
 FORMAT_VERSION = 1
 #: Manifest format version written on object storage (it adds ``data_dir``; older readers refuse it).
 OBJECT_STORE_FORMAT_VERSION = 2
-#: The newest format version this library reads: 2 adds :attr:`Manifest.data_dir` (object storage).
-READABLE_FORMAT_VERSION = 2
+#: Manifest format version of a trainable-only checkpoint (it adds ``frozen``; older readers refuse it
+#: instead of loading a model without its frozen part). Other checkpoints keep their version.
+PARTIAL_FORMAT_VERSION = 3
+#: The newest format version this library reads: 2 adds :attr:`Manifest.data_dir` (object storage),
+#: 3 :attr:`Manifest.frozen` (trainable-only checkpoints).
+READABLE_FORMAT_VERSION = 3
 
 
 def _version(distribution: str) -> str:
@@ -63,6 +69,34 @@ class FileEntry:
     rank: int = 0
 
 
+@dataclass(frozen=True)
+class FrozenPart:
+    """What a trainable-only checkpoint does not hold, and where a load takes it from.
+
+    Attributes:
+        source: Where the frozen weights are: a Hugging Face directory or ``.safetensors`` file, a full
+            checkpoint file or a sharded checkpoint directory (an absolute local path, or a URL).
+        keys: The model keys left out (parameters with ``requires_grad=False``), sorted.
+        prefix: The part of those keys the source's keys lack: model key ``prefix + key`` is the
+            source's ``key`` (``"model."`` for a LightningModule holding the model as ``self.model``).
+    """
+
+    source: str
+    keys: tuple[str, ...]
+    prefix: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The part as plain JSON values (for the manifest, and a full file's checkpoint dict)."""
+        return {"source": self.source, "keys": list(self.keys), "prefix": self.prefix}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FrozenPart:
+        """Read :meth:`to_dict`'s output; a ``TypeError`` or ``KeyError`` for anything else."""
+        if not isinstance(data, dict) or not isinstance(data["keys"], (list, tuple)):
+            raise TypeError(f"a frozen part is a dict with a list of keys, not {data!r}")
+        return cls(str(data["source"]), tuple(str(k) for k in data["keys"]), str(data.get("prefix", "")))
+
+
 @dataclass
 class Manifest:
     """What a sharded checkpoint directory holds; serialized as :data:`MANIFEST_NAME`.
@@ -79,6 +113,9 @@ class Manifest:
         created: Time of the commit, ISO 8601 in UTC.
         data_dir: Object storage only: the directory (next to the manifest) that holds the files of the
             published version; ``None`` when they sit next to the manifest.
+        frozen: A trainable-only checkpoint: the model keys it does not hold and where they are read
+            from; ``None`` for a complete checkpoint. Setting it raises :attr:`format_version` to at
+            least :data:`PARTIAL_FORMAT_VERSION`.
     """
 
     files: list[FileEntry]
@@ -91,6 +128,11 @@ class Manifest:
     lightning_version: str = field(default_factory=lambda: _version("lightning"))
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     data_dir: str | None = None
+    frozen: FrozenPart | None = None
+
+    def __post_init__(self) -> None:
+        if self.frozen is not None and self.format_version < PARTIAL_FORMAT_VERSION:
+            self.format_version = PARTIAL_FORMAT_VERSION
 
     @property
     def epoch(self) -> int | None:
@@ -120,8 +162,11 @@ class Manifest:
         """The manifest as indented JSON text, keys in a stable order."""
         data = asdict(self)
         data["files"] = [asdict(entry) for entry in sorted(self.files, key=lambda e: e.path)]
-        if data["data_dir"] is None:  # local manifests stay as they were
-            del data["data_dir"]
+        for optional in ("data_dir", "frozen"):  # complete, local manifests stay as they were
+            if data[optional] is None:
+                del data[optional]
+        if self.frozen is not None:
+            data["frozen"] = self.frozen.to_dict()
         return json.dumps(data, indent=1, sort_keys=True, default=str) + "\n"
 
     @classmethod
@@ -156,6 +201,8 @@ class Manifest:
             ]
             known = {f for f in cls.__dataclass_fields__ if f != "files"}
             kwargs = {k: v for k, v in data.items() if k in known}
+            if kwargs.get("frozen") is not None:
+                kwargs["frozen"] = FrozenPart.from_dict(kwargs["frozen"])
             return cls(files=files, **kwargs)
         except CheckpointError:
             raise

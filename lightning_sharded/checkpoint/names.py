@@ -32,6 +32,7 @@ __all__ = [
     "DATA_DIR",
     "DATA_PREFIX",
     "DCP_METADATA",
+    "FROZEN_KEY",
     "LIGHTNING_METADATA",
     "MANIFEST_NAME",
     "MODEL",
@@ -87,6 +88,10 @@ RANK_STATE_FILE = re.compile(rf"^{RANK_STATE_DIR}/rank-(\d{{5}})\.pt$")
 #: in a sharded directory's ``meta.pt`` only which ranks wrote a :data:`RANK_STATE_DIR` file.
 RANK_STATE_KEY = "lightning_sharded_rank_state"
 
+#: Top-level key of a trainable-only full checkpoint file: its frozen part (``FrozenPart.to_dict()``:
+#: the model keys it does not hold and where they are read from). A sharded directory keeps it in its
+#: manifest (``Manifest.frozen``).
+FROZEN_KEY = "lightning_sharded_frozen"
 STAGING = "staging"
 OLD = "old"
 TRASH = "trash"

@@ -23,6 +23,7 @@ from lightning_sharded.checkpoint.backends import Location, backend_for, join, l
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
 from lightning_sharded.checkpoint.errors import run_dcp
+from lightning_sharded.checkpoint.manifest import FrozenPart
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -55,6 +56,7 @@ def write_sharded_checkpoint(
     rank: int,
     group: ProcessGroup | None = None,
     extra_files: Mapping[str, bytes] | None = None,
+    frozen: FrozenPart | None = None,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
@@ -64,7 +66,8 @@ def write_sharded_checkpoint(
     while it is written, then published with the manifest: a previous checkpoint at ``path`` stays
     whole until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
     per-rank state file) are written by this rank next to its shards, checksummed and listed in the
-    manifest as its own.
+    manifest as its own. ``frozen``: a trainable-only checkpoint's frozen part (the model keys ``state``
+    leaves out and where they are), recorded in the manifest.
 
     Raises:
         CheckpointError: ``path`` is a non-empty directory that is not a checkpoint (it would be replaced
@@ -97,7 +100,9 @@ def write_sharded_checkpoint(
             checksums[names.LIGHTNING_METADATA] = bytes_checksum(data)
         return checksums
 
-    commit_directory(target, write, metadata=_manifest_metadata(metadata), group=group, backend=backend)
+    commit_directory(
+        target, write, metadata=_manifest_metadata(metadata), group=group, backend=backend, frozen=frozen
+    )
 
 
 def split_sharded_checkpoint(
@@ -138,6 +143,7 @@ def save_checkpoint(
     model_key: str,
     rank: int,
     extra_files: Mapping[str, bytes] | None = None,
+    frozen: FrozenPart | None = None,
 ) -> None:
     """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
 
@@ -152,11 +158,15 @@ def save_checkpoint(
             ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
         rank: this process's global rank.
         extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
+        frozen: a trainable-only checkpoint (``checkpoint["state_dict"]`` leaves its keys out): in the
+            manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
-        write_sharded_checkpoint(path, state, metadata, rank=rank, extra_files=extra_files)
+        write_sharded_checkpoint(path, state, metadata, rank=rank, extra_files=extra_files, frozen=frozen)
     else:
+        if frozen is not None:
+            checkpoint[names.FROZEN_KEY] = frozen.to_dict()
         write_full_checkpoint(path, checkpoint, rank=rank)
 
 

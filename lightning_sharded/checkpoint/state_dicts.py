@@ -16,6 +16,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_sharded._fqn import clean_keys
+
 __all__ = [
     "PARAMS",
     "PARAM_GROUPS",
@@ -46,7 +48,10 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
 
             # FSDP1 gathers its parameters on rank 0 only; the sharded attributes (DTensor or
             # ShardedTensor values the hooks add) are gathered onto rank 0 here, as torch's helper does.
-            return _gather_state_dict(model.state_dict(), cpu_offload=False, ranks_only=(0,))
+            # FSDP's own keys keep the parts of other wrappers (`_orig_mod.` of a compiled submodule):
+            # the clean names are the ones every other save and every load use.
+            state = _gather_state_dict(model.state_dict(), cpu_offload=False, ranks_only=(0,))
+            return clean_keys(model, state)
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1
 

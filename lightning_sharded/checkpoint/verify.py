@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from lightning_sharded.checkpoint import collective, names, unpickling
-from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, basename, join, location
+from lightning_sharded.checkpoint.backends import (
+    Backend,
+    Location,
+    backend_for,
+    basename,
+    is_url,
+    join,
+    location,
+)
 from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -410,6 +418,13 @@ def verify_checkpoint(
         _raise(real, problems)
         report.has_manifest = True
         report.files, report.bytes = len(manifest.files), manifest.total_size
+        if manifest.frozen is not None:
+            source = manifest.frozen.source
+            gone = "" if is_url(source) or os.path.exists(source) else ", which does not exist"
+            report.notes.append(
+                f"trainable only: {len(manifest.frozen.keys)} frozen parameter(s) are not in this checkpoint;"
+                f" a load reads them from {source}{gone} (not checked here)"
+            )
     report.notes += check_pickles(backend, real, found.kind, weights_only)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",

@@ -15,18 +15,19 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
-from lightning_sharded.checkpoint import load, names, rank_state, save, state_dicts
+from lightning_sharded._registry import register
+from lightning_sharded.checkpoint import names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
-from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
+from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
+from lightning_sharded.strategies._partial import PartialCheckpoints
 
 StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
@@ -43,7 +44,7 @@ def check_state_dict_type(value: str) -> StateDictType:
     return value  # type: ignore[return-value]
 
 
-class ShardedCheckpointing(ParallelStrategy):
+class ShardedCheckpointing(PartialCheckpoints):
     """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
 
     Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and
@@ -66,12 +67,22 @@ class ShardedCheckpointing(ParallelStrategy):
     save_rank_state: bool = True
     #: The RNG states a resume restores in :meth:`on_train_start` (set by :meth:`load_checkpoint`).
     _pending_rng: dict[str, Any] | None = None
+    #: The names the class registers in Lightning's ``StrategyRegistry`` (:mod:`lightning_sharded._registry`).
+    _registry_names: tuple[str, ...] = ()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register this class's names (``sharded_fsdp``...) in ``strategy_registry``, as Lightning's own
+        strategies do; ``import lightning_sharded`` registers them in Lightning's registry already."""
+        register(strategy_registry, cls._registry_names, strategy=cls)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         # The process group exists now: let its worker threads finish before the interpreter exits.
         drain_at_exit()
+        self._schedule_warm_start()
 
     def _init_async_save(self, async_save: bool) -> None:
         if async_save and not self._saves_sharded:
@@ -137,16 +148,10 @@ class ShardedCheckpointing(ParallelStrategy):
     def _saves_sharded(self) -> bool:
         return self._sharded_state_dict_type == "sharded"
 
-    def _register_sharded_state_hooks(self) -> None:
-        """Register the sharded-state hooks on the LightningModule unless it has them (the mixin)."""
-        module = self.lightning_module
-        if module is not None and not has_sharded_state_hooks(module):
-            register_sharded_state_hooks(module)
-
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
-        return state_dicts.model_state_dict(self.model, full=not self._saves_sharded)
+        return self._drop_frozen(state_dicts.model_state_dict(self.model, full=not self._saves_sharded))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -195,7 +200,10 @@ class ShardedCheckpointing(ParallelStrategy):
         start = time.perf_counter()
         hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
         rank_files = self._add_rank_state(checkpoint)
+        frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
         if plugin is not None:
+            if frozen is not None:
+                checkpoint[names.FROZEN_KEY] = frozen.to_dict()
             self.wait_for_checkpoint()
             if self.is_global_zero:
                 plugin.save_checkpoint(checkpoint, path, storage_options=storage_options)
@@ -209,7 +217,13 @@ class ShardedCheckpointing(ParallelStrategy):
 
             def write(target: Location, staged: Any, group: Any) -> None:
                 save.write_sharded_checkpoint(
-                    target, staged[0], staged[1], rank=rank, group=group, extra_files=rank_files
+                    target,
+                    staged[0],
+                    staged[1],
+                    rank=rank,
+                    group=group,
+                    extra_files=rank_files,
+                    frozen=frozen,
                 )
 
             # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
@@ -232,6 +246,7 @@ class ShardedCheckpointing(ParallelStrategy):
             model_key=self._model_key,
             rank=self.global_rank,
             extra_files=rank_files,
+            frozen=frozen,
         )
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
@@ -261,29 +276,17 @@ class ShardedCheckpointing(ParallelStrategy):
         """
         path = location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
-        assert self.model is not None
+        self._cancel_warm_start(path)
         module = self.lightning_module
         assert module is not None
-        self._register_sharded_state_hooks()
         fitting = module.trainer.state.fn == TrainerFn.FITTING
-        optimizers = list(self.optimizers) if fitting else []
+        exclude = self.exclude_from_loading if fitting else ()
+        optimizers = list(self.optimizers) if fitting and names.OPTIMIZER_STATES not in exclude else []
         start = time.perf_counter()
-        restored = load.restore_checkpoint(
-            path,
-            self.model,
-            optimizers,
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            verify=self.verify,
-        )
-        if restored.keys:
-            rank_zero_warn(
-                f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping keys"
-                f" that only one side has. {restored.keys.describe()}"
-            )
+        restored = self._restore(path, optimizers, weights_only)
         what = "model and optimizer states" if optimizers else "model state"
         metadata = restored.metadata
-        if not fitting:
+        if not fitting or RANK_STATE in exclude:
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
             assert restored.data is not None
@@ -301,6 +304,9 @@ class ShardedCheckpointing(ParallelStrategy):
             elif outcome.rng is not None:
                 what += ", and every rank's own RNG and train dataloader states"
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
+        if exclude:
+            left_out = drop_parts(metadata, exclude, str(path))
+            rank_zero_info(f"Not loaded from {str(path)!r} (`exclude_from_loading`): {'; '.join(left_out)}")
         return metadata
 
     @override

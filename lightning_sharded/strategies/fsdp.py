@@ -4,7 +4,8 @@ restores any checkpoint into the wrapped model, at any world size."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator
+import os
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -55,6 +56,20 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        warm_start: a checkpoint (sharded directory or full file) whose model state (weights and sharded
+            attributes) a ``fit`` without ``ckpt_path`` starts from; the optimizers, LR schedulers,
+            loops and step count start fresh, and only the model's bytes are read. A ``fit`` that resumes
+            (``ckpt_path``) ignores it, so a run configured with both resumes itself after a crash.
+        exclude_from_loading: parts of a checkpoint a resume leaves out, by their Lightning checkpoint
+            key: ``"optimizer_states"``, ``"lr_schedulers"``, ``"loops"``, ``"callbacks"``,
+            ``"callbacks.<Name>"`` (one callback), ``"rank_state"``; one line says what was left out.
+        save_trainable_only: save only the parameters with ``requires_grad`` (and buffers, sharded
+            attributes and everything else); the checkpoint names ``frozen_source`` as where a load reads
+            the frozen parameters from.
+        frozen_source: the weights the frozen parameters were loaded from (a Hugging Face directory, a
+            full or a sharded checkpoint); required with ``save_trainable_only``. On a load it overrides
+            the source a trainable-only checkpoint names.
+        frozen_prefix: the part of the frozen parameters' keys the source's keys lack (``"model."``).
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -66,6 +81,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     strategy_name = "sharded_fsdp"
     _model_key = MODEL
+    _registry_names = ("sharded_fsdp", "sharded_fsdp_cpu_offload")
 
     def __init__(
         self,
@@ -74,6 +90,11 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         async_save: bool = False,
         verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
+        warm_start: str | os.PathLike[str] | None = None,
+        exclude_from_loading: Sequence[str] = (),
+        save_trainable_only: bool = False,
+        frozen_source: str | os.PathLike[str] | None = None,
+        frozen_prefix: str = "",
         **kwargs: Any,
     ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
@@ -82,6 +103,9 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         self._init_async_save(async_save)
         self._init_verify(verify)
         self.save_rank_state = save_rank_state
+        self._init_partial(
+            warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
+        )
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
@@ -91,6 +115,16 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if (
+            self.cpu_offload is not None
+            and self.cpu_offload.offload_params
+            and self.root_device.type == "cpu"
+        ):
+            raise ValueError(
+                "CPU offloading (`cpu_offload=True`, the `sharded_fsdp_cpu_offload` strategy) moves FSDP's"
+                " parameters between the GPU and the CPU: with `accelerator='cpu'` they are on the CPU"
+                " already (torch's FSDP1 fails to pin their memory). Use `strategy='sharded_fsdp'` on CPU."
+            )
         mesh = self.kwargs.get("device_mesh")
         if isinstance(mesh, tuple):
             # The parent builds a tuple mesh on "cuda" unconditionally; build it on our device instead.
@@ -166,6 +200,11 @@ def _signature() -> inspect.Signature:
         inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
         inspect.Parameter("verify", keyword, default=False, annotation='bool | Literal["before", "during"]'),
         inspect.Parameter("save_rank_state", keyword, default=True, annotation="bool"),
+        inspect.Parameter("warm_start", keyword, default=None, annotation="str | os.PathLike[str] | None"),
+        inspect.Parameter("exclude_from_loading", keyword, default=(), annotation="Sequence[str]"),
+        inspect.Parameter("save_trainable_only", keyword, default=False, annotation="bool"),
+        inspect.Parameter("frozen_source", keyword, default=None, annotation="str | os.PathLike[str] | None"),
+        inspect.Parameter("frozen_prefix", keyword, default="", annotation="str"),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
     ]
     return inspect.Signature(params, return_annotation=None)

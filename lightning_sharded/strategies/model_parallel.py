@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import os
+from collections.abc import Callable, Collection, Sequence
 from datetime import timedelta
 from typing import Literal
 
@@ -63,6 +64,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             after its tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix: partial
+            loads and trainable-only checkpoints, as in :class:`~lightning_sharded.ShardedFSDPStrategy`.
 
     Example::
 
@@ -71,7 +74,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         trainer.fit(model, ckpt_path="checkpoints/last.ckpt")
     """
 
+    strategy_name = "sharded_model_parallel"
     _model_key = STATE_DICT
+    _registry_names = ("sharded_model_parallel",)
 
     def __init__(
         self,
@@ -85,6 +90,11 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: bool = False,
         verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
+        warm_start: str | os.PathLike[str] | None = None,
+        exclude_from_loading: Sequence[str] = (),
+        save_trainable_only: bool = False,
+        frozen_source: str | os.PathLike[str] | None = None,
+        frozen_prefix: str = "",
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -106,6 +116,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._init_async_save(async_save)
         self._init_verify(verify)
         self.save_rank_state = save_rank_state
+        self._init_partial(
+            warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
+        )
 
     @override
     def setup_environment(self) -> None:

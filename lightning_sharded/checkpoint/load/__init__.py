@@ -31,6 +31,7 @@ from lightning_sharded.checkpoint.load.checksums import (
 )
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
@@ -46,6 +47,9 @@ class Restored(NamedTuple):
     #: Where the checkpoint's files were read: the sharded directory (on object storage, its published
     #: version) or the full file.
     data: Location | None = None
+    #: A trainable-only checkpoint: the model keys it left out that the model has, and where they are.
+    #: They were not loaded: the caller reads them from the source (``load_pretrained``'s machinery).
+    frozen: FrozenPart | None = None
 
 
 def restore_checkpoint(
@@ -56,6 +60,7 @@ def restore_checkpoint(
     strict: bool = True,
     weights_only: bool | None = None,
     verify: bool | VerifyMode = False,
+    read_metadata: bool = True,
 ) -> Restored:
     """Load a sharded directory or a full file into ``model`` (and ``optimizers``) where they live.
 
@@ -78,6 +83,8 @@ def restore_checkpoint(
             the rank's model shard in host memory meanwhile); on object storage every file is
             checksummed before the first read. ``"during"``: read straight into the model; a damaged
             file is then found after its tensors reached the model, before the optimizers are set.
+        read_metadata: read a sharded checkpoint's ``meta.pt`` (loops, callbacks...); ``False`` for a
+            load of the model only (the returned metadata is then empty for a sharded checkpoint).
 
     Returns:
         The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
@@ -105,7 +112,8 @@ def restore_checkpoint(
             verification.check_sizes()
         else:
             check_found(found, verify=mode is not None)
-        metadata, report = restore_sharded(
+        partial = found.manifest.frozen if found.manifest is not None else None
+        metadata, report, from_source = restore_sharded(
             found.backend,
             found.data,
             model,
@@ -114,16 +122,19 @@ def restore_checkpoint(
             weights_only=weights_only,
             verification=verification,
             keep_model=mode == "before",
+            frozen=partial.keys if partial is not None else (),
+            read_metadata=read_metadata,
         )
-        return Restored(metadata, report, found.data)
+        frozen = FrozenPart(partial.source, tuple(from_source), partial.prefix) if partial else None
+        return Restored(metadata, report, found.data, frozen)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
     with found.backend.local_file(found.data) as local:
         try:
-            metadata, report = restore_full(
+            metadata, report, frozen = restore_full(
                 local, model, optimizers, strict=strict, weights_only=weights_only
             )
         except CheckpointError as err:
             if local == found.data:
                 raise
             raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
-    return Restored(metadata, report, found.data)
+    return Restored(metadata, report, found.data, frozen)

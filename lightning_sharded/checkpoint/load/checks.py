@@ -12,6 +12,8 @@ from torch.optim import Optimizer
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.checkpoint.names import FROZEN_KEY
 from lightning_sharded.checkpoint.state_dicts import PARAM_GROUPS, PARAMS, STATE, has_fsdp1
 from lightning_sharded.tensors import adapter_for
 
@@ -21,6 +23,7 @@ __all__ = [
     "check_optimizer_count",
     "check_shapes",
     "copy_full_into",
+    "frozen_of",
     "global_shape",
     "named_optimizer_params",
     "set_model_state",
@@ -58,6 +61,24 @@ class KeyReport:
         return " ".join(parts)
 
 
+def frozen_of(checkpoint: Any, path: Location) -> FrozenPart | None:
+    """The frozen part a trainable-only checkpoint dict names (:data:`~.names.FROZEN_KEY`), or ``None``.
+
+    Raises:
+        CheckpointError: the entry is there but is not a frozen part.
+    """
+    value = checkpoint.get(FROZEN_KEY) if isinstance(checkpoint, dict) else None
+    if value is None:
+        return None
+    try:
+        return FrozenPart.from_dict(value)
+    except (TypeError, KeyError) as err:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} has a damaged {FROZEN_KEY!r} entry ({err}): it cannot tell which"
+            " frozen weights it left out. Use another checkpoint."
+        ) from None
+
+
 def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
     if configured == saved:
         return
@@ -65,7 +86,9 @@ def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
         raise CheckpointError(
             f"The checkpoint {str(path)!r} has no optimizer state but {configured} optimizer(s) are"
             " configured: it was probably saved with `ModelCheckpoint(save_weights_only=True)`. Resume"
-            " from a full training checkpoint, or load the weights only (with `trainer.validate`, say)."
+            " from a full training checkpoint, or leave the optimizer states out of the load"
+            " (`exclude_from_loading=['optimizer_states', 'lr_schedulers']` on the strategy), or start a new"
+            " run from its weights (`warm_start=PATH`)."
         )
     raise CheckpointError(
         f"You have configured {configured} optimizer(s) but the checkpoint {str(path)!r} contains {saved}"
@@ -79,6 +102,12 @@ def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
             f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
             f"{report.describe()} Make the model match the checkpoint, or set `self.strict_loading = False`"
             " in the LightningModule to load only the keys both have."
+        )
+    if report.missing and not report.common:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} holds none of the model's {len(report.missing)} key(s): it is not"
+            f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
+            " saved from this model."
         )
 
 

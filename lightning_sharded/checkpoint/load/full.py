@@ -22,6 +22,7 @@ from lightning_sharded.checkpoint.load.checks import (
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    frozen_of,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
@@ -29,7 +30,8 @@ from lightning_sharded.checkpoint.load.checks import (
     template_like,
 )
 from lightning_sharded.checkpoint.load.pages import FileMapping
-from lightning_sharded.checkpoint.names import OPTIMIZER_STATES, STATE_DICT
+from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.checkpoint.names import FROZEN_KEY, OPTIMIZER_STATES, STATE_DICT
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
@@ -62,10 +64,11 @@ def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
 
 def restore_full(
     path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
-) -> tuple[dict[str, Any], KeyReport]:
+) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
     """Load the full checkpoint file at local ``path`` into ``model`` and ``optimizers``; collective.
 
-    Returns the rest of the checkpoint (without model and optimizer states) and the comparison of keys.
+    Returns the rest of the checkpoint (without model and optimizer states), the comparison of keys,
+    and for a trainable-only file its frozen part, limited to the keys the model has (not read here).
     """
     # Every rank reads the file (memory-mapped); whether it could is agreed, so none enters a
     # collective alone.
@@ -74,26 +77,34 @@ def restore_full(
     mapping = FileMapping(path)
     source: dict[str, Any] = checkpoint.pop(STATE_DICT)
     optimizer_states = checkpoint.pop(OPTIMIZER_STATES, None)
+    frozen = frozen_of(checkpoint, path)
+    checkpoint.pop(FROZEN_KEY, None)
     if optimizers:
         check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
     target = model_state_dict(model, full=False)
-    report = KeyReport(list(target), list(source))
+    elsewhere = sorted(set(frozen.keys if frozen else ()) - set(source))
+    report = KeyReport(list(target), [*source, *elsewhere])
     check_keys(path, report, strict)
+    common = [key for key in report.common if key in source]
     check_shapes(
         path,
-        {key: target[key] for key in report.common},
+        {key: target[key] for key in common},
         {key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)},
     )
+    if frozen is not None:
+        frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in source), frozen.prefix)
     to_load: dict[str, Any] = {}
-    for key in report.common:  # sorted: the same order on every rank
+    for key in common:  # sorted: the same order on every rank
         to_load[key] = copy_full_into(target[key], source[key])
         mapping.release(source[key])
     set_model_state(model, to_load)
     del to_load, source
 
-    for index, (optimizer, optim_state) in enumerate(zip(optimizers, optimizer_states or [], strict=True)):
+    # A load of the model only (`optimizers` empty: evaluation, a warm start) reads no optimizer state.
+    states = optimizer_states or [] if optimizers else []
+    for index, (optimizer, optim_state) in enumerate(zip(optimizers, states, strict=True)):
         _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
-    return checkpoint, report
+    return checkpoint, report, frozen
 
 
 def _restore_full_optimizer(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -55,10 +55,14 @@ def restore_sharded(
     weights_only: bool | None,
     verification: ReadVerification | None = None,
     keep_model: bool = False,
-) -> tuple[dict[str, Any], KeyReport]:
+    frozen: Collection[str] = (),
+    read_metadata: bool = True,
+) -> tuple[dict[str, Any], KeyReport, list[str]]:
     """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
 
-    Collective. Returns the Lightning metadata (``meta.pt``) and the comparison of model keys. With a
+    Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
+    comparison of model keys, and the model keys to take from a trainable-only checkpoint's frozen
+    source (those of ``frozen``, the keys it left out, that the model has: not read here). With a
     ``verification``, the checksums of the files are computed from the reads and compared before the
     model's remaining state and the optimizers are set; a read that fails names a damaged file. With
     ``keep_model`` too, the model's tensors are read into CPU buffers laid out as its shards and copied
@@ -74,16 +78,20 @@ def restore_sharded(
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
-    report = KeyReport(list(target), list(layout.model_entries))
+    elsewhere = sorted(set(frozen) - set(layout.model_entries))
+    report = KeyReport(list(target), [*layout.model_entries, *elsewhere])
     check_keys(path, report, strict)
-    check_shapes(path, {key: target[key] for key in report.common}, layout.model_entries)
-    to_load = {key: target[key] for key in report.common}
+    from_source = [key for key in report.common if key not in layout.model_entries]
+    to_load = {key: target[key] for key in report.common if key in layout.model_entries}
+    check_shapes(path, to_load, layout.model_entries)
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
-    with reading():
-        metadata = collective.decide(
-            lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
-        )
+    metadata: dict[str, Any] = {}
+    if read_metadata:
+        with reading():
+            metadata = collective.decide(
+                lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
+            )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
     # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
@@ -103,7 +111,7 @@ def restore_sharded(
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for finish in finishes:
         finish()
-    return metadata, report
+    return metadata, report, from_source
 
 
 @torch.no_grad()

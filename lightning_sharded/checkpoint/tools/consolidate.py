@@ -25,6 +25,7 @@ from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
+from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import (
     first_line,
     get_path,
@@ -44,6 +45,10 @@ FORMATS = ("lightning", "safetensors")
 
 
 # ----------------------------------------------------------------------------------- consolidate
+
+
+#: The slot key of a frozen parameter (read from a trainable-only checkpoint's source), not a DCP key.
+_FROZEN = "frozen:"
 
 
 @dataclass(frozen=True)
@@ -186,6 +191,17 @@ def consolidate_checkpoint(
     for key in sorted(flat):
         set_path(nested, reader.path_of(key), flat[key])
     checkpoint = to_lightning(nested, meta, real)
+    # A trainable-only checkpoint: its frozen parameters come from the source it names (checked now,
+    # before anything is written), so the output is a complete checkpoint, as any other consolidation.
+    frozen = found.manifest.frozen if found.manifest is not None else None
+    fakes_frozen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    if frozen is not None:
+        listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
+        for key in frozen.keys:
+            stored = key[len(frozen.prefix) :]
+            fakes_frozen[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
+            checkpoint[names.STATE_DICT][key] = _Slot(_FROZEN + key)
+        log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
 
     slots: dict[str, tuple[Any, ...]] = {}
     real_tensors: dict[tuple[Any, ...], torch.Tensor] = {}
@@ -200,10 +216,9 @@ def consolidate_checkpoint(
         fakes = {
             key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
         }
+        fakes.update({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in fakes_frozen.items()})
     skeleton = _map_slots(checkpoint, fakes)
-    total = sum(
-        int(torch.Size(md.size).numel()) * fakes[key].element_size() for key, md in reader.tensors.items()
-    )
+    total = sum(int(fake.numel()) * fake.element_size() for fake in fakes.values())
 
     def write(tmp: Path) -> None:
         try:
@@ -222,9 +237,15 @@ def consolidate_checkpoint(
             )
         sums = _FillChecksums(tmp, loaded)
         try:
-            targets = {key: get_path(loaded, path) for key, path in slots.items()}
+            targets = {key: get_path(loaded, path) for key, path in slots.items() if key not in fakes_frozen}
             with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
                 reader.read_tensors(targets, tick, sums.filled)
+                if frozen is not None:
+                    into = {key[len(_FROZEN) :]: get_path(loaded, slots[key]) for key in fakes_frozen}
+                    read_frozen(frozen, listing, into, weights_only)
+                    for tensor in into.values():
+                        sums.filled(tensor)
+                        tick(tensor.numel() * tensor.element_size())
             for path, tensor in real_tensors.items():
                 target = get_path(loaded, path)
                 target.copy_(tensor)

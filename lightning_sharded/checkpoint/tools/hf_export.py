@@ -36,8 +36,10 @@ from lightning_sharded.checkpoint.checksum import crc32
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.manifest import Manifest
+from lightning_sharded.checkpoint.load.checks import frozen_of
+from lightning_sharded.checkpoint.manifest import FrozenPart, Manifest
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
+from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     CONFIG_NAME,
@@ -71,11 +73,47 @@ class _Tensor:
 
 
 class _Source:
-    """The model tensors of a checkpoint, and a way to read some of them into given buffers."""
+    """The model tensors of a checkpoint, and a way to read some of them into given buffers; for a
+    trainable-only checkpoint, the frozen part it names (:func:`_with_frozen` adds it)."""
 
-    def __init__(self, tensors: list[_Tensor], read: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    def __init__(
+        self,
+        tensors: list[_Tensor],
+        read: Callable[[dict[str, torch.Tensor]], None],
+        frozen: FrozenPart | None = None,
+    ) -> None:
         self.tensors = tensors
         self.read = read
+        self.frozen = frozen
+
+
+def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: str) -> _Source:
+    """``source`` and the frozen parameters of a trainable-only checkpoint, read from where it names."""
+    frozen = source.frozen
+    if frozen is None:
+        return source
+    listing = frozen_listing(frozen, path, weights_only, "export from a copy that has it")
+    extra = {
+        "frozen:" + key: _Tensor(
+            "frozen:" + key,
+            key[len(prefix) :],
+            listing.shapes[key[len(frozen.prefix) :]],
+            listing.dtypes[key[len(frozen.prefix) :]],
+        )
+        for key in frozen.keys
+        if key.startswith(prefix)
+    }
+    log.info("%s holds the trainable weights only: its frozen part is read from %s", path, frozen.source)
+
+    def read(targets: dict[str, torch.Tensor]) -> None:
+        mine = {k[len("frozen:") :]: v for k, v in targets.items() if k in extra}
+        if mine:
+            read_frozen(frozen, listing, mine, weights_only)
+        rest = {k: v for k, v in targets.items() if k not in extra}
+        if rest:
+            source.read(rest)
+
+    return _Source([*source.tensors, *extra.values()], read)
 
 
 def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefix: str) -> _Source:
@@ -103,7 +141,7 @@ def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefi
     def read(targets: dict[str, torch.Tensor]) -> None:
         reader.read_tensors(targets, None)
 
-    return _Source(tensors, read)
+    return _Source(tensors, read, found.manifest.frozen if found.manifest is not None else None)
 
 
 def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:
@@ -138,7 +176,7 @@ def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Sourc
         for key, target in targets.items():
             target.copy_(state[key])
 
-    return _Source(tensors, read)
+    return _Source(tensors, read, frozen_of(checkpoint, str(found.data)))
 
 
 def export_safetensors(
@@ -172,6 +210,7 @@ def export_safetensors(
         source = _sharded_source(found, verify, weights_only, prefix)
     else:
         source = _full_source(found, weights_only, prefix)
+    source = _with_frozen(source, str(found.data), weights_only, prefix)
     if not source.tensors:
         raise CheckpointError(
             f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"

@@ -15,6 +15,7 @@ from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.tools.reader import (
     OfflineReader,
     leaves,
@@ -74,6 +75,9 @@ class CheckpointInfo:
         not_unpickled: Entries that hold a type a safe load refuses, by key (dotted path in the
             Lightning checkpoint dict), with that type; they are listed in ``entries`` with dtype
             ``"not unpickled"`` and nothing of them was unpickled. Empty when everything opened.
+        frozen: A trainable-only checkpoint (``save_trainable_only``): the model keys it does not hold
+            and where a load reads them from (``{"source", "keys", "prefix"}``); ``None`` for a
+            complete checkpoint.
     """
 
     path: str
@@ -88,6 +92,7 @@ class CheckpointInfo:
     has_manifest: bool = False
     rank_state_ranks: int | None = None
     not_unpickled: dict[str, str] = field(default_factory=dict)
+    frozen: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for ``lightning-sharded inspect --json``)."""
@@ -174,6 +179,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     manifest = found.manifest
     if manifest is not None:
         info.has_manifest = True
+        info.frozen = manifest.frozen.to_dict() if manifest.frozen is not None else None
         info.world_size, info.epoch, info.global_step = (
             manifest.world_size,
             manifest.epoch,
@@ -246,7 +252,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
                 entries.append(_value_entry(name, leaf))
     rank_state = checkpoint.get(names.RANK_STATE_KEY)
     ranks = rank_state.get("ranks") if isinstance(rank_state, dict) else None
-    skipped = ("state_dict", "optimizer_states", names.RANK_STATE_KEY)
+    skipped = ("state_dict", "optimizer_states", names.RANK_STATE_KEY, names.FROZEN_KEY)
     for path, leaf in leaves({k: v for k, v in checkpoint.items() if k not in skipped}):
         if isinstance(leaf, torch.Tensor):  # e.g. a callback's best score
             name = ".".join(map(str, path))
@@ -265,6 +271,8 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
         global_step=checkpoint.get("global_step"),
         rank_state_ranks=len(ranks) if isinstance(ranks, list) and ranks else None,
     )
+    frozen = frozen_of(checkpoint, str(file))
+    info.frozen = frozen.to_dict() if frozen is not None else None
     if refused:
         _mark_not_unpickled(info, checkpoint)
     return info

@@ -26,10 +26,12 @@ from torch import nn
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import KeyReport, global_shape, set_model_state
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.state_dicts import has_fsdp1, model_state_dict
-from lightning_sharded.checkpoint.tools.weight_sources import list_source, read_weights
+from lightning_sharded.checkpoint.tools.frozen import frozen_listing
+from lightning_sharded.checkpoint.tools.weight_sources import Listing, list_source, read_weights
 
-__all__ = ["PretrainedKeys", "load_pretrained"]
+__all__ = ["PretrainedKeys", "load_frozen", "load_pretrained"]
 
 
 class PretrainedKeys(NamedTuple):
@@ -106,22 +108,60 @@ def load_pretrained(
             f"{hint} (strict): {' '.join(parts)} Pass the prefix under which the module holds the model"
             " (prefix='llm.' for self.llm), or strict=False to load only the keys both have."
         )
-    bad = [
-        f"size mismatch for {prefix + key}: the weights have shape {list(listing.shapes[key])}, the module"
-        f" {list(shape)}"
-        for key in report.common
-        if (shape := global_shape(targets[key])) is not None and tuple(shape) != tuple(listing.shapes[key])
-    ]
-    if bad:
-        raise CheckpointError(
-            f"The pretrained weights {listing.shown!r} do not fit {type(module).__name__}: {'; '.join(bad)}."
-            " Build the model from the configuration the weights were saved with."
-        )
     to_load = {key: targets[key] for key in report.common}
+    _check_shapes(listing, to_load, prefix, type(module).__name__)
     if to_load:
         read_weights(listing, to_load, weights_only)
         set_model_state(root, {prefix + key: value for key, value in to_load.items()})
     return PretrainedKeys(missing, unexpected)
+
+
+def load_frozen(
+    module: nn.Module, frozen: FrozenPart, *, checkpoint: str, weights_only: bool | None = True
+) -> None:
+    """Load the frozen part of a trainable-only checkpoint (``frozen.keys``) from ``frozen.source``.
+
+    Collective, like :func:`load_pretrained`: each rank reads only the slices it holds. The module key
+    ``frozen.prefix + key`` is read from the source's ``key``; every one of ``frozen.keys`` must be in
+    the source with the module's shape.
+
+    Args:
+        module: the model (or the wrapped root), already sharded.
+        frozen: the keys to load and where they are.
+        checkpoint: the trainable-only checkpoint, for messages.
+        weights_only: as in :func:`load_pretrained`.
+
+    Raises:
+        FileNotFoundError: nothing at the source.
+        CheckpointError: the source lacks a key or holds another shape (the same error on every rank,
+            before anything of the module changed).
+    """
+    if not frozen.keys:
+        return
+    fix = "name where they are now with `frozen_source=` (and `frozen_prefix=`) on the strategy"
+    listing = collective.decide(lambda: frozen_listing(frozen, checkpoint, weights_only, fix))
+    root = _root(module)
+    state = model_state_dict(root, full=False)
+    prefix = frozen.prefix
+    targets = {key[len(prefix) :]: state[key] for key in frozen.keys}
+    _check_shapes(listing, targets, prefix, type(module).__name__)
+    read_weights(listing, targets, weights_only)
+    set_model_state(root, {prefix + key: value for key, value in targets.items()})
+
+
+def _check_shapes(listing: Listing, targets: dict[str, Any], prefix: str, what: str) -> None:
+    """A ``CheckpointError`` listing every key of ``targets`` whose global shape the source does not have."""
+    bad = [
+        f"size mismatch for {prefix + key}: the weights have shape {list(listing.shapes[key])}, the module"
+        f" {list(shape)}"
+        for key in sorted(targets)
+        if (shape := global_shape(targets[key])) is not None and tuple(shape) != tuple(listing.shapes[key])
+    ]
+    if bad:
+        raise CheckpointError(
+            f"The pretrained weights {listing.shown!r} do not fit {what}: {'; '.join(bad)}."
+            " Build the model from the configuration the weights were saved with."
+        )
 
 
 def _is_tensor(value: Any) -> bool:

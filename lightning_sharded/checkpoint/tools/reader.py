@@ -40,10 +40,10 @@ __all__ = [
     "first_line",
     "get_path",
     "leaves",
-    "load_checkpoint",
     "load_full",
     "map_tensors",
     "open_sharded",
+    "read_checkpoint",
     "read_meta",
     "safe_torch_load",
     "set_path",
@@ -366,7 +366,7 @@ def open_sharded(
 # --------------------------------------------------------------------------------------- loading
 
 
-def load_checkpoint(
+def read_checkpoint(
     path: str | os.PathLike[str],
     map_location: str | torch.device | None = "cpu",
     *,
@@ -374,35 +374,12 @@ def load_checkpoint(
     weights_only: bool | None = True,
     optimizer_states: bool = True,
 ) -> dict[str, Any]:
-    """Load a checkpoint in this process, without any process group, as a full Lightning checkpoint dict.
+    """What the checkpoint at ``path`` holds, as a full Lightning checkpoint dict, in this process.
 
-    A sharded directory (this library's, stock ``FSDPStrategy``'s or ``ModelParallelStrategy``'s) is
-    read whole into memory and returned as :func:`torch.load` returns a full checkpoint: full tensors
-    in ``state_dict``, ``optimizer_states`` in torch's index form, and the rest from ``meta.pt``. A full
-    file is read with :func:`torch.load`. Nothing on disk changes.
-
-    Args:
-        path: A sharded checkpoint directory or a full checkpoint file.
-        map_location: Where to put the tensors (a device or device string).
-        verify: Also compare every file's checksum with the manifest; computed from the bytes as they
-            are read (each read once), so nothing is returned from a damaged checkpoint.
-        weights_only: ``True`` (or ``None``, torch's default): every pickle of the checkpoint is read
-            as ``torch.load(weights_only=True)`` reads, with what Lightning writes allowed
-            (:data:`~lightning_sharded.checkpoint.unpickling.LIGHTNING_SAFE_GLOBALS`), so no code from
-            the file runs. ``False`` unpickles anything, running the file's code: only for files you
-            trust.
-        optimizer_states: ``False`` skips the optimizer states of a sharded directory (nothing of them is
-            read; the dict has no ``optimizer_states``): the model state and ``meta.pt`` only, as inference
-            needs.
-
-    Returns:
-        The checkpoint dict.
-
-    Raises:
-        FileNotFoundError: nothing at ``path``.
-        CheckpointError: not a checkpoint, or a file missing, truncated or (with ``verify``) corrupted;
-            the message names the file and the rank that wrote it. Also, with ``weights_only``, a
-            checkpoint that holds a type that is not allowed; the message names it.
+    :func:`~lightning_sharded.checkpoint.tools.frozen.load_checkpoint` (the public ``load_checkpoint``,
+    which documents the arguments) without reading a trainable-only checkpoint's frozen part: such a
+    checkpoint's dict says what it left out under :data:`~lightning_sharded.checkpoint.names.FROZEN_KEY`
+    (a sharded directory's from its manifest, a full file's as saved).
     """
     found = detect(path)
     real = found.data
@@ -424,6 +401,8 @@ def load_checkpoint(
     for key in sorted(flat):
         set_path(nested, reader.path_of(key), flat[key])
     checkpoint = to_lightning(nested, meta, real)
+    if found.manifest is not None and found.manifest.frozen is not None:
+        checkpoint[names.FROZEN_KEY] = found.manifest.frozen.to_dict()
     if map_location is not None and torch.device(map_location).type != "cpu":
         device = torch.device(map_location)
         checkpoint = map_tensors(checkpoint, lambda t: t.to(device))

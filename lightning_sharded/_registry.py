@@ -1,0 +1,145 @@
+"""This library's strategy names in Lightning's ``StrategyRegistry``, without importing Lightning.
+
+``Trainer(strategy="sharded_fsdp")`` (and ``trainer.strategy: sharded_fsdp`` in a LightningCLI config)
+looks the name up in ``lightning.pytorch.strategies.StrategyRegistry``, a dict filled when that module
+is imported. Importing it imports all of ``lightning.pytorch`` (about 2 s), which ``import
+lightning_sharded`` does not do. So :func:`install` registers the names at once when the module is
+already imported, and otherwise installs a finder on ``sys.meta_path`` that registers them right
+after the module has executed (as wrapt's post-import hooks do), then removes itself.
+
+Each entry holds a factory that imports the strategy class when ``StrategyRegistry.get`` calls it (at
+``Trainer(...)``), so a registration imports nothing. The names are deliberately not added to
+``FSDPStrategy.get_registered_strategies()``: that list is what the Trainer refuses on CPU, and these
+strategies run on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from importlib.machinery import ModuleSpec
+
+__all__ = ["STRATEGIES", "install", "register"]
+
+#: The module whose ``StrategyRegistry`` the Trainer reads.
+REGISTRY_MODULE = "lightning.pytorch.strategies"
+
+
+class Entry(NamedTuple):
+    """One registered name: the class (module and name) it makes, with these init arguments."""
+
+    module: str
+    cls: str
+    description: str
+    init_params: dict[str, Any]
+
+
+_FSDP = "lightning_sharded.strategies.fsdp"
+_MP = "lightning_sharded.strategies.model_parallel"
+
+#: Every name this library registers.
+STRATEGIES: dict[str, Entry] = {
+    "sharded_fsdp": Entry(
+        _FSDP,
+        "ShardedFSDPStrategy",
+        "FSDP1 with sharded attributes and sharded checkpoints (lightning_sharded)",
+        {},
+    ),
+    "sharded_fsdp_cpu_offload": Entry(
+        _FSDP,
+        "ShardedFSDPStrategy",
+        "FSDP1 with CPU offloading, sharded attributes and sharded checkpoints (lightning_sharded)",
+        {"cpu_offload": True},
+    ),
+    "sharded_model_parallel": Entry(
+        _MP,
+        "ShardedModelParallelStrategy",
+        "FSDP2 / tensor parallelism with sharded attributes and sharded checkpoints (lightning_sharded)",
+        {},
+    ),
+}
+
+
+def _factory(module: str, cls: str) -> Callable[..., Any]:
+    """A callable that imports ``module.cls`` and instantiates it with the registry's init arguments."""
+
+    def make(**init_params: Any) -> Any:
+        return getattr(importlib.import_module(module), cls)(**init_params)
+
+    make.__name__ = make.__qualname__ = cls
+    make.__doc__ = f"``{module}.{cls}(**init_params)``, imported on first use."
+    return make
+
+
+def register(registry: Any, names: Sequence[str] | None = None, strategy: Any = None) -> None:
+    """Register ``names`` (default: all of :data:`STRATEGIES`) in ``registry`` (a ``_StrategyRegistry``).
+
+    Each entry gets ``strategy`` (the class itself, from a strategy's ``register_strategies``) or a
+    factory that imports the class on first use. A name already registered is replaced.
+    """
+    for name in names if names is not None else sorted(STRATEGIES):
+        entry = STRATEGIES[name]
+        registry.register(
+            name,
+            strategy if strategy is not None else _factory(entry.module, entry.cls),
+            description=entry.description,
+            override=True,
+            **entry.init_params,
+        )
+
+
+def _register_into(module: ModuleType) -> None:
+    registry = getattr(module, "StrategyRegistry", None)
+    if registry is not None and not all(name in registry for name in STRATEGIES):
+        register(registry)
+
+
+class _RegisterAfterImport:
+    """A ``sys.meta_path`` finder that finds nothing itself: it lets the other finders find
+    :data:`REGISTRY_MODULE`, and makes the module's loader register this library's names once the
+    module has executed. (Not an ``importlib.abc.MetaPathFinder``: importing that module costs more
+    than all of this one.)"""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
+        if fullname != REGISTRY_MODULE:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec: ModuleSpec | None = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)  # an error leaves the hook in place: the next import tries again
+            del loader.exec_module  # type: ignore[union-attr]  # the loader's own method again
+            _uninstall()
+            _register_into(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this module's loader only
+        return spec
+
+
+def _uninstall() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
+
+
+def install() -> None:
+    """Register the names now if ``lightning.pytorch.strategies`` is imported, else right after it is."""
+    module = sys.modules.get(REGISTRY_MODULE)
+    if module is not None and getattr(module, "StrategyRegistry", None) is not None:
+        _register_into(module)
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

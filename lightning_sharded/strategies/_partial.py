@@ -1,0 +1,242 @@
+"""Partial loads and saves of both strategies: a warm start, parts left out of a resume, and
+trainable-only checkpoints (only what trains is saved; the frozen rest is read from where it came from).
+
+It decides what to load or save and calls :mod:`lightning_sharded.checkpoint.load` and
+:func:`~lightning_sharded.checkpoint.tools.pretrained.load_frozen`; the checkpoint logic is theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sharded._fqn import parameter_names
+from lightning_sharded.checkpoint import collective, load
+from lightning_sharded.checkpoint.backends import Location, is_url, location
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
+from lightning_sharded.checkpoint.load.checksums import VerifyMode
+from lightning_sharded.checkpoint.load.parts import check_parts
+from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
+
+__all__ = ["PartialCheckpoints"]
+
+#: The barrier Lightning's checkpoint connector passes once the restore step of a run is over
+#: (``_CheckpointConnector.resume_end``): a pending warm start runs there, on every rank.
+_RESUME_END = "_CheckpointConnector.resume_end"
+
+PathLike = str | os.PathLike[str]
+
+
+def _as_location(path: PathLike | None) -> str | None:
+    """A local path made absolute (so a checkpoint names it wherever it is read from), a URL as is."""
+    if path is None:
+        return None
+    loc = location(path)
+    return loc if isinstance(loc, str) else str(loc.absolute())
+
+
+class PartialCheckpoints(ParallelStrategy):
+    """The warm start, ``exclude_from_loading`` and ``save_trainable_only`` of the strategies."""
+
+    #: A checkpoint whose model state (weights, sharded attributes) a fit without ``ckpt_path`` starts
+    #: from; the optimizers, LR schedulers, loops and step count start fresh.
+    warm_start: str | None = None
+    #: Parts of a checkpoint a resume does not restore (see :mod:`~lightning_sharded.checkpoint.load.parts`).
+    exclude_from_loading: tuple[str, ...] = ()
+    #: Save only the parameters with ``requires_grad`` (and everything else but frozen parameters).
+    save_trainable_only: bool = False
+    #: Where the frozen parameters come from (recorded in trainable-only checkpoints, read on load).
+    frozen_source: str | None = None
+    #: The part of the frozen parameters' keys the source's keys lack.
+    frozen_prefix: str = ""
+    #: The strategy's own ``verify`` (set by :class:`ShardedCheckpointing`).
+    verify: bool | VerifyMode = False
+    _warm_start_pending: bool = False
+    _warm_started: bool = False
+    _frozen_checked: FrozenPart | None = None
+
+    def _init_partial(
+        self,
+        warm_start: PathLike | None,
+        exclude_from_loading: Iterable[str] | str | None,
+        save_trainable_only: bool,
+        frozen_source: PathLike | None,
+        frozen_prefix: str,
+    ) -> None:
+        self.warm_start = _as_location(warm_start)
+        self.exclude_from_loading = check_parts(exclude_from_loading)
+        if save_trainable_only and frozen_source is None:
+            raise ValueError(
+                "`save_trainable_only=True` needs `frozen_source`: the weights the frozen parameters were"
+                " loaded from (a Hugging Face directory, a full or a sharded checkpoint), which a load of"
+                " such a checkpoint reads them from. Pass `frozen_source=PATH` (and `frozen_prefix=` if the"
+                " module holds those weights under a prefix, such as 'model.')."
+            )
+        self.save_trainable_only = save_trainable_only
+        self.frozen_source = _as_location(frozen_source)
+        self.frozen_prefix = frozen_prefix
+
+    def _register_sharded_state_hooks(self) -> None:
+        """Register the sharded-state hooks on the LightningModule unless it has them (the mixin)."""
+        module = self.lightning_module
+        if module is not None and not has_sharded_state_hooks(module):
+            register_sharded_state_hooks(module)
+
+    # ------------------------------------------------------------------------------------- loading
+
+    def _restore(
+        self,
+        path: Location,
+        optimizers: Sequence[Optimizer],
+        weights_only: bool | None,
+        *,
+        read_metadata: bool = True,
+    ) -> load.Restored:
+        """Load ``path`` into the model (and ``optimizers``), and a trainable-only checkpoint's frozen
+        part from its source; collective. Warns about what a non-strict load skipped."""
+        assert self.model is not None
+        module = self.lightning_module
+        assert module is not None
+        self._register_sharded_state_hooks()
+        restored = load.restore_checkpoint(
+            path,
+            self.model,
+            optimizers,
+            strict=module.strict_loading,
+            weights_only=weights_only,
+            verify=self.verify,
+            read_metadata=read_metadata,
+        )
+        if restored.keys:
+            rank_zero_warn(
+                f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping keys"
+                f" that only one side has. {restored.keys.describe()}"
+            )
+        frozen = restored.frozen
+        if frozen is not None and frozen.keys:
+            from lightning_sharded.checkpoint.tools.pretrained import load_frozen
+
+            if self.frozen_source is not None and self.frozen_source != frozen.source:
+                rank_zero_info(
+                    f"{str(path)!r} names {frozen.source!r} as its frozen source; reading the frozen weights"
+                    f" from `frozen_source={self.frozen_source!r}` instead."
+                )
+                frozen = FrozenPart(self.frozen_source, frozen.keys, self.frozen_prefix)
+            load_frozen(self.model, frozen, checkpoint=str(path), weights_only=weights_only)
+            rank_zero_info(
+                f"{str(path)!r} holds the trainable weights only: read its {len(frozen.keys)} frozen"
+                f" parameter(s) from {frozen.source!r}"
+            )
+        return restored
+
+    def _schedule_warm_start(self) -> None:
+        """At the start of a fit: a warm start waits for the end of Lightning's restore step, where it
+        runs unless the fit resumed from a checkpoint (``ckpt_path``) meanwhile."""
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        self._warm_start_pending = bool(self.warm_start) and fitting and not self._warm_started
+
+    def _cancel_warm_start(self, resumed_from: Location) -> None:
+        if self._warm_start_pending:
+            self._warm_start_pending = False
+            rank_zero_info(
+                f"Resuming from {str(resumed_from)!r}: `warm_start={self.warm_start!r}` is not loaded (it"
+                " starts runs that do not resume)."
+            )
+
+    def _run_warm_start(self) -> None:
+        self._warm_start_pending = False
+        self._warm_started = True
+        assert self.warm_start is not None
+        path = location(self.warm_start)
+        start = time.perf_counter()
+        self._restore(path, [], None, read_metadata=False)
+        rank_zero_info(
+            f"Warm start: loaded the model state from {str(path)!r} in {time.perf_counter() - start:.2f} s;"
+            " the optimizers, LR schedulers, loops and step count start fresh"
+        )
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        super().barrier(name)  # type: ignore[safe-super]  # the parent strategy's
+        if name == _RESUME_END and self._warm_start_pending:
+            self._run_warm_start()
+
+    @override
+    def on_train_start(self) -> None:
+        if self._warm_start_pending:  # Lightning did not pass the barrier above: the latest moment
+            self._run_warm_start()
+        super().on_train_start()
+
+    # -------------------------------------------------------------------------------------- saving
+
+    def _frozen_part(self) -> FrozenPart | None:
+        """With ``save_trainable_only``: the parameters with ``requires_grad=False`` (clean names) and the
+        source they are read from; ``None`` when nothing is frozen or the option is off."""
+        module = self.lightning_module
+        if not self.save_trainable_only or module is None:
+            return None
+        names = parameter_names(module)
+        keys = tuple(sorted({names[id(p)] for p in module.parameters() if not p.requires_grad}))
+        if not keys:
+            return None
+        assert self.frozen_source is not None
+        return FrozenPart(self.frozen_source, keys, self.frozen_prefix)
+
+    def _drop_frozen(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (the model's, sharded or full) without the frozen parameters. The first time, the
+        frozen source is checked to hold each of them with its shape (on rank 0, shared): a
+        trainable-only checkpoint that could not be loaded is never written."""
+        frozen = self._frozen_part()
+        if frozen is None:
+            return state
+        if frozen != self._frozen_checked:
+            shapes = {key: global_shape(state[key]) for key in frozen.keys if key in state}
+            collective.decide(lambda: _check_source(frozen, shapes))
+            self._frozen_checked = frozen
+        return {key: value for key, value in state.items() if key not in frozen.keys}
+
+
+def _check_source(frozen: FrozenPart, shapes: dict[str, tuple[int, ...] | None]) -> None:
+    """Rank 0: the frozen source holds every frozen key (less the prefix) with the model's shape."""
+    from lightning_sharded.checkpoint.tools.weight_sources import list_source
+
+    prefix = frozen.prefix
+    hint = f" with `frozen_prefix={prefix!r}`" if prefix else ""
+    outside = [key for key in frozen.keys if not key.startswith(prefix)]
+    if outside:
+        raise CheckpointError(
+            f"`save_trainable_only`: the frozen parameter(s) {summarize_keys(outside)} do not start with"
+            f" `frozen_prefix={prefix!r}`, so they cannot come from {frozen.source!r}. Freeze only weights"
+            " loaded from the frozen source, or set `frozen_prefix` to what their keys start with."
+        )
+    if not is_url(frozen.source) and not os.path.exists(frozen.source):
+        raise FileNotFoundError(
+            f"`save_trainable_only`: the frozen source {frozen.source!r} does not exist. Name the weights the"
+            " frozen parameters were loaded from with `frozen_source=`."
+        )
+    listing = list_source(frozen.source, True)
+    missing = [key for key in frozen.keys if key[len(prefix) :] not in listing.shapes]
+    differ = [
+        f"{key}: the source has {list(listing.shapes[key[len(prefix) :]])}, the model {list(shape)}"
+        for key, shape in sorted(shapes.items())
+        if key not in missing and shape is not None and tuple(shape) != listing.shapes[key[len(prefix) :]]
+    ]
+    if missing or differ:
+        found = f" lacks {summarize_keys(missing)}" if missing else ""
+        bad = f"{';' if missing else ''} holds other shapes ({'; '.join(differ)})" if differ else ""
+        raise CheckpointError(
+            f"`save_trainable_only`: the frozen source {listing.shown!r}{hint}{found}{bad}, so a checkpoint"
+            " without those frozen parameters could not be loaded. Name the weights they were loaded from"
+            " with `frozen_source=` (and `frozen_prefix=`), or set `save_trainable_only=False`."
+        )
