@@ -87,9 +87,11 @@ def layers(hidden: int, count: int) -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(hidden, hidden) for _ in range(count)))
 
 
-def adam_after_one_step(model: nn.Module) -> torch.optim.Adam:
+def adam_after_one_step(model: nn.Sequential) -> torch.optim.Adam:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(2, model[0].in_features)).sum().backward()
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    model(torch.randn(2, first.in_features)).sum().backward()
     optimizer.step()
     return optimizer
 
@@ -166,7 +168,8 @@ class Lora(nn.Module):
         self.b = nn.Linear(rank, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.b(self.a(x))
+        out: torch.Tensor = self.base(x) + self.b(self.a(x))
+        return out
 
 
 def trainable_only(root: Path, hidden: int, count: int, rank: int) -> list[dict[str, Any]]:
@@ -182,7 +185,8 @@ def trainable_only(root: Path, hidden: int, count: int, rank: int) -> list[dict[
             self.blocks = nn.Sequential(*(Lora(hidden, rank) for _ in range(count)))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            return self.blocks(batch[0]).pow(2).mean()
+            loss: torch.Tensor = self.blocks(batch[0]).pow(2).mean()
+            return loss
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
@@ -191,15 +195,19 @@ def trainable_only(root: Path, hidden: int, count: int, rank: int) -> list[dict[
     source = root / "base.pt"
     base = {k: v for k, v in LoraModel().state_dict().items() if ".base." in k}
     torch.save(base, source)
-    rows = []
-    for what, options in (
-        ("complete", {}),
-        ("trainable only", {"save_trainable_only": True, "frozen_source": source}),
-    ):
+    rows: list[dict[str, Any]] = []
+    for what, trainable in (("complete", False), ("trainable only", True)):
+        strategy = (
+            ShardedModelParallelStrategy(
+                fully_shard_policy={Lora}, save_trainable_only=True, frozen_source=source
+            )
+            if trainable
+            else ShardedModelParallelStrategy(fully_shard_policy={Lora})
+        )
         trainer = L.Trainer(
             accelerator="cpu",
             devices=1,
-            strategy=ShardedModelParallelStrategy(fully_shard_policy={Lora}, **options),
+            strategy=strategy,
             max_steps=1,
             logger=False,
             enable_progress_bar=False,
