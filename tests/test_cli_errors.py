@@ -197,8 +197,8 @@ def test_debug_before_and_after_the_command(workdir: Path) -> None:
 def test_verbose_before_and_after_the_command(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["-v", "verify", "ckpt"], ["verify", "ckpt", "-v"], ["verify", "-v", "ckpt"]):
         code, out, err = run(capsys, *argv)
-        assert code == 0 and out.startswith("OK: ckpt (sharded, 4 files, ")
-        assert err.startswith("Verified ckpt (sharded, 4 files, ") and " KiB) in " in err, err
+        assert code == 0 and out.startswith("OK: ckpt (sharded, 5 files, ")  # the manifest counts
+        assert err.startswith("Verified ckpt (sharded, 5 files, ") and " KiB) in " in err, err
     code, _, err = run(capsys, "inspect", "ckpt", "--verbose")
     assert code == 0 and err.startswith("Inspected ckpt (8 entries) in ")
     code, _, err = run(capsys, "consolidate", "-v", "ckpt", "full.ckpt")

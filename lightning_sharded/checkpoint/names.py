@@ -42,6 +42,9 @@ __all__ = [
     "RANK_STATE_DIR",
     "RANK_STATE_FILE",
     "RANK_STATE_KEY",
+    "SAFETENSORS_FILE",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SUFFIX",
     "SHARD_FILE",
     "SIBLING_KINDS",
     "STAGING",
@@ -86,6 +89,12 @@ RANK_STATE_FILE = re.compile(rf"^{RANK_STATE_DIR}/rank-(\d{{5}})\.pt$")
 #: Top-level key of the Lightning checkpoint for the per-rank state: in a full file every rank's state,
 #: in a sharded directory's ``meta.pt`` only which ranks wrote a :data:`RANK_STATE_DIR` file.
 RANK_STATE_KEY = "lightning_sharded_rank_state"
+
+#: A Hugging Face weights directory (``save_pretrained``, ``consolidate --format safetensors``): its one
+#: weights file, or the index of its ``model-0000K-of-0000N.safetensors`` files, and their suffix.
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
 
 STAGING = "staging"
 OLD = "old"
