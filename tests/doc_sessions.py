@@ -212,7 +212,7 @@ def regenerate(cwd: Path, demo: tuple[Path, str], doc: Path = DOC) -> tuple[str,
         rewritten.append("".join(lines))
     parts = iter(rewritten)
     new = _SESSION.sub(lambda _: f"```console\n{next(parts)}```", text)
-    rel = doc.relative_to(REPO)
+    rel = doc.relative_to(REPO) if doc.is_relative_to(REPO) else doc
     diff = difflib.unified_diff(
         text.splitlines(keepends=True), new.splitlines(keepends=True), f"{rel} (docs)", f"{rel} (printed)"
     )
