@@ -327,26 +327,6 @@ def _full_file_problems(backend: Backend, file: Location, progress: bool | None)
     return []
 
 
-def _verify_weights(found: Found, report: VerifyReport, progress: bool | None) -> None:
-    """Hugging Face weights: with a manifest (an export of this library) every listed file's size and
-    checksum; always, every header reads and every file is as long as its header says (no tensor is
-    read without a manifest)."""
-    problems = hf_layout.read_weights(found.backend, found.data).problems
-    manifest = found.manifest
-    if manifest is not None:
-        with progress_bar(manifest.total_size, progress, f"verifying {basename(found.data)}") as tick:
-            listed = find_problems(found.data, manifest, checksums=True, on_bytes=tick)
-        seen = {p.path for p in listed}
-        problems = listed + [p for p in problems if p.path not in seen]
-        report.has_manifest = True
-    else:
-        report.notes.append(
-            "no manifest (weights not written by lightning_sharded): there are no checksums to compare with;"
-            " checked that every safetensors header reads and that every file is as long as its header says"
-        )
-    _raise(found.data, problems)
-
-
 def _raise(path: Location, problems: list[Problem]) -> None:
     error = damaged(path, problems)
     if error is not None:
@@ -391,10 +371,18 @@ def verify_checkpoint(
     backend, real = found.backend, found.data
     report = VerifyReport(real, found.kind)
     manifest = found.manifest
+    weights = found.kind is CheckpointKind.SAFETENSORS
+    # Hugging Face weights: every header reads, every file as long as its header says; with a manifest
+    # (our export) the checksums too, below.
+    header_problems = hf_layout.read_weights(backend, real).problems if weights else []
     if found.kind is CheckpointKind.FULL:
         _raise(real, _full_file_problems(backend, real, progress))
-    elif found.kind is CheckpointKind.SAFETENSORS:
-        _verify_weights(found, report, progress)
+    elif weights and manifest is None:
+        _raise(real, header_problems)
+        report.notes.append(
+            "no manifest (weights not written by lightning_sharded): there are no checksums to compare with;"
+            " checked that every safetensors header reads and that every file is as long as its header says"
+        )
     elif manifest is None:
         try:  # read safely, flag or not: verify never unpickles
             problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
@@ -415,13 +403,14 @@ def verify_checkpoint(
     else:
         with progress_bar(manifest.total_size, progress, f"verifying {basename(real)}") as tick:
             problems = find_problems(real, manifest, checksums=True, on_bytes=tick)
-        if names.DCP_METADATA not in {e.path for e in manifest.files}:
+        if not weights and names.DCP_METADATA not in {e.path for e in manifest.files}:
             problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
-        _raise(real, problems)
+        seen = {p.path for p in problems}
+        _raise(real, problems + [p for p in header_problems if p.path not in seen])
         report.has_manifest = True
     files = checkpoint_files(found)
     report.files, report.bytes = len(files), sum(files.values())
-    if found.kind is not CheckpointKind.SAFETENSORS:  # safetensors holds no pickle
+    if not weights:  # safetensors holds no pickle
         report.notes += check_pickles(backend, real, found.kind, weights_only)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
