@@ -206,6 +206,11 @@ def test_full_file_truncated(full_file: Path) -> None:
         CheckpointError,
         r"'.*full\.ckpt' cannot be read .* truncated or corrupt",
     )
+    for read in (load_checkpoint, inspect_checkpoint):
+        with pytest.raises(CheckpointError) as err:
+            read(full_file)
+        assert re.search(r"cannot be read \((\w+Error): ", str(err.value)), str(err.value)
+        assert not re.search(r"(\w+Error): \1:", str(err.value)), str(err.value)  # the type once
 
 
 def test_full_file_bit_flip(full_file: Path) -> None:
