@@ -79,7 +79,7 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(Model(), ckpt_path=resume)
-    trainer.save_checkpoint(args.ckpt)
+    trainer.save_checkpoint(args.ckpt, weights_only=False)
     if trainer.global_rank == 0:
         print(f"resumed from step {step}, saved step {trainer.global_step} to {args.ckpt}")
 

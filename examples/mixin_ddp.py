@@ -76,7 +76,7 @@ def main(out: Path) -> None:
     model = TableModel()
     first.fit(model, data)
     ckpt = out / "table.ckpt"
-    first.save_checkpoint(ckpt)
+    first.save_checkpoint(ckpt, weights_only=False)
     assert model.table is not None
     saved = model.table.full_tensor()
 

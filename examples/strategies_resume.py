@@ -68,7 +68,7 @@ def main(output: Path) -> None:
     model = TableModel()
     trainer = L.Trainer(strategy=ShardedFSDPStrategy(auto_wrap_policy={nn.Linear}), max_steps=3, **common)
     trainer.fit(model)
-    trainer.save_checkpoint(checkpoint)
+    trainer.save_checkpoint(checkpoint, weights_only=False)
     saved_table = model.table.full_tensor()
 
     resumed = TableModel()

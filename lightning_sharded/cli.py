@@ -60,10 +60,8 @@ def _inspect(args: argparse.Namespace) -> int:
         print(line.format(*map(str, row)).rstrip())
     print()
     print(f"path:        {info.path}")
-    print(
-        f"kind:        {info.kind}"
-        + ("" if info.kind == "full" else " (manifest)" if info.has_manifest else " (no manifest)")
-    )
+    manifest = " (manifest)" if info.has_manifest else " (no manifest)" if info.kind == "sharded" else ""
+    print(f"kind:        {info.kind}{manifest}")
     tensors = sum(e.value is None for e in info.entries)
     print(
         f"entries:     {len(info.entries)}: {tensors} tensors, {_size(info.total_size)};"
@@ -148,11 +146,15 @@ def _consolidate(args: argparse.Namespace) -> int:
         ),
     )
     if isinstance(out, Path) and out.is_dir():  # --format safetensors
-        files = sorted(p for p in out.iterdir() if p.name.endswith(".safetensors"))
+        from lightning_sharded.checkpoint.detect import checkpoint_files, detect
+        from lightning_sharded.checkpoint.progress import format_files
+
+        files = checkpoint_files(detect(out, safetensors=True))
+        weights = sum(name.endswith(".safetensors") for name in files)
         print(
-            f"Wrote {out} ({len(files)} safetensors file{'s' if len(files) != 1 else ''},"
-            f" {_size(sum(p.stat().st_size for p in files))}): load it with transformers' from_pretrained,"
-            " or into a sharded model with lightning_sharded.load_pretrained."
+            f"Wrote {out} ({weights} safetensors file{'s' if weights != 1 else ''}; {format_files(files)}):"
+            " load it with transformers' from_pretrained, or into a sharded model with"
+            " lightning_sharded.load_pretrained."
         )
         return EXIT_OK
     print(

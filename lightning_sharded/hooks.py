@@ -88,8 +88,10 @@ class _StateDictPreHook:
         caller = sys._getframe(1)  # the nn.Module.state_dict call of `module`; the post-hook sees it too
         if stack:
             # A nested call, or what a call that raised left behind: drop the entries of finished calls.
+            # An entry with this call's own frame id is one of them too: a finished frame's memory can
+            # hold this new frame, and no frame runs this hook twice.
             live = _live_frames(caller)
-            stack[:] = [entry for entry in stack if entry[0] in live]
+            stack[:] = [entry for entry in stack if entry[0] in live and entry[0] != id(caller)]
         stack.append((id(caller), keep_vars))
 
 

@@ -173,7 +173,9 @@ def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iter
 
 
 def _is_sharded(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` (a local path or an fsspec URL) is a sharded checkpoint directory."""
+    """Whether ``path`` (a local path or an fsspec URL) is a sharded checkpoint directory; a local file
+    that is no full checkpoint (one file of a checkpoint directory, Hugging Face weights, something
+    else) raises the detector's error, which names it."""
     from lightning_sharded.checkpoint.backends import is_url, location
     from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 
@@ -182,7 +184,13 @@ def _is_sharded(path: str | os.PathLike[str]) -> bool:
     from lightning_sharded.checkpoint.backends.local import resolve
 
     loc = location(path)
-    return isinstance(loc, os.PathLike) and resolve(loc).is_dir()
+    if not isinstance(loc, os.PathLike):
+        return False
+    if resolve(loc).is_dir():
+        return True
+    if os.path.isfile(loc):
+        detect(path)  # one file of a checkpoint directory, weights, not a checkpoint: the detector's error
+    return False
 
 
 def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) -> bool:

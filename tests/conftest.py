@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from tests._pages import drops_pages
-from tests.distributed.launch import free_port, shell_env
+from tests.distributed.launch import free_port
+from tests.doc_sessions import run_demo
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
@@ -74,14 +75,4 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """The README's main job, ``lightning-sharded demo``, run once in an empty folder as a user runs it
     (the console script, its defaults); the folder and what it printed."""
     cwd = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run(
-        ["bash", "-c", "lightning-sharded demo"],
-        cwd=cwd,
-        env=shell_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    return cwd, proc.stdout
+    return cwd, run_demo(cwd)

@@ -169,6 +169,21 @@ def test_no_verify_and_force(workdir: Path, capsys: pytest.CaptureFixture[str]) 
     assert code == 0 and out.startswith("Wrote out.ckpt (")
 
 
+def test_force_that_does_not_apply_says_so(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (workdir / "notes").mkdir()
+    (workdir / "notes" / "todo.txt").write_text("keep me")
+    without = one_line_error(capsys, "consolidate", "ckpt", "notes")
+    assert "is never replaced" in without and "--force" not in without
+    forced = one_line_error(capsys, "consolidate", "ckpt", "notes", "--force")
+    assert forced.startswith(without) and forced.endswith(
+        " --force (overwrite=True) does not apply here: it replaces a file, an empty directory or a"
+        " checkpoint, never a directory of other files."
+    )
+    assert (workdir / "notes" / "todo.txt").read_text() == "keep me"
+    source = one_line_error(capsys, "consolidate", "ckpt", "ckpt/inside.ckpt", "--force")
+    assert "would destroy the only copy" in source and "never the source being read" in source
+
+
 def test_an_unexpected_error_is_one_line_too(
     workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -197,8 +212,8 @@ def test_debug_before_and_after_the_command(workdir: Path) -> None:
 def test_verbose_before_and_after_the_command(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["-v", "verify", "ckpt"], ["verify", "ckpt", "-v"], ["verify", "-v", "ckpt"]):
         code, out, err = run(capsys, *argv)
-        assert code == 0 and out.startswith("OK: ckpt (sharded, 4 files, ")
-        assert err.startswith("Verified ckpt (sharded, 4 files, ") and " KiB) in " in err, err
+        assert code == 0 and out.startswith("OK: ckpt (sharded, 5 files, ")  # the manifest counts
+        assert err.startswith("Verified ckpt (sharded, 5 files, ") and " KiB) in " in err, err
     code, _, err = run(capsys, "inspect", "ckpt", "--verbose")
     assert code == 0 and err.startswith("Inspected ckpt (8 entries) in ")
     code, _, err = run(capsys, "consolidate", "-v", "ckpt", "full.ckpt")

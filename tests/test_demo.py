@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from lightning_sharded import inspect_checkpoint, verify_checkpoint
+from lightning_sharded.checkpoint.progress import format_size
 from lightning_sharded.demo import compare
 
 
@@ -19,6 +21,19 @@ def test_demo_resumes_in_one_and_two_processes(demo_run: tuple[Path, str]) -> No
         line = next(line for line in lines if f"resumed in {world} process(es)" in line)
         assert "weights 4/4 equal, table equal, optimizer state 12/12 equal, global step 4" in line
     assert lines[-1].startswith("OK:")
+    # one count of the checkpoint's files and bytes: the demo's, inspect's and verify's
+    report = verify_checkpoint(cwd / "lightning-sharded-demo" / "checkpoint")
+    info = inspect_checkpoint(cwd / "lightning-sharded-demo" / "checkpoint")
+    on_disk = [p for p in (cwd / "lightning-sharded-demo" / "checkpoint").rglob("*") if p.is_file()]
+    assert (
+        (report.files, report.bytes)
+        == (info.files, info.disk_size)
+        == (
+            len(on_disk),
+            sum(p.stat().st_size for p in on_disk),
+        )
+    )
+    assert f"saved checkpoint/ ({report.files} files, {format_size(report.bytes)}) (" in stdout
     saved = torch.load(cwd / "lightning-sharded-demo" / "saved.pt", weights_only=False)
     assert saved["global_step"] == 4 and len([k for k in saved if k.startswith("optimizer.")]) == 12
 

@@ -361,7 +361,10 @@ def test_import_is_silent_and_lazy() -> None:
     code = (
         "import sys, lightning_sharded; "
         "assert 'torch.distributed._shard.sharded_tensor' not in sys.modules, "
-        "'ShardedTensor imported eagerly'"
+        "'ShardedTensor imported eagerly'; "
+        "assert 'lightning' not in sys.modules, 'Lightning imported eagerly'; "
+        "assert 'lightning_sharded.checkpoint.tools' not in sys.modules, 'the tools imported eagerly'; "
+        "[getattr(lightning_sharded, name) for name in lightning_sharded.__all__]"  # each one resolves
     )
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
 

@@ -192,7 +192,7 @@ def test_cli_export_bfloat16_loads_with_from_pretrained(
          "--prefix", "llm.", "--config", str(runs.config), "--no-progress"]
     )  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    assert capsys.readouterr().out.startswith(f"Wrote {dst} (1 safetensors file, ")
+    assert capsys.readouterr().out.startswith(f"Wrote {dst} (1 safetensors file; 3 files, ")
     assert sorted(os.listdir(dst)) == ["config.json", "lightning_sharded.json", "model.safetensors"]
     assert (dst / "config.json").read_bytes() == runs.config.read_bytes()
     expected = trained(runs)

@@ -22,6 +22,7 @@ import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import MANIFEST_NAME
+from lightning_sharded.checkpoint.backends import backend_for
 from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
@@ -227,7 +228,7 @@ def test_verify_catches_a_corrupted_object(
     fitted["mp-sharded"]
     copy(fs, src, url)
     code, out, _ = run_cli(capsys, "verify", url)
-    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 6 files," in out, out
+    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 7 files," in out, out
     version = detect(url).data
     shard = f"{version}/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
@@ -259,11 +260,23 @@ def test_inspect_an_s3_checkpoint(fitted: Results, s3: S3Server, capsys: pytest.
     assert f"path:        {url}/data-" in out
     code, out, _ = run_cli(capsys, "inspect", url, "--json")
     data = json.loads(out)
-    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 6
+    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 7
     assert data["rank_state_ranks"] == 2  # rank_state/rank-0000{0,1}.pt, nested under the version
     assert any(e["key"].startswith("model.layer1") and e["shards"] == 2 for e in data["entries"])
     code, out, _ = run_cli(capsys, "inspect", s3.url("fits/fsdp-full"))
     assert code == 0 and "kind:        full" in out
+    data_dir = data["path"]  # the published version, under the checkpoint
+    manifest_size = backend_for(url).size(f"{url}/{MANIFEST_NAME}")  # beside the version, counted too
+    assert data["disk_size"] == sum(e.size for e in detect(url).manifest.files) + manifest_size
+    for part, what in (
+        (f"{data_dir}/__1_0.distcp", "the shard file of rank 1"),
+        (f"{url}/{MANIFEST_NAME}", "its manifest"),
+    ):
+        with pytest.raises(CheckpointError) as err:
+            detect(part)
+        assert str(err.value).startswith(
+            f"The file {part!r} is one part of the sharded checkpoint {url!r} ({what}"
+        )
 
 
 def test_consolidate_from_s3_then_a_stock_single_device_resume(

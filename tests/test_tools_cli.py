@@ -270,7 +270,7 @@ def test_cli_inspect_table_and_json(sharded_ckpt: Path, capsys: pytest.CaptureFi
 def test_cli_verify_ok_and_damaged(sharded_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(capsys, "verify", str(sharded_ckpt))
     assert code == 0
-    assert out.startswith(f"OK: {sharded_ckpt} (sharded, 4 files,") and "checksums match" in out
+    assert out.startswith(f"OK: {sharded_ckpt} (sharded, 5 files,") and "checksums match" in out
     (sharded_ckpt / "__0_0.distcp").unlink()
     data = bytearray((sharded_ckpt / "__1_0.distcp").read_bytes())
     data[100] ^= 1

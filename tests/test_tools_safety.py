@@ -347,7 +347,11 @@ def test_inspect_counts_files_as_verify_does(sharded_ckpt: Path, tmp_path: Path)
     for path in (sharded_ckpt, stock, full):
         info, report = inspect_checkpoint(path), verify_checkpoint(path)
         assert (info.files, info.disk_size) == (report.files, report.bytes), path
-    assert inspect_checkpoint(sharded_ckpt).files == 4  # .metadata, meta.pt, two shard files
+    # .metadata, meta.pt, two shard files and the manifest, as `ls` shows them (notes.txt is no part)
+    info = inspect_checkpoint(sharded_ckpt)
+    on_disk = [p for p in sharded_ckpt.rglob("*") if p.is_file() and p.name != "notes.txt"]
+    assert (info.files, info.disk_size) == (5, sum(p.stat().st_size for p in on_disk))
+    assert inspect_checkpoint(stock).files == 4  # no manifest
     assert inspect_checkpoint(full).disk_size == full.stat().st_size
 
 

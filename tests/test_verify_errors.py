@@ -58,8 +58,8 @@ def test_intact_checkpoint_verifies(sharded_ckpt: Path) -> None:
     report = verify_checkpoint(sharded_ckpt)
     manifest = read_manifest(sharded_ckpt)
     assert manifest is not None
-    assert report.has_manifest and report.files == len(manifest.files) == 4
-    assert report.bytes == manifest.total_size
+    assert report.has_manifest and report.files == len(manifest.files) + 1 == 5  # the manifest counts
+    assert report.bytes == manifest.total_size + (sharded_ckpt / MANIFEST_NAME).stat().st_size
     assert report.notes == []
 
 
@@ -206,6 +206,11 @@ def test_full_file_truncated(full_file: Path) -> None:
         CheckpointError,
         r"'.*full\.ckpt' cannot be read .* truncated or corrupt",
     )
+    for read in (load_checkpoint, inspect_checkpoint):
+        with pytest.raises(CheckpointError) as err:
+            read(full_file)
+        assert re.search(r"cannot be read \((\w+Error): ", str(err.value)), str(err.value)
+        assert not re.search(r"(\w+Error): \1:", str(err.value)), str(err.value)  # the type once
 
 
 def test_full_file_bit_flip(full_file: Path) -> None:

@@ -36,6 +36,22 @@ def test_checksums_equal_a_read_back(tmp_path: Path) -> None:
         assert file_checksum(tmp_path / "ckpt" / name) == figures
 
 
+def test_the_index_holds_no_path_so_its_size_does_not_depend_on_where(tmp_path: Path) -> None:
+    """The writer writes into a staging directory that is renamed at publish: ``.metadata`` records no
+    ``checkpoint_id`` (it would name that directory), and the same state gives an index of one size
+    wherever it is written (the documented sessions show sizes)."""
+    from lightning_sharded.checkpoint.backends import LocalBackend
+    from lightning_sharded.checkpoint.dcp_index import read_index
+
+    sizes = []
+    for where in (tmp_path / "a", tmp_path / "a-much-longer-folder-name" / "below"):
+        dcp.save(_state(), storage_writer=ChecksummingWriter(where), no_dist=True)
+        index = read_index(LocalBackend(), where, weights_only=True)
+        assert index.storage_meta.checkpoint_id is None and index.storage_meta.save_id
+        sizes.append((where / ".metadata").stat().st_size)
+    assert sizes[0] == sizes[1]
+
+
 def test_without_torch_crc32_restores_the_setting_and_files_load(tmp_path: Path) -> None:
     from torch.utils.serialization import config
 

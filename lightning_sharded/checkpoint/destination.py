@@ -28,6 +28,11 @@ __all__ = ["output_file"]
 _FORCE = "To replace it, pass --force (overwrite=True in Python), or choose another destination."
 
 
+def _force_ignored(overwrite: bool, why: str) -> str:
+    """The sentence saying that ``--force`` was given and does not apply (``why``), or ``""``."""
+    return f" --force (overwrite=True) does not apply here: {why}." if overwrite else ""
+
+
 def output_file(
     src: str | os.PathLike[str], real_src: Location, dst: str | os.PathLike[str], *, overwrite: bool
 ) -> Location:
@@ -75,6 +80,7 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
                 f"The destination {str(out)!r} is the source checkpoint {str(source)!r}, lies inside it or"
                 " holds it: writing there would destroy the only copy. Choose a destination outside the"
                 " source."
+                + _force_ignored(overwrite, "it replaces a previous output, never the source being read")
             )
     parent = Path(os.path.abspath(out)).parent
     while not parent.exists() and parent != parent.parent:
@@ -95,6 +101,11 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
                 f"The destination {str(out)!r} is a directory that is not a checkpoint (it holds {listed}):"
                 f" it is never replaced. To write inside it, end the destination with a slash"
                 f" ({str(out) + os.sep!r}), or choose another destination."
+                + _force_ignored(
+                    overwrite,
+                    "it replaces a file, an empty directory or a checkpoint, never a directory of other"
+                    " files",
+                )
             )
         what = "an empty directory" if not members else "a sharded checkpoint directory"
     else:
@@ -113,6 +124,7 @@ def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwr
             raise ValueError(
                 f"The destination {out!r} is the source checkpoint {source!r}, lies inside it or holds it:"
                 " writing there would destroy the only copy. Choose a destination outside the source."
+                + _force_ignored(overwrite, "it replaces a previous output, never the source being read")
             )
     backend = backend_for(out)
     if not backend.exists(out):
@@ -122,6 +134,7 @@ def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwr
             f"The destination {out!r} is a prefix with objects under it (a sharded checkpoint, or other"
             " data): it is never replaced by one object. To write inside it, end the destination with a"
             " slash, or choose another destination."
+            + _force_ignored(overwrite, "it replaces one object, never a prefix with objects under it")
         )
     if not overwrite:
         raise FileExistsError(f"The destination {out!r} exists (an object). {_FORCE}")

@@ -7,6 +7,13 @@ tools all start here, so every one of them accepts and refuses the same things w
 messages (the error table in ``docs/checkpoint-format.md``). It only looks at names (and reads the
 manifest); it changes nothing.
 
+A path to one file of a checkpoint directory (a shard, ``.metadata``, ``meta.pt``, the manifest, a
+per-rank state file) is refused with the one message that names the checkpoint it belongs to and says
+to pass that directory. Hugging Face weights (a directory of ``.safetensors`` files, one such file)
+are named as what they are: refused by everything that loads a Lightning checkpoint, returned as
+:attr:`CheckpointKind.SAFETENSORS` to the tools that describe them (``detect(..., safetensors=True)``:
+``inspect``, ``verify``).
+
 A manifest that no longer describes the files beside it, because a stock Lightning save wrote over
 the checkpoint after ours (neither ``.metadata`` nor ``meta.pt`` is the file the manifest lists; on
 object storage, a ``.metadata`` beside the published version), is ignored with a warning: the
@@ -20,12 +27,21 @@ import os
 from dataclasses import dataclass
 from enum import Enum
 
-from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, location
+from lightning_sharded.checkpoint import hf_layout, names
+from lightning_sharded.checkpoint.backends import (
+    Backend,
+    Location,
+    backend_for,
+    basename,
+    is_url,
+    join,
+    location,
+    parent,
+)
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import Manifest
 
-__all__ = ["CheckpointKind", "Found", "detect", "not_a_checkpoint", "read_manifest"]
+__all__ = ["CheckpointKind", "Found", "checkpoint_files", "detect", "not_a_checkpoint", "read_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -50,25 +66,107 @@ def not_a_checkpoint(path: str | os.PathLike[str], what: str, why: str) -> Check
     return CheckpointError(f"The {what} {str(path)!r} is not a checkpoint: {why}. {_WHAT_A_CHECKPOINT_IS}")
 
 
-def _check_full_file(backend: Backend, file: Location, shown: str) -> None:
-    """A full checkpoint is a ``torch.save`` file: refuse anything else by its first bytes (one read)."""
+def _file_kind(backend: Backend, file: Location, shown: str) -> CheckpointKind:
+    """A full checkpoint is a ``torch.save`` file, told by its first bytes (one read); a safetensors
+    file is told the same way. Anything else is refused."""
     with backend.open_file(file) as f:
-        head = f.read(4)
+        head = f.read(9)
     if head.startswith(_ZIP_MAGIC) or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
-        return
+        return CheckpointKind.FULL
+    if hf_layout.is_safetensors_head(head):
+        return CheckpointKind.SAFETENSORS
     why = (
         "it is empty (0 bytes)"
         if not head
-        else f"it is not a torch.save file (it starts with {head!r}, not a zip archive or a pickle)"
+        else f"it is not a torch.save file (it starts with {head[:4]!r}, not a zip archive or a pickle)"
     )
     raise not_a_checkpoint(shown, "file", why)
 
 
 class CheckpointKind(str, Enum):
-    """The two kinds of checkpoints Lightning writes."""
+    """The two kinds of checkpoints Lightning writes, and Hugging Face weights (for the tools only)."""
 
     SHARDED = "sharded"
     FULL = "full"
+    #: A Hugging Face weights directory or one ``.safetensors`` file: weights only, no training state.
+    #: Only ``detect(..., safetensors=True)`` returns it.
+    SAFETENSORS = "safetensors"
+
+
+#: What each file of a sharded checkpoint directory is, in words, by name.
+_PARTS = {
+    names.DCP_METADATA: "its index, torch.distributed.checkpoint's `.metadata`",
+    names.MANIFEST_NAME: "its manifest: every file's size and checksum",
+    names.LIGHTNING_METADATA: "its Lightning metadata: epoch, global step, loops, callbacks",
+    names.RANK_STATE_DIR: "its folder of per-rank state files",
+}
+
+
+#: The parts :func:`_part_of` knows by their name alone (the others only beside a checkpoint's files).
+_PARTS_BY_NAME = (names.DCP_METADATA, names.MANIFEST_NAME)
+
+
+def _beside_checkpoint_files(backend: Backend, folder: Location, name: str) -> bool:
+    return any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
+
+
+def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
+    """``(the checkpoint directory, what loc is in it)`` when ``loc`` is one part of a checkpoint
+    directory; ``None`` otherwise. A shard file, ``.metadata``, the manifest and a per-rank state file
+    are parts by their names; ``meta.pt`` and ``rank_state/`` when their folder holds a checkpoint's
+    other files (a lone ``meta.pt`` is read as the file it is)."""
+    name, folder = basename(loc), parent(loc)
+    rank = names.shard_rank(name)
+    state = names.RANK_STATE_FILE.match(f"{basename(folder)}/{name}")
+    if rank is not None:
+        what = f"the shard file of rank {rank}, torch.distributed.checkpoint's data"
+    elif state is not None:
+        folder = parent(folder)
+        what = f"the per-rank state of rank {int(state.group(1))}: RNG, train dataloader"
+    elif name in _PARTS and (name in _PARTS_BY_NAME or _beside_checkpoint_files(backend, folder, name)):
+        what = _PARTS[name]
+    else:
+        return None
+    if is_url(folder) and names.DATA_DIR.match(basename(folder)):
+        folder = parent(folder)  # a published version on object storage: its checkpoint is above it
+    return folder, what
+
+
+def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
+    """The one error for a path to a part of a checkpoint directory (see :func:`_part_of`)."""
+    part = _part_of(backend, loc)
+    if part is None:
+        return
+    folder, what = part
+    if hf_layout.is_weights_listing(backend.list_files(folder)):
+        whole, takes = "Hugging Face weights directory", "`inspect`, `verify` and `load_pretrained`"
+    else:
+        whole, takes = "sharded checkpoint", "every tool, `load_checkpoint` and `ckpt_path`"
+    noun = "file" if backend.is_file(loc) else backend.noun
+    raise CheckpointError(
+        f"The {noun} {shown!r} is one part of the {whole} {str(folder)!r} ({what}), not a checkpoint by"
+        f" itself: pass the directory {str(folder)!r} instead ({takes} take the whole directory)."
+    )
+
+
+def _weights(found: Found, shown: str, safetensors: bool, files: dict[str, int] | None) -> Found:
+    """Hugging Face weights at ``found.data``: returned when the caller describes them (``safetensors``),
+    else the error that names them."""
+    if safetensors:
+        return found
+    if files is None:
+        what = f"The file {shown!r} is a safetensors file"
+    else:
+        held = [n for n in (names.SAFETENSORS_INDEX, names.SAFETENSORS_FILE) if n in files]
+        count = sum(n.endswith(names.SAFETENSORS_SUFFIX) for n in files)
+        held = held or [f"{count} .safetensors file{'s' if count != 1 else ''}"]
+        what = f"The {found.backend.noun} {shown!r} is a Hugging Face weights directory ({', '.join(held)})"
+    raise CheckpointError(
+        f"{what}, not a Lightning checkpoint: it holds weights only, no optimizer, loop or epoch state, so it"
+        f" cannot be loaded, resumed from or consolidated as one. Load the weights into a model with"
+        f" `lightning_sharded.load_pretrained(module, {shown!r})` (or transformers' `from_pretrained`);"
+        f" `lightning-sharded inspect {shown}` lists its tensors."
+    )
 
 
 @dataclass(frozen=True)
@@ -91,14 +189,21 @@ class Found:
     manifest: Manifest | None
 
 
-def detect(path: str | os.PathLike[str]) -> Found:
+def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
     """What is at ``path``: kind, backend, manifest and where the files are; changes nothing.
+
+    Args:
+        path: A sharded checkpoint directory or a full checkpoint file (a local path or a URL).
+        safetensors: Return Hugging Face weights (a directory of ``.safetensors`` files, or one) as
+            :attr:`CheckpointKind.SAFETENSORS` instead of refusing them: for the tools that describe
+            what is at a path (``inspect``, ``verify``), not for loads.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
-        CheckpointError: an empty directory, something that is not a checkpoint, a version that was
-            never published, a sharded checkpoint without ``.metadata`` or ``meta.pt``, or a manifest
-            that cannot be parsed.
+        CheckpointError: an empty directory, something that is not a checkpoint, one file of a
+            checkpoint directory (the message names the directory to pass instead), Hugging Face
+            weights (unless ``safetensors``), a version that was never published, a sharded checkpoint
+            without ``.metadata`` or ``meta.pt``, or a manifest that cannot be parsed.
     """
     given = location(path)
     backend = backend_for(given)
@@ -115,14 +220,19 @@ def detect(path: str | os.PathLike[str]) -> Found:
         data, manifest = given, None
     if manifest is None:
         if backend.is_file(data):
-            _check_full_file(backend, data, shown)
-            return Found(given, data, CheckpointKind.FULL, backend, None)
+            _refuse_part(backend, data, shown)
+            kind = _file_kind(backend, data, shown)
+            found = Found(given, data, kind, backend, None)
+            return found if kind is CheckpointKind.FULL else _weights(found, shown, safetensors, None)
         if not backend.exists(data):
             raise FileNotFoundError(
                 f"There is no checkpoint at {shown!r}: the path does not exist (no file, {backend.noun} or"
                 f" object by that name). {backend.hint.format(cwd=os.getcwd())} {_WHAT_A_CHECKPOINT_IS}"
             )
     files = backend.list_files(data)
+    if hf_layout.is_weights_listing(files):
+        found = Found(given, data, CheckpointKind.SAFETENSORS, backend, manifest)
+        return _weights(found, shown, safetensors, files)
     if manifest is None:
         dirs = backend.list_dirs(data)
         if not files and not dirs:
@@ -130,6 +240,7 @@ def detect(path: str | os.PathLike[str]) -> Found:
                 f"The {backend.noun} {shown!r} is empty: it holds no checkpoint. {_WHAT_A_CHECKPOINT_IS}"
             )
         if not any(names.is_checkpoint_member(n) for n in files):
+            _refuse_part(backend, data, shown)
             unpublished = backend.unpublished(data)
             if unpublished:
                 raise CheckpointError(
@@ -159,6 +270,37 @@ def detect(path: str | os.PathLike[str]) -> Found:
             " progress silently; restore the directory from a copy or load an earlier checkpoint."
         )
     return Found(given, data, CheckpointKind.SHARDED, backend, manifest)
+
+
+def checkpoint_files(found: Found) -> dict[str, int]:
+    """The files of a checkpoint with their sizes, by path relative to it: the one count of a
+    checkpoint's files and bytes, shown by ``inspect``, ``verify``, ``consolidate`` and the demo.
+
+    What a copy of the checkpoint must hold: a full (or ``.safetensors``) file is one file; a directory
+    with a manifest holds every file the manifest lists and the manifest itself; one without (stock
+    Lightning) its ``.metadata``, ``meta.pt`` and shard files; Hugging Face weights without a manifest
+    their ``.safetensors`` files and index.
+    """
+    backend, data, manifest = found.backend, found.data, found.manifest
+    if found.kind is CheckpointKind.FULL or (
+        found.kind is CheckpointKind.SAFETENSORS and manifest is None and backend.is_file(data)
+    ):
+        return {basename(data): backend.size(data)}
+    if manifest is not None:
+        files = {entry.path: entry.size for entry in manifest.files}
+        # On object storage the manifest of a published version lies next to its data directory.
+        beside = parent(data) if manifest.data_dir else data
+        files[names.MANIFEST_NAME] = backend.size(join(beside, names.MANIFEST_NAME))
+        return dict(sorted(files.items()))
+    present = backend.list_files(data)
+    if found.kind is CheckpointKind.SAFETENSORS:
+        return {
+            n: size
+            for n, size in sorted(present.items())
+            if n == names.SAFETENSORS_INDEX or n.endswith(names.SAFETENSORS_SUFFIX)
+        }
+    members = (names.DCP_METADATA, names.LIGHTNING_METADATA)
+    return {n: size for n, size in sorted(present.items()) if n in members or names.SHARD_FILE.match(n)}
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:

@@ -43,6 +43,9 @@ __all__ = [
     "RANK_STATE_DIR",
     "RANK_STATE_FILE",
     "RANK_STATE_KEY",
+    "SAFETENSORS_FILE",
+    "SAFETENSORS_INDEX",
+    "SAFETENSORS_SUFFIX",
     "SHARD_FILE",
     "SIBLING_KINDS",
     "STAGING",
@@ -92,6 +95,13 @@ RANK_STATE_KEY = "lightning_sharded_rank_state"
 #: the model keys it does not hold and where they are read from). A sharded directory keeps it in its
 #: manifest (``Manifest.frozen``).
 FROZEN_KEY = "lightning_sharded_frozen"
+
+#: A Hugging Face weights directory (``save_pretrained``, ``consolidate --format safetensors``): its one
+#: weights file, or the index of its ``model-0000K-of-0000N.safetensors`` files, and their suffix.
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
+
 STAGING = "staging"
 OLD = "old"
 TRASH = "trash"

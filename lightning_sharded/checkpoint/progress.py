@@ -7,9 +7,9 @@ they show a progress bar on stderr (tqdm, a dependency of Lightning) unless told
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["MIB", "PROGRESS_MIN_BYTES", "format_size", "progress_bar"]
+__all__ = ["MIB", "PROGRESS_MIN_BYTES", "format_files", "format_size", "progress_bar"]
 
 MIB = 1 << 20
 #: Reads of at least this many bytes show a progress bar when ``progress`` is ``None`` (64 MiB).
@@ -24,6 +24,12 @@ def format_size(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def format_files(files: Mapping[str, int]) -> str:
+    """A checkpoint's files (name to size, as :func:`~lightning_sharded.checkpoint.detect.checkpoint_files`
+    gives them) in words: ``7 files, 108.1 KiB``, ``1 file, 14.2 KiB``."""
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}, {format_size(sum(files.values()))}"
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from lightning_sharded.checkpoint import collective, names, unpickling
+from lightning_sharded.checkpoint import collective, hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import (
     Backend,
     Location,
@@ -38,7 +38,7 @@ from lightning_sharded.checkpoint.backends import (
     location,
 )
 from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
-from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, checkpoint_files, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 from lightning_sharded.checkpoint.pickles import check_pickles
@@ -58,7 +58,6 @@ __all__ = [
     "VerifyReport",
     "check_files",
     "check_found",
-    "checkpoint_files",
     "checksum_problem",
     "find_problems",
     "raise_agreed",
@@ -74,10 +73,11 @@ class VerifyReport:
 
     Attributes:
         path: The checkpoint read (the previous version, when an interrupted save left the path empty).
-        kind: ``"sharded"`` or ``"full"``.
-        files: Number of files checked.
-        bytes: Bytes read to check them.
-        has_manifest: A sharded directory with a manifest (sizes and checksums checked against it).
+        kind: ``"sharded"``, ``"full"`` or ``"safetensors"`` (Hugging Face weights).
+        files: Number of files of the checkpoint, the manifest included
+            (:func:`~lightning_sharded.checkpoint.detect.checkpoint_files`, as ``inspect`` counts them).
+        bytes: Their bytes.
+        has_manifest: A directory with a manifest (sizes and checksums checked against it).
         notes: What could not be checked, in words.
     """
 
@@ -182,18 +182,6 @@ def find_problems(
             backend, data, manifest, [e for e in manifest.files if e.path not in bad], on_bytes
         )
     return problems
-
-
-def checkpoint_files(found: Found) -> dict[str, int]:
-    """The files of a sharded checkpoint with their sizes, as ``verify`` and ``inspect`` count them.
-
-    The manifest's entries; without a manifest, ``.metadata``, ``meta.pt`` and the shard files present.
-    """
-    if found.manifest is not None:
-        return {entry.path: entry.size for entry in found.manifest.files}
-    present = found.backend.list_files(found.data)
-    members = (names.DCP_METADATA, names.LIGHTNING_METADATA)
-    return {n: size for n, size in sorted(present.items()) if n in members or names.SHARD_FILE.match(n)}
 
 
 def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
@@ -363,12 +351,15 @@ def verify_checkpoint(
       checks that ``.metadata`` reads and that every file it references is there and long enough
       (the report's ``notes`` say so);
     - a full file: the CRC-32 of every record of the ``torch.save`` archive;
+    - Hugging Face weights (a ``.safetensors`` file or directory): every header reads and every file is
+      as long as its header says; with a manifest (``consolidate --format safetensors``), every listed
+      file's size and checksum too;
     - then, without unpickling anything, every pickle (the full file; ``.metadata``, ``meta.pt`` and
       DCP's non-tensor entries): a type that a safe load would refuse fails the check, or, with
       ``weights_only=False``, is named in the report's ``notes``.
 
     Args:
-        path: A sharded checkpoint directory or a full checkpoint file.
+        path: A sharded checkpoint directory, a full checkpoint file, or Hugging Face weights.
         progress: Show a progress bar on stderr while reading; ``None`` shows one for checkpoints of
             64 MiB or more.
         weights_only: ``True`` (or ``None``): a checkpoint that ``load_checkpoint`` would refuse
@@ -384,13 +375,22 @@ def verify_checkpoint(
             ``weights_only``, also a pickle that holds a type that is not allowed (the message names it).
     """
     started = time.perf_counter()
-    found = detect(path)
+    found = detect(path, safetensors=True)
     backend, real = found.backend, found.data
     report = VerifyReport(real, found.kind)
     manifest = found.manifest
+    weights = found.kind is CheckpointKind.SAFETENSORS
+    # Hugging Face weights: every header reads, every file as long as its header says; with a manifest
+    # (our export) the checksums too, below.
+    header_problems = hf_layout.read_weights(backend, real).problems if weights else []
     if found.kind is CheckpointKind.FULL:
         _raise(real, _full_file_problems(backend, real, progress))
-        report.files, report.bytes = 1, backend.size(real)
+    elif weights and manifest is None:
+        _raise(real, header_problems)
+        report.notes.append(
+            "no manifest (weights not written by lightning_sharded): there are no checksums to compare with;"
+            " checked that every safetensors header reads and that every file is as long as its header says"
+        )
     elif manifest is None:
         try:  # read safely, flag or not: verify never unpickles
             problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
@@ -403,8 +403,6 @@ def verify_checkpoint(
             detail = repr(err.__cause__) if err.__cause__ is not None else str(err)
             problems = [Problem(names.DCP_METADATA, f"cannot be read ({detail})")]
         _raise(real, problems)
-        files = checkpoint_files(found)
-        report.files, report.bytes = len(files), sum(files.values())
         report.notes.append(
             "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
             " with; checked that `.metadata` reads and that every shard file it references is present and"
@@ -413,11 +411,11 @@ def verify_checkpoint(
     else:
         with progress_bar(manifest.total_size, progress, f"verifying {basename(real)}") as tick:
             problems = find_problems(real, manifest, checksums=True, on_bytes=tick)
-        if names.DCP_METADATA not in {e.path for e in manifest.files}:
+        if not weights and names.DCP_METADATA not in {e.path for e in manifest.files}:
             problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
-        _raise(real, problems)
+        seen = {p.path for p in problems}
+        _raise(real, problems + [p for p in header_problems if p.path not in seen])
         report.has_manifest = True
-        report.files, report.bytes = len(manifest.files), manifest.total_size
         if manifest.frozen is not None:
             source = manifest.frozen.source
             gone = "" if is_url(source) or os.path.exists(source) else ", which does not exist"
@@ -425,7 +423,10 @@ def verify_checkpoint(
                 f"trainable only: {len(manifest.frozen.keys)} frozen parameter(s) are not in this checkpoint;"
                 f" a load reads them from {source}{gone} (not checked here)"
             )
-    report.notes += check_pickles(backend, real, found.kind, weights_only)
+    files = checkpoint_files(found)
+    report.files, report.bytes = len(files), sum(files.values())
+    if not weights:  # safetensors holds no pickle
+        report.notes += check_pickles(backend, real, found.kind, weights_only)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
         real,

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from lightning_sharded.checkpoint.backends.local import LocalBackend
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
-from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location
+from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location, parent
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
@@ -38,6 +38,7 @@ __all__ = [
     "is_url",
     "join",
     "location",
+    "parent",
 ]
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta
+from typing_extensions import override
 
 from lightning_sharded.checkpoint.checksum import HashingStream
 from lightning_sharded.checkpoint.writeback import WriteBehind
@@ -104,6 +106,17 @@ class ChecksummingWriter(FileSystemWriter):
                 f" {str(self.path)!r}; a writer thread failed (its error was printed above)."
             )
         return future
+
+    @override
+    def storage_meta(self) -> StorageMeta | None:
+        """DCP's record of the save in ``.metadata``, without a ``checkpoint_id``: this writer writes into
+        a staging directory that the commit renames, so its path would name a directory that no longer
+        exists once the checkpoint is published (and make the index's bytes depend on where the run was).
+        The save's ``save_id`` stays."""
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.checkpoint_id = None
+        return meta
 
     @property
     def checksums(self) -> dict[str, tuple[int, str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["Location", "basename", "is_url", "join", "location"]
+__all__ = ["Location", "basename", "is_url", "join", "location", "parent"]
 
 #: A checkpoint location: a local path, or an fsspec URL kept as a string.
 Location = Path | str
@@ -40,3 +40,8 @@ def join(base: Location, *parts: str) -> Location:
 def basename(loc: Location) -> str:
     """The last component of ``loc``."""
     return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(loc: Location) -> Location:
+    """The folder that holds ``loc`` (``/``-separated for URLs)."""
+    return loc.parent if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[0]

@@ -11,11 +11,18 @@ from typing import Any
 
 import torch
 
-from lightning_sharded.checkpoint import names, unpickling
+from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import join
-from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
+from lightning_sharded.checkpoint.detect import (
+    CheckpointKind,
+    Found,
+    checkpoint_files,
+    detect,
+    not_a_checkpoint,
+)
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import frozen_of
+from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import (
     OfflineReader,
     leaves,
@@ -23,7 +30,8 @@ from lightning_sharded.checkpoint.tools.reader import (
     read_meta,
     safe_torch_load,
 )
-from lightning_sharded.checkpoint.verify import check_found, checkpoint_files
+from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
+from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 
@@ -61,10 +69,12 @@ class CheckpointInfo:
 
     Attributes:
         path: The checkpoint read.
-        kind: ``"sharded"`` or ``"full"``.
+        kind: ``"sharded"``, ``"full"`` or ``"safetensors"`` (Hugging Face weights: a directory of
+            ``.safetensors`` files, or one; their tensors are listed from the headers).
         entries: Every entry, sorted by key.
         total_size: Bytes of all tensor entries.
-        files: Files of the checkpoint (1 for a full file), counted as ``verify`` counts them.
+        files: Files of the checkpoint, the manifest included (1 for a full file), counted as ``verify``
+            counts them (:func:`~lightning_sharded.checkpoint.detect.checkpoint_files`).
         disk_size: Bytes of those files.
         world_size: Ranks that wrote it (manifest, else the shard file names), ``None`` for a full file.
         epoch: Lightning epoch, when recorded.
@@ -112,13 +122,15 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
     Sharded: checks every file's presence and size (from the manifest, or from ``.metadata``), then
     reads ``.metadata``, the manifest, ``meta.pt`` and the small non-tensor entries (the optimizers'
     ``param_groups``), which are shown as values. Full: memory-mapped, so the tensors are not read.
+    Hugging Face weights (a ``.safetensors`` file or a directory of them): names, dtypes and shapes
+    from the headers (and the index), after checking that every file is as long as its header says.
 
     A ``meta.pt`` or full file that holds a type a safe load refuses is still described: it is read
     again with every refused object left as a placeholder (no code runs), and those entries are
     listed in ``not_unpickled``.
 
     Args:
-        path: A sharded checkpoint directory or a full checkpoint file.
+        path: A sharded checkpoint directory, a full checkpoint file, or Hugging Face weights.
         weights_only: ``True`` (or ``None``): pickles are read safely, as in ``load_checkpoint``;
             ``False`` unpickles anything, running the file's code.
 
@@ -129,12 +141,13 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
             type that is not allowed.
     """
     started = time.perf_counter()
-    found = detect(path)
-    info = (
-        _inspect_full(found, weights_only)
-        if found.kind is CheckpointKind.FULL
-        else _inspect_sharded(found, weights_only)
-    )
+    found = detect(path, safetensors=True)
+    if found.kind is CheckpointKind.FULL:
+        info = _inspect_full(found, weights_only)
+    elif found.kind is CheckpointKind.SAFETENSORS:
+        info = _inspect_safetensors(found)
+    else:
+        info = _inspect_sharded(found, weights_only)
     log.info(
         "Inspected %s (%d entries) in %.2fs", found.data, len(info.entries), time.perf_counter() - started
     )
@@ -173,12 +186,12 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         total_size=sum(e.size for e in entries),
         files=len(files),
         disk_size=sum(files.values()),
+        has_manifest=found.manifest is not None,
         not_unpickled=refused,
         rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
     )
     manifest = found.manifest
     if manifest is not None:
-        info.has_manifest = True
         info.frozen = manifest.frozen.to_dict() if manifest.frozen is not None else None
         info.world_size, info.epoch, info.global_step = (
             manifest.world_size,
@@ -266,7 +279,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
         entries=entries,
         total_size=sum(e.size for e in entries),
         files=1,
-        disk_size=backend.size(file),
+        disk_size=sum(checkpoint_files(found).values()),
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
         rank_state_ranks=len(ranks) if isinstance(ranks, list) and ranks else None,
@@ -276,3 +289,29 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
     if refused:
         _mark_not_unpickled(info, checkpoint)
     return info
+
+
+def _inspect_safetensors(found: Found) -> CheckpointInfo:
+    """Hugging Face weights: every tensor's key, dtype and shape from the headers; no tensor read."""
+    listing = hf_layout.read_weights(found.backend, found.data)
+    error = damaged(found.data, listing.problems)
+    if error is not None:
+        raise error
+    entries = []
+    for key, (_, tensor) in sorted(listing.tensors.items()):
+        dtype = torch_dtype(tensor.dtype)
+        entries.append(
+            EntryInfo(
+                key, list(tensor.shape), str(dtype) if dtype else tensor.dtype, tensor.end - tensor.begin, 1
+            )
+        )
+    files = checkpoint_files(found)
+    return CheckpointInfo(
+        path=str(found.data),
+        kind=CheckpointKind.SAFETENSORS.value,
+        entries=entries,
+        total_size=sum(e.size for e in entries),
+        files=len(files),
+        disk_size=sum(files.values()),
+        has_manifest=found.manifest is not None,
+    )

@@ -422,7 +422,7 @@ def load_full(
         raise
     except Exception as err:
         raise CheckpointError(
-            f"The checkpoint file {str(file)!r} cannot be read ({type(err).__name__}: {first_line(err)}):"
+            f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}):"
             " it is"
             " truncated or corrupt, or not a checkpoint. Restore it from a copy, or load an earlier"
             " checkpoint."

@@ -8,7 +8,9 @@ writer can put the header down, then stream the tensors one by one: memory holds
 file. A directory holds ``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` files and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
 
-Standard library and torch only (the ``safetensors`` package is needed to read slices lazily only).
+Standard library and torch only (the ``safetensors`` package is needed to read slices lazily only);
+the header itself is parsed by :mod:`~lightning_sharded.checkpoint.hf_layout`, which the detector and
+``verify`` use too.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from typing import Any
 
 import torch
 
+from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.hf_layout import parse_header
+
 __all__ = [
     "CONFIG_NAME",
     "DTYPE_NAMES",
@@ -37,13 +42,14 @@ __all__ = [
     "parse_size",
     "plan_files",
     "read_header",
+    "torch_dtype",
     "weight_files",
 ]
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = names.SAFETENSORS_FILE
+INDEX_NAME = names.SAFETENSORS_INDEX
 CONFIG_NAME = "config.json"
-SUFFIX = ".safetensors"
+SUFFIX = names.SAFETENSORS_SUFFIX
 
 #: torch dtype to the safetensors name of it.
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -178,6 +184,11 @@ def encode_header(entries: Sequence[Entry], metadata: Mapping[str, str] | None =
     return struct.pack("<Q", len(text)) + text
 
 
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype name (``"BF16"``), ``None`` for one torch cannot hold."""
+    return _DTYPES.get(name)
+
+
 def read_header(path: str | os.PathLike[str]) -> dict[str, Entry]:
     """The tensors a ``.safetensors`` file holds, from its header (reads the header only).
 
@@ -185,28 +196,15 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, Entry]:
         ValueError: the file is not a safetensors file (its message names it).
     """
     with open(path, "rb") as f:
-        head = f.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if not 0 < length <= 100 << 20:
-            raise ValueError(
-                f"{str(path)!r} is not a safetensors file: its first 8 bytes are not a header length."
-            )
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as err:
-            raise ValueError(
-                f"{str(path)!r} is not a safetensors file: its header is not JSON ({err})."
-            ) from None
+        header = parse_header(f, str(path))
     out: dict[str, Entry] = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = _DTYPES.get(str(info.get("dtype"))) if isinstance(info, dict) else None
+    for key, tensor in header.tensors.items():
+        dtype = _DTYPES.get(tensor.dtype)
         if dtype is None:
             raise ValueError(
-                f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {info!r}."
+                f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {tensor.dtype!r}."
             )
-        out[key] = Entry(key, tuple(int(n) for n in info["shape"]), dtype)
+        out[key] = Entry(key, tensor.shape, dtype)
     return out
 
 
