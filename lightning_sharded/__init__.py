@@ -13,6 +13,7 @@ from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 from lightning_sharded.mixin import ShardedStateMixin
+from lightning_sharded.user_state import register_rank_state
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint, inspect_checkpoint, load_checkpoint
@@ -48,6 +49,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_checkpoint",
     "load_pretrained",
+    "register_rank_state",
     "register_sharded_state_hooks",
     "verify_checkpoint",
 ]
