@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,11 +26,13 @@ __all__ = [
     "GENERATOR_PATHS",
     "ResumePoint",
     "batches_done",
+    "batches_stepped",
     "generator_states",
     "resume_point",
     "set_generator_states",
     "skip_batches",
-    "to_last_batch",
+    "skip_epoch",
+    "to_after_last_batch",
     "unskip",
 ]
 
@@ -90,11 +92,13 @@ class ResumePoint(enum.Enum):
       done epoch's end) is not restored, and the generators are set before that iterator is created.
     - ``EPOCH_END`` (saved in ``on_train_epoch_end``, or after): training by epochs (``max_steps=-1``),
       Lightning ignores the loader's state and goes on as at ``LAST_BATCH``. Training by steps, it would
-      run the done epoch again for no batch, with the wrong epoch given to the sampler's ``set_epoch``
-      from then on: the checkpoint's progress is read as ``LAST_BATCH``'s (:func:`to_last_batch`).
-    - ``AFTER_LAST_BATCH`` (a validation at the epoch's end, e.g. ``ModelCheckpoint(monitor=...)``):
-      Lightning finishes the epoch without a batch, then creates the next epoch's iterator; the
-      generators are set before that.
+      process the done epoch a second time, giving the sampler's ``set_epoch`` one more than the epoch
+      from then on: the checkpoint's progress is read as ``AFTER_LAST_BATCH``'s
+      (:func:`to_after_last_batch`).
+    - ``AFTER_LAST_BATCH`` (saved at a validation after the last batch, as ``ModelCheckpoint`` does at
+      ``on_validation_end``): Lightning finishes the epoch without a batch (it fetches one only when no
+      validation is due there: the loader's first iterator must then be empty, see
+      :func:`skip_epoch`), then creates the next epoch's iterator; the generators are set before that.
     """
 
     MID_EPOCH = "mid-epoch"
@@ -130,30 +134,29 @@ def resume_point(checkpoint: Mapping[str, Any]) -> ResumePoint | None:
     return ResumePoint.LAST_BATCH if completed < processed else ResumePoint.AFTER_LAST_BATCH
 
 
-def to_last_batch(checkpoint: Mapping[str, Any]) -> None:
-    """Rewrite the fit loop progress of an ``EPOCH_END`` checkpoint as a ``LAST_BATCH`` one's (in place).
+def to_after_last_batch(checkpoint: Mapping[str, Any]) -> None:
+    """Rewrite the fit loop progress of an ``EPOCH_END`` checkpoint as an ``AFTER_LAST_BATCH`` one's.
 
-    The epoch is counted as not processed, its last batch as not completed (and not yet stepped for the
-    loggers): Lightning then restarts as from the last batch's ``on_train_batch_end``, counting the epoch
-    done and the batch completed, and starts the next epoch with a new iterator and the right epoch.
+    In place: the epoch is counted as not processed yet (its batches stay done). Lightning then
+    finishes that epoch without a batch (a validation due at its last batch is skipped, as done), runs
+    its end, and starts the next epoch with a new iterator and the epoch number the unbroken run gave
+    the sampler's ``set_epoch``.
     """
-    batches, epochs = _progress(checkpoint, _BATCH_PROGRESS), _progress(checkpoint, _EPOCH_PROGRESS)
-    if batches is None or epochs is None:
-        return
+    epochs = _progress(checkpoint, _EPOCH_PROGRESS)
     for which in ("total", "current"):
-        counts = epochs.get(which)
+        counts = epochs.get(which) if epochs is not None else None
         if isinstance(counts, dict) and int(counts.get("started", 0)) > 0:
-            counts["processed"] = counts["completed"] = int(counts["started"]) - 1
-        counts = batches.get(which)
-        if isinstance(counts, dict) and int(counts.get("processed", 0)) > 0:
-            counts["completed"] = int(counts["processed"]) - 1
-    if isinstance(batches, dict):
-        batches["is_last_batch"] = True
+            done = int(counts["started"]) - 1
+            counts["processed"], counts["completed"] = done, min(int(counts.get("completed", 0)), done)
+
+
+def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
+    """The fit loop's count of batches that stepped the optimizer (the loggers' step) in a checkpoint."""
     loop: Any = checkpoint
     for part in (*_FIT_LOOP, "epoch_loop.state_dict"):
         loop = loop.get(part) if isinstance(loop, Mapping) else None
-    if isinstance(loop, dict) and int(loop.get("_batches_that_stepped", 0)) > 0:
-        loop["_batches_that_stepped"] = int(loop["_batches_that_stepped"]) - 1
+    value = loop.get("_batches_that_stepped") if isinstance(loop, Mapping) else None
+    return int(value) if isinstance(value, int) else None
 
 
 def batches_done(checkpoint: Mapping[str, Any]) -> int:
@@ -165,26 +168,29 @@ def batches_done(checkpoint: Mapping[str, Any]) -> int:
 class _SkipOnce(torch.utils.data.Sampler[Any]):
     """Stands in for a batch sampler's sampler until its next iteration, which skips the first indices.
 
-    On that iteration it puts the sampler back (the epochs after it iterate the sampler itself) and
-    returns the sampler's own iterator past ``skip`` indices (nothing at all when ``skip`` covers the
-    epoch, without iterating the sampler). Its length is the sampler's, so the loader's length, from
-    which Lightning counts the epoch's batches, does not change.
+    On that iteration it puts the sampler back (the epochs after it iterate the sampler itself) and,
+    if ``during()`` is still true (the resumed epoch is the one running), returns the sampler's own
+    iterator past ``skip`` indices (nothing at all when ``skip`` covers the epoch, without iterating
+    the sampler); otherwise the sampler's iterator itself. Its length is the sampler's, so the loader's
+    length, from which Lightning counts the epoch's batches, does not change.
     """
 
-    def __init__(self, owner: Any, sampler: Any, skip: int) -> None:
-        self.owner, self.sampler, self.skip = owner, sampler, skip
+    def __init__(self, owner: Any, sampler: Any, skip: int, during: Callable[[], bool]) -> None:
+        self.owner, self.sampler, self.skip, self.during = owner, sampler, skip, during
 
     def __len__(self) -> int:
         return len(self.sampler)
 
     def __iter__(self) -> Iterator[Any]:
         self.owner.sampler = self.sampler
+        if not self.during():
+            return iter(self.sampler)
         if self.skip >= len(self.sampler):
             return iter(())
         return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, num_replicas...: the sampler's own
-        if name in ("owner", "sampler", "skip"):
+        if name in ("owner", "sampler", "skip", "during"):
             raise AttributeError(name)
         return getattr(self.sampler, name)
 
@@ -207,11 +213,12 @@ def _batch_sampler(loader: Any) -> tuple[Any, Any] | str:
     return batch_sampler, sampler.sampler if isinstance(sampler, _SkipOnce) else sampler
 
 
-def skip_batches(loader: Any, batches: int) -> str | None:
+def skip_batches(loader: Any, batches: int, during: Callable[[], bool]) -> str | None:
     """Make ``loader``'s next iterator skip its first ``batches`` batches, at its sampler, none loaded.
 
     Only where the skipped indices are those the unbroken run used: the loader's ``BatchSampler`` draws
     from a ``DistributedSampler`` or ``SequentialSampler`` (whose order is theirs and their epoch's).
+    The skip applies if that iterator starts while ``during()`` is true (in the resumed epoch).
 
     Returns:
         ``None`` when done, else why it cannot be (for a message).
@@ -225,8 +232,19 @@ def skip_batches(loader: Any, batches: int) -> str | None:
             f"the order of its `{type(sampler).__name__}` cannot be drawn again (use a `DistributedSampler`,"
             " or torchdata's `StatefulDataLoader`, whose state holds its position)"
         )
-    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, batches * batch_sampler.batch_size)
+    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, batches * batch_sampler.batch_size, during)
     return None
+
+
+def skip_epoch(loader: Any, during: Callable[[], bool]) -> bool:
+    """Make ``loader``'s next iterator yield nothing if it starts while ``during()`` is true (its sampler
+    is not iterated); ``False`` if it cannot (no ``BatchSampler``)."""
+    found = _batch_sampler(loader)
+    if isinstance(found, str):
+        return False
+    batch_sampler, sampler = found
+    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, len(sampler), during)
+    return True
 
 
 def unskip(loader: Any) -> None:

@@ -24,6 +24,7 @@ Restoring: :func:`plan` (in ``load_checkpoint``) turns what :func:`~.rank_state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,18 +62,26 @@ class ExactResume:
     Attributes:
         outcome: What :func:`~.rank_state.restore` decided for this rank.
         done: Batches of the epoch done before the checkpoint (the position of a plain loader).
-        epoch: The checkpoint's epoch (for messages).
+        epoch: The checkpoint's epoch.
+        during: Whether the checkpoint's epoch is still the one running (a skip applies in it only).
         early: Set the RNG and generators as the train dataloader is set up (else at ``on_train_start``).
         position: Restore the position of plain loaders (mid-epoch, at the same world size).
+        empty_first: The first iterator of loaders that get no state yields nothing (Lightning finishes
+            the done epoch with it; it fetches a batch when no validation is due at its end).
         loader_state: Lightning loads a state into the train dataloaders that have one.
+        stepped: The loggers' step (batches that stepped) to set at the first batch, where Lightning's
+            restart of an epoch end counts it once more; ``None``: it counts right.
     """
 
     outcome: rank_state.RankRestore
     done: int
     epoch: int
+    during: Callable[[], bool]
     early: bool
     position: bool
+    empty_first: bool
     loader_state: bool
+    stepped: int | None = None
     _registered: dict[str, Any] = field(default_factory=dict)
     _loaders: list[Any] = field(default_factory=list)
     _deferred: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -107,13 +116,15 @@ class ExactResume:
             if self.outcome.rng is not None:  # again for each loader: the last set is the one before iter()
                 rank_state.set_rng_states(self.outcome.rng)
             self._set_generators(index, loader)
+        elif self.empty_first and plain:
+            train_loaders.skip_epoch(loader, self.during)
         elif self.position and plain and self.done:
             self._position(index, loader)
 
     def _position(self, index: int, loader: Any) -> None:
         """Skip the batches done in the epoch at ``loader``'s sampler, or defer its generators."""
         if index == 0:
-            self._why = train_loaders.skip_batches(loader, self.done)
+            self._why = train_loaders.skip_batches(loader, self.done, self.during)
         else:  # several loaders: Lightning counts the batches of the longest one, not each one's position
             if 0 not in self._deferred:
                 train_loaders.unskip(self._loaders[0])
@@ -170,11 +181,15 @@ class ExactResume:
 
     @property
     def pending_first_batch(self) -> bool:
-        """Whether :meth:`on_first_batch` has generators to set."""
-        return bool(self._deferred)
+        """Whether :meth:`on_first_batch` has something to set."""
+        return bool(self._deferred) or self.stepped is not None
 
     def on_first_batch(self, trainer: Any) -> None:
-        """The first resumed batch was fetched: set the generators deferred for a restarted epoch."""
+        """The first resumed batch was fetched: set the generators deferred for a restarted epoch, and
+        the loggers' step where Lightning's restart counted it once more."""
+        loop = trainer.fit_loop.epoch_loop
+        if self.stepped is not None and hasattr(loop, "_batches_that_stepped"):
+            loop._batches_that_stepped = self.stepped
         loaders = train_loaders_of(trainer)
         for index, states in sorted(self._deferred.items()):
             if index < len(loaders) and states:
@@ -193,22 +208,29 @@ def _names(keys: Any) -> str:
 def plan(outcome: rank_state.RankRestore, metadata: dict[str, Any], trainer: Any) -> ExactResume:
     """When a resume sets each part of ``outcome``, for the checkpoint ``metadata`` (which it may edit).
 
-    At an epoch boundary whose next epoch Lightning starts with the iterator it creates at setup
-    (:attr:`ResumePoint.LAST_BATCH`; :attr:`ResumePoint.EPOCH_END`, read as ``LAST_BATCH`` when
-    training by steps), the train dataloader's saved position (the done epoch's end) is dropped, so that
-    this iterator starts the next epoch, and the RNG and generators are set before it exists.
+    At :attr:`ResumePoint.LAST_BATCH` and, training by epochs, :attr:`ResumePoint.EPOCH_END`, Lightning
+    starts the next epoch with the iterator it creates at setup: the train dataloader's saved position
+    (the done epoch's end) is dropped, so that this iterator starts the next epoch, and the RNG and
+    generators are set before it exists. Training by steps, an ``EPOCH_END`` checkpoint is read as an
+    :attr:`ResumePoint.AFTER_LAST_BATCH` one (:func:`~.train_loaders.to_after_last_batch`).
     """
     point = train_loaders.resume_point(metadata)
+    stepped = None
     if point is ResumePoint.EPOCH_END and trainer.max_steps != -1:
-        train_loaders.to_last_batch(metadata)
-        point = ResumePoint.LAST_BATCH
+        stepped = train_loaders.batches_stepped(metadata)
+        train_loaders.to_after_last_batch(metadata)
+        point = ResumePoint.AFTER_LAST_BATCH
     if point is ResumePoint.LAST_BATCH:
         rank_state.set_loader_state(metadata, None)
+    epoch = int(metadata.get("epoch", 0))
     return ExactResume(
         outcome=outcome,
         done=train_loaders.batches_done(metadata),
-        epoch=int(metadata.get("epoch", 0)),
+        epoch=epoch,
+        during=lambda: bool(trainer.current_epoch == epoch),
         early=point in (ResumePoint.LAST_BATCH, ResumePoint.EPOCH_END),
         position=point is ResumePoint.MID_EPOCH and outcome.saved_world_size == trainer.world_size,
+        empty_first=point is ResumePoint.AFTER_LAST_BATCH,
         loader_state=rank_state.loader_state(metadata) is not None,
+        stepped=stepped,
     )

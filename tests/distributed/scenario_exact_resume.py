@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
@@ -63,7 +64,12 @@ EPOCH_END = 12  # the global step at the end of epoch 0 (12 batches an epoch)
 #: The property test's runs: 6 batches an epoch, 3 epochs at most; its loaders and their strategies.
 BATCHES = 6
 EPOCHS = 3
-KINDS = {"stateful": ("mp", "sharded"), "distributed": ("fsdp", "full"), "plain": ("fsdp", "sharded")}
+KINDS = {
+    "stateful": ("mp", "sharded"),
+    "distributed": ("fsdp", "full"),
+    "plain": ("fsdp", "sharded"),
+    "validated": ("mp", "full"),  # the stateful loader, and a validation every half epoch
+}
 
 
 def rank() -> int:
@@ -135,8 +141,16 @@ class UserModel(ExactModel):
             batch_idx,
             tuple(index.tolist()),
             float(loss.detach()),
+            self.trainer.fit_loop.epoch_loop._batches_that_stepped,  # the loggers' step
         )
         return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def val_dataloader(self) -> Any:  # augmented too: the validation draws random numbers
+        return DataLoader(Indexed(4, 50 + dist.get_rank()), batch_size=2) if self.kind == "validated" else []
 
     def train_dataloader(self) -> Any:
         r = dist.get_rank() if dist.is_initialized() else 0
@@ -153,6 +167,10 @@ class UserModel(ExactModel):
 
 
 def trainer(strategy: Any, callbacks: list[Any], **limits: Any) -> L.Trainer:
+    if limits.pop("validated", False):
+        limits.update(val_check_interval=0.5)
+    else:
+        limits.update(limit_val_batches=0)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -215,42 +233,66 @@ def resume(out: Path, case: str) -> None:
 
 
 def reference(out: Path, kind: str) -> dict[int, Any]:
-    """The unbroken run of ``kind`` (3 epochs of 6 batches), saving at every step and every epoch end."""
+    """The unbroken run of ``kind`` (3 epochs of 6 batches), saving at every step and every epoch end
+    (``validated``: also at the end of every validation, twice an epoch)."""
     name, sd_type = KINDS[kind]
     L.seed_everything(100, verbose=False)  # the DistributedSampler's seed is Lightning's global seed
     seed_globals(100)  # every rank its own dropout and augmentation
     model = UserModel(kind, samples=2 * BATCHES)
     savers = [
         ModelCheckpoint(dirpath=out / kind / "steps", every_n_train_steps=1, save_top_k=-1),
-        ModelCheckpoint(dirpath=out / kind / "epochs", every_n_epochs=1, save_top_k=-1),
+        ModelCheckpoint(
+            dirpath=out / kind / "epochs", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+        ),
     ]
-    t = trainer(
-        strategy_for(name, sd_type), savers, max_steps=BATCHES * EPOCHS, distributed=kind == "distributed"
-    )
+    if kind == "validated":
+        savers.append(
+            ModelCheckpoint(
+                dirpath=out / kind / "validations",
+                monitor="val_loss",
+                save_top_k=-1,
+                save_on_train_epoch_end=False,
+            )
+        )
+    t = trainer(strategy_for(name, sd_type), savers, max_steps=BATCHES * EPOCHS, **_data(kind))
     t.fit(model)
     return model.record
 
 
+def _data(kind: str) -> dict[str, bool]:
+    return {"distributed": kind == "distributed", "validated": kind == "validated"}
+
+
+def saved_step(example: dict[str, Any]) -> int:
+    """The global step of ``example``'s checkpoint."""
+    stop = example["stop"]
+    if example["trigger"] == "epoch end":
+        return stop * BATCHES
+    if example["trigger"] == "validation":  # the ``stop``-th validation (twice an epoch)
+        return stop * BATCHES // 2
+    return stop  # type: ignore[no-any-return]
+
+
 def run_example(out: Path, example: dict[str, Any], unbroken: dict[int, Any]) -> str | None:
     """Resume ``example``'s checkpoint; ``None`` if it trains the unbroken run's steps, else what differs."""
-    kind, epochs, stop = example["kind"], example["epochs"], example["stop"]
+    kind, epochs = example["kind"], example["epochs"]
     name, sd_type = KINDS[kind]
-    if example["trigger"] == "epoch end":
-        path, saved_at = epoch_checkpoint(out, kind, stop - 1, stop * BATCHES), stop * BATCHES
-    else:
-        path, saved_at = step_checkpoint(out, kind, stop, (stop - 1) // BATCHES), stop
-    limits = {"max_steps": BATCHES * epochs} if example["by"] == "steps" else {"max_epochs": epochs}
+    saved_at = saved_step(example)
+    epoch = (saved_at - 1) // BATCHES
+    folder = {"batch": "steps", "epoch end": "epochs", "validation": "validations"}[example["trigger"]]
+    path = out / kind / folder / f"epoch={epoch}-step={saved_at}.ckpt"
+    by_steps = example["by"] == "steps"
+    limits: dict[str, Any] = {"max_steps": BATCHES * epochs} if by_steps else {"max_epochs": epochs}
     L.seed_everything(100, verbose=False)
     other_rng_states()
     model = UserModel(kind, samples=2 * BATCHES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t = trainer(strategy_for(name, sd_type), [], distributed=kind == "distributed", **limits)
+        t = trainer(strategy_for(name, sd_type), [], **_data(kind), **limits)
         t.fit(model, ckpt_path=path)
     want = {s: v for s, v in unbroken.items() if saved_at < s <= BATCHES * epochs}
     got = model.record
     if kind == "plain" and saved_at % BATCHES:  # its interrupted epoch starts over: the epochs after it
-        epoch = saved_at // BATCHES
         want = {s: v[:3] for s, v in want.items() if v[0] > epoch}
         got = {s: v[:3] for s, v in got.items() if v[0] > epoch}
     if got == want:
@@ -282,11 +324,18 @@ NAMED = [
     ("plain", "steps", 3, "batch", 6),
     ("plain", "epochs", 3, "epoch end", 1),
     ("plain", "steps", 3, "batch", 9),
+    ("validated", "steps", 3, "epoch end", 1),  # at the epoch's end, after its last validation
+    ("validated", "epochs", 3, "epoch end", 2),
+    ("validated", "steps", 3, "validation", 2),  # at the end of the validation after the last batch
+    ("validated", "epochs", 3, "validation", 4),
+    ("validated", "steps", 3, "validation", 3),  # ... of a validation within an epoch
+    ("validated", "epochs", 1, "validation", 1),
+    ("validated", "steps", 3, "batch", 7),
 ]
 
 
 def property_phase(out: Path) -> None:
-    from hypothesis import HealthCheck, example, given, settings
+    from hypothesis import HealthCheck, assume, example, given, settings
     from hypothesis import strategies as st
 
     references = {kind: reference(out, kind) for kind in KINDS}
@@ -296,9 +345,15 @@ def property_phase(out: Path) -> None:
     def examples(draw: Any) -> dict[str, Any]:
         kind = draw(st.sampled_from(sorted(KINDS)))
         epochs = draw(st.sampled_from([1, 3]))
-        trigger = draw(st.sampled_from(["batch", "epoch end"]))
-        last = BATCHES * epochs if trigger == "batch" else epochs
-        stop = draw(st.integers(1, last))
+        triggers = ["batch", "epoch end", "validation"] if kind == "validated" else ["batch", "epoch end"]
+        trigger = draw(st.sampled_from(triggers))
+        stop = draw(
+            st.integers(
+                1, {"batch": BATCHES * epochs, "epoch end": epochs, "validation": 2 * epochs}[trigger]
+            )
+        )
+        # A save right before a validation resumes without it: Lightning counts it as run.
+        assume(not (kind == "validated" and trigger == "batch" and stop % (BATCHES // 2) == 0))
         return {
             "kind": kind,
             "by": draw(st.sampled_from(["steps", "epochs"])),
