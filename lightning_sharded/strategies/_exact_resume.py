@@ -47,7 +47,15 @@ def rank_extras(module: Any) -> tuple[list[dict[str, Any]] | None, dict[str, Any
     """This rank's train dataloader generator states (``None`` outside a fit) and registered states."""
     loaders = train_loaders_of(getattr(module, "_trainer", None))
     generators = train_loaders.generator_states(loaders) if loaders else None
-    registered = {name: obj.state_dict() for name, obj in registered_rank_state(module).items()}
+    registered: dict[str, Any] = {}
+    for name, obj in registered_rank_state(module).items():
+        try:
+            registered[name] = obj.state_dict()
+        except Exception as err:
+            raise RuntimeError(
+                f"The registered per-rank state {name!r} could not be saved: its state_dict() raised"
+                f" {type(err).__name__}: {err}"
+            ) from err
     return generators, registered
 
 
