@@ -27,6 +27,7 @@ __all__ = [
     "ResumePoint",
     "batches_done",
     "batches_stepped",
+    "epoch_of",
     "generator_states",
     "resume_point",
     "set_generator_states",
@@ -157,6 +158,12 @@ def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
         loop = loop.get(part) if isinstance(loop, Mapping) else None
     value = loop.get("_batches_that_stepped") if isinstance(loop, Mapping) else None
     return int(value) if isinstance(value, int) else None
+
+
+def epoch_of(checkpoint: Mapping[str, Any]) -> int:
+    """The epoch a resume of ``checkpoint`` runs first (``trainer.current_epoch``: the completed epochs)."""
+    epochs = _progress(checkpoint, _EPOCH_PROGRESS)
+    return _counts(epochs, "current")[3] if epochs is not None else 0
 
 
 def batches_done(checkpoint: Mapping[str, Any]) -> int:

@@ -39,7 +39,7 @@ __all__ = ["ExactResume", "plan", "rank_extras", "train_loaders_of"]
 
 def train_loaders_of(trainer: Any) -> list[Any]:
     """The train dataloaders of ``trainer``'s fit, flattened as Lightning iterates them (``[]``: none yet)."""
-    iterables = trainer.train_dataloader if trainer is not None else None
+    iterables = getattr(trainer, "train_dataloader", None)
     return [] if iterables is None else list(CombinedLoader(iterables).flattened)
 
 
@@ -96,6 +96,7 @@ class ExactResume:
     _skipped: list[str] = field(default_factory=list)
     #: Why a plain loader's position is not restored (``None``: it is; unset: no plain loader to position).
     _why: Any = None
+    _started: bool = False
 
     def __post_init__(self) -> None:
         self._registered = dict(self.outcome.registered)
@@ -115,7 +116,12 @@ class ExactResume:
             self._skipped.append(f"the generator(s) {', '.join(mismatched)} of train dataloader {index}")
 
     def on_train_loader(self, loader: Any, module: Any) -> None:
-        """A train dataloader is set up: Lightning has not loaded its state nor created its iterator yet."""
+        """A train dataloader is set up: Lightning has not loaded its state nor created its iterator yet.
+
+        Only those of the resume's first setup: a reload later in the run has nothing to restore.
+        """
+        if self._started:
+            return
         index = len(self._loaders)
         self._loaders.append(loader)
         self._restore_registered(module)
@@ -162,6 +168,7 @@ class ExactResume:
 
     def on_train_start(self, trainer: Any, module: Any) -> list[str]:
         """Set what is still pending but the deferred generators; returns what could not be restored."""
+        self._started = True
         self._restore_registered(module)
         loaders = train_loaders_of(trainer)
         if self._why is not _UNSET:
@@ -195,6 +202,8 @@ class ExactResume:
     def on_first_batch(self, trainer: Any) -> None:
         """The first resumed batch was fetched: set the generators deferred for a restarted epoch, and
         the loggers' step where Lightning's restart counted it once more."""
+        if trainer is None:
+            return
         loop = trainer.fit_loop.epoch_loop
         if self.stepped is not None and hasattr(loop, "_batches_that_stepped"):
             loop._batches_that_stepped = self.stepped
@@ -230,7 +239,7 @@ def plan(outcome: rank_state.RankRestore, metadata: dict[str, Any], trainer: Any
         point = ResumePoint.AFTER_LAST_BATCH
     if point is ResumePoint.LAST_BATCH:
         rank_state.set_loader_state(metadata, None)
-    epoch = int(metadata.get("epoch", 0))
+    epoch = train_loaders.epoch_of(metadata)
     return ExactResume(
         outcome=outcome,
         done=train_loaders.batches_done(metadata),

@@ -99,6 +99,8 @@ def test_an_epoch_end_read_as_after_its_last_batch() -> None:
         train_loaders.to_after_last_batch(checkpoint)
         assert checkpoint == AFTER_LAST  # batches, loggers' step and all
         assert train_loaders.resume_point(checkpoint) is ResumePoint.AFTER_LAST_BATCH
+        assert train_loaders.epoch_of(checkpoint) == 0  # the epoch Lightning finishes first
+    assert train_loaders.epoch_of(AFTER_FIT) == 1 and train_loaders.epoch_of({}) == 0
     assert train_loaders.batches_done(MID) == 5 and train_loaders.batches_stepped(END) == 6
     assert train_loaders.batches_done({}) == 0 and train_loaders.batches_stepped({}) is None
 
