@@ -30,7 +30,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
-from lightning_sharded.checkpoint import rank_state, train_loaders
+from lightning_sharded.checkpoint import collective, rank_state, train_loaders
 from lightning_sharded.checkpoint.train_loaders import ResumePoint
 from lightning_sharded.user_state import registered_rank_state
 
@@ -103,9 +103,20 @@ class ExactResume:
         self._why = _UNSET
 
     def _restore_registered(self, module: Any) -> None:
-        objects = registered_rank_state(module)
-        for name in sorted(self._registered.keys() & objects.keys()):
-            objects[name].load_state_dict(self._registered.pop(name))
+        """Load the registered objects' states (collective: a failure on one rank fails every rank alike)."""
+
+        def load() -> None:
+            objects = registered_rank_state(module)
+            for name in sorted(self._registered.keys() & objects.keys()):
+                try:
+                    objects[name].load_state_dict(self._registered.pop(name))
+                except Exception as err:
+                    raise RuntimeError(
+                        f"The registered per-rank state {name!r} could not be restored: its load_state_dict()"
+                        f" raised {type(err).__name__}: {err}"
+                    ) from err
+
+        collective.agree(load)
 
     def _set_generators(self, index: int, loader: Any) -> None:
         saved = self.outcome.generators
@@ -124,7 +135,8 @@ class ExactResume:
             return
         index = len(self._loaders)
         self._loaders.append(loader)
-        self._restore_registered(module)
+        if index == 0:
+            self._restore_registered(module)
         plain = not (_stateful(loader) and self.loader_state)
         if self.early:
             if self.outcome.rng is not None:  # again for each loader: the last set is the one before iter()
