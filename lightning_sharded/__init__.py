@@ -15,6 +15,7 @@ from lightning_sharded._registry import install as _install_strategy_names
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 from lightning_sharded.mixin import ShardedStateMixin
+from lightning_sharded.user_state import register_rank_state
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.tools import (
@@ -70,6 +71,7 @@ __all__ = [
     "inspect_checkpoint",
     "load_checkpoint",
     "load_pretrained",
+    "register_rank_state",
     "register_sharded_state_hooks",
     "verify_checkpoint",
 ]

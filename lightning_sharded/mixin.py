@@ -11,6 +11,7 @@ import torch
 
 from lightning_sharded.hooks import receiving_full_values, register_sharded_state_hooks
 from lightning_sharded.tensors import gather_full_values
+from lightning_sharded.user_state import register_rank_state
 
 
 def writes_sharded_checkpoints(strategy: Any) -> bool:
@@ -52,6 +53,17 @@ class ShardedStateMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         register_sharded_state_hooks(self)  # type: ignore[arg-type]
+
+    def register_rank_state(self, name: str, obj: Any, *, replace: bool = False) -> None:
+        """Keep ``obj``'s state per rank in every checkpoint: :func:`lightning_sharded.register_rank_state`.
+
+        Example::
+
+            def setup(self, stage: str) -> None:
+                self.rng = np.random.default_rng(1234 + self.global_rank)
+                self.register_rank_state("augment_rng", self.rng)
+        """
+        register_rank_state(self, name, obj, replace=replace)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Gather sharded attributes into full tensors when the checkpoint is written as one file."""

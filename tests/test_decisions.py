@@ -102,6 +102,11 @@ def test_a_full_files_rank_state_bad_for_one_rank_fails_every_rank_alike(reports
     )
 
 
+def test_a_full_files_saved_world_size_is_decided_once_for_every_rank(reports: list[dict]) -> None:
+    """Rank 1's copy says 1 rank saved it, rank 0's says 2: both take rank 0's (same world size) branch."""
+    assert [r["rank-state-world"] for r in reports] == [{"warning": None, "rng": True}] * 2
+
+
 def test_full_state_dicts_are_gathered_on_rank_0_only(reports: list[dict]) -> None:
     keys = ["0.bias", "0.weight", "1.bias", "1.weight"]
     for kind in ("fsdp1", "fsdp2"):

@@ -8,16 +8,18 @@ random number generator (RNG) state at all. What this module keeps, per rank (se
   ``random``, and NumPy's global ``np.random`` when NumPy is imported (stored as plain lists, so a
   ``weights_only`` load reads it);
 - the train dataloader state, as Lightning's fit loop keeps it for its combined loader
-  (``loops.fit_loop.state_dict.combined_loader``: what each ``StatefulDataLoader`` returns).
+  (``loops.fit_loop.state_dict.combined_loader``: what each ``StatefulDataLoader`` returns);
+- the states of the generators each train dataloader owns (:mod:`.train_loaders`);
+- the states of the objects registered with :func:`lightning_sharded.register_rank_state`, by name.
 
 Where it goes: in a sharded directory, one file per rank (:func:`~.names.rank_state_file`), written
 by that rank, checksummed and listed in the manifest, with a marker in ``meta.pt`` under
 :data:`~.names.RANK_STATE_KEY`; in a full file, every rank's state under that key (gathered on rank 0).
 
 :func:`restore` runs in the strategy's ``load_checkpoint``: it gives each rank its own dataloader
-state in the Lightning checkpoint (Lightning then loads it where it always does) and returns the RNG
-states, which the strategy sets in its ``on_train_start`` hook, the last moment before the first
-batch is fetched.
+state in the Lightning checkpoint (Lightning then loads it where it always does) and returns the RNG,
+generator and registered states, which the strategy sets where the resumed run needs them
+(``lightning_sharded.strategies._exact_resume``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import io
 import random
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "marker",
     "restore",
     "rng_states",
+    "set_loader_state",
     "set_rng_states",
     "to_bytes",
 ]
@@ -55,6 +58,10 @@ RANK = "rank"
 WORLD_SIZE = "world_size"
 RNG = "rng"
 LOADER = "train_dataloader"
+#: Each train dataloader's generators (:func:`.train_loaders.generator_states`), in loader order.
+GENERATORS = "train_dataloader_generators"
+#: The states of the objects registered with ``register_rank_state``, by name.
+REGISTERED = "registered"
 #: Keys of the RNG states.
 TORCH = "torch"
 CUDA = "torch.cuda"
@@ -109,7 +116,8 @@ def loader_state(checkpoint: Mapping[str, Any]) -> Any:
     return loop.get(_COMBINED_LOADER) if isinstance(loop, Mapping) else None
 
 
-def _set_loader_state(checkpoint: dict[str, Any], state: Any) -> None:
+def set_loader_state(checkpoint: dict[str, Any], state: Any) -> None:
+    """Put ``state`` where Lightning keeps the train dataloader state in ``checkpoint`` (``None``: none)."""
     loop: Any = checkpoint
     for key in _LOOP_PATH:
         loop = loop.get(key) if isinstance(loop, dict) else None
@@ -121,15 +129,28 @@ def _set_loader_state(checkpoint: dict[str, Any], state: Any) -> None:
         loop[_COMBINED_LOADER] = state
 
 
-def collect(checkpoint: Mapping[str, Any], *, rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's state now: RNG states and the train dataloader state of ``checkpoint`` (this rank's)."""
-    return {
+def collect(
+    checkpoint: Mapping[str, Any],
+    *,
+    rank: int,
+    world_size: int,
+    generators: list[dict[str, torch.Tensor]] | None = None,
+    registered: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """This rank's state now: RNG states, the train dataloader state of ``checkpoint`` (this rank's), the
+    train dataloaders' ``generators`` states and the ``registered`` objects' states (omitted if ``None``)."""
+    state = {
         "format": FORMAT,
         RANK: rank,
         WORLD_SIZE: world_size,
         RNG: rng_states(),
         LOADER: loader_state(checkpoint),
     }
+    if generators is not None:
+        state[GENERATORS] = generators
+    if registered:
+        state[REGISTERED] = dict(registered)
+    return state
 
 
 def to_bytes(state: Mapping[str, Any]) -> bytes:
@@ -156,11 +177,18 @@ class RankRestore:
 
     Attributes:
         rng: The RNG states to set where training continues (``None``: leave the generators alone).
+        generators: Each train dataloader's generator states to set (``None``: leave them alone).
+        registered: The states of registered objects to load, by name (this rank's own, or at another
+            world size those that were the same on every saved rank).
+        registered_saved: The names of every registered state the checkpoint holds.
         warning: What was not restored and why (one message for ``rank_zero_warn``), or ``None``.
         saved_world_size: Ranks that saved per-rank state; ``None`` when the checkpoint has none.
     """
 
     rng: dict[str, Any] | None = None
+    generators: list[dict[str, torch.Tensor]] | None = None
+    registered: dict[str, Any] = field(default_factory=dict)
+    registered_saved: tuple[str, ...] = ()
     warning: str | None = None
     saved_world_size: int | None = None
 
@@ -211,6 +239,46 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """What every saved rank had alike, for a resume at another world size (decided on rank 0)."""
+
+    has_loader: bool  # a train dataloader state or generator states on some rank
+    same_loader: bool  # ... and the same on every rank
+    generators: list[dict[str, torch.Tensor]] | None  # rank 0's, when the same on every rank
+    registered: dict[str, Any]  # the registered states that are the same on every rank
+    differing: list[str]  # the names of those that differ (or that some rank lacks)
+
+
+def _shared(states: list[dict[str, Any]]) -> _Shared:
+    def loader(s: dict[str, Any]) -> Any:
+        return (s.get(LOADER), s.get(GENERATORS) or None)
+
+    has_loader = any(s.get(LOADER) is not None or any(s.get(GENERATORS) or ()) for s in states)
+    same_loader = has_loader and all(_same(loader(states[0]), loader(s)) for s in states[1:])
+    keys = sorted({k for s in states for k in (s.get(REGISTERED) or {})})
+    per_name = {k: [(s.get(REGISTERED) or {}).get(k, _ABSENT) for s in states] for k in keys}
+    alike = [k for k, v in per_name.items() if all(x is not _ABSENT and _same(v[0], x) for x in v)]
+    return _Shared(
+        has_loader=has_loader,
+        same_loader=same_loader,
+        generators=states[0].get(GENERATORS) if same_loader else None,
+        registered={k: per_name[k][0] for k in alike},
+        differing=[k for k in keys if k not in alike],
+    )
+
+
+#: A registered name some saved rank has no state for.
+_ABSENT = object()
+
+
+def _shape(entry: Any) -> tuple[int, bool] | None:
+    """The saved world size of a rank-state ``entry`` and whether it is a full file's (``"ranks"``)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get(WORLD_SIZE), int):
+        return None
+    return int(entry[WORLD_SIZE]), "ranks" in entry
+
+
 def restore(
     metadata: dict[str, Any],
     data: Location,
@@ -222,11 +290,13 @@ def restore(
 ) -> RankRestore:
     """Take the per-rank state out of a loaded checkpoint's ``metadata`` and decide what to restore.
 
-    Collective (every rank calls it with its own ``metadata``). ``metadata`` loses
-    :data:`~.names.RANK_STATE_KEY`; at the same world size its train dataloader state becomes this
-    rank's own, and the returned :attr:`RankRestore.rng` is this rank's RNG states. At another world
-    size the RNG states are not restored, nor the dataloader state unless every saved rank had the same
-    one (then it is kept, on every rank); :attr:`RankRestore.warning` says which and why.
+    Collective (every rank calls it with its own ``metadata``); what the entry is (its saved world size,
+    a full file's or a directory's) is decided on rank 0 and shared, so every rank takes the same branch.
+    ``metadata`` loses :data:`~.names.RANK_STATE_KEY`; at the same world size its train dataloader state
+    becomes this rank's own, and the returned RNG, generator and registered states are this rank's. At
+    another world size the RNG states are not restored, nor the dataloader state (with its generators)
+    or a registered object's state unless every saved rank had the same one (then it is restored on
+    every rank); :attr:`RankRestore.warning` says which and why.
 
     Args:
         metadata: The Lightning checkpoint without model and optimizer states (``Restored.metadata``).
@@ -240,45 +310,66 @@ def restore(
         CheckpointError: a per-rank file cannot be read, or holds another rank's state; on every rank.
     """
     entry = metadata.pop(names.RANK_STATE_KEY, None)
-    if not isinstance(entry, dict) or not isinstance(entry.get(WORLD_SIZE), int):
+    shape = collective.decide(lambda: _shape(entry))
+    if shape is None:
         return RankRestore()
-    saved = int(entry[WORLD_SIZE])
-    states: list[dict[str, Any]] | None = entry.get("ranks")
+    saved, full = shape
+    states: Any = entry.get("ranks") if full and isinstance(entry, dict) else None
     if saved == world_size:
-        if states is not None:
+        if full:
             # Agreed: a rank whose own entry is bad must not raise alone while the others go on into
             # the next collective (every rank holds the same entries, so they normally agree anyway).
             own = collective.agree(lambda: _own_entry(states, rank, path))
         else:
             own = collective.agree(lambda: _read(join(data, names.rank_state_file(rank)), rank, weights_only))
-        _set_loader_state(metadata, own.get(LOADER))
-        return RankRestore(rng=own[RNG], saved_world_size=saved)
-
-    def loaders_agree() -> bool:
-        loaders = (
-            [s.get(LOADER) for s in states]
-            if states is not None
-            else [_read(join(data, names.rank_state_file(r)), r, weights_only)[LOADER] for r in range(saved)]
+        set_loader_state(metadata, own.get(LOADER))
+        return RankRestore(
+            rng=own[RNG],
+            generators=own.get(GENERATORS),
+            registered=dict(own.get(REGISTERED) or {}),
+            registered_saved=tuple(own.get(REGISTERED) or ()),
+            saved_world_size=saved,
         )
-        return all(_same(loaders[0], other) for other in loaders[1:])
 
-    has_loader = loader_state(metadata) is not None
-    same_loaders = False
-    if has_loader:  # a full file: every rank has every state; a directory: rank 0 reads them, shares
-        same_loaders = loaders_agree() if states is not None else collective.decide(loaders_agree)
+    def every_rank() -> _Shared:  # a full file: rank 0's copy; a directory: rank 0 reads every file
+        if full:
+            return _shared([_own_entry(states, r, path) for r in range(saved)])
+        return _shared([_read(join(data, names.rank_state_file(r)), r, weights_only) for r in range(saved)])
+
+    shared = collective.decide(every_rank)
     what = (
         f"The per-rank state of {path!r} was saved by {saved} rank(s), this run has {world_size}. The random"
         " number generator states (torch, CUDA, random, numpy) were not restored: they belong to ranks"
         " that do not exist now, so every rank keeps its generators as they are (call"
         " `lightning.seed_everything` for a reproducible continuation)."
     )
-    if same_loaders:
+    if shared.same_loader:
         what += " The train dataloader state, the same on every saved rank, was restored on every rank."
-    elif has_loader:
-        _set_loader_state(metadata, None)
+    elif shared.has_loader:
+        set_loader_state(metadata, None)
         what += (
             " The train dataloader state was not restored either: it differs between the saved ranks (each"
             " had its own position or shuffle), so every train dataloader starts from its beginning."
         )
+    if shared.registered:
+        what += (
+            f" The registered per-rank state {_names(shared.registered)}, the same on every saved rank, was"
+            " restored on every rank."
+        )
+    if shared.differing:
+        what += (
+            f" The registered per-rank state {_names(shared.differing)} was not restored: it differs between"
+            " the saved ranks, so those objects keep their current state."
+        )
     what += " The model and optimizer states were restored (resharded)."
-    return RankRestore(warning=what, saved_world_size=saved)
+    return RankRestore(
+        generators=shared.generators,
+        registered=shared.registered,
+        registered_saved=(*shared.registered, *shared.differing),
+        warning=what,
+        saved_world_size=saved,
+    )
+
+
+def _names(keys: Any) -> str:
+    return ", ".join(repr(k) for k in keys)

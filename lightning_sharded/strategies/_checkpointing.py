@@ -22,11 +22,12 @@ from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
-from lightning_sharded.checkpoint import names, rank_state, save, state_dicts
+from lightning_sharded.checkpoint import collective, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
+from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._partial import PartialCheckpoints
 
 StateDictType = Literal["sharded", "full"]
@@ -62,11 +63,11 @@ class ShardedCheckpointing(PartialCheckpoints):
     #: Compare every file's checksum with the manifest on a load (presence and sizes always are):
     #: ``True``/``"before"`` before the first read, ``"during"`` from the load's own reads.
     verify: bool | VerifyMode = False
-    #: Save each rank's RNG states and train dataloader state with every checkpoint (see
-    #: :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
+    #: Save each rank's RNG states, train dataloader state and registered state with every checkpoint
+    #: (see :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
     save_rank_state: bool = True
-    #: The RNG states a resume restores in :meth:`on_train_start` (set by :meth:`load_checkpoint`).
-    _pending_rng: dict[str, Any] | None = None
+    #: What a resume still has to set of each rank's own state, and when (:meth:`_restore_rank_state`).
+    _resume: _exact_resume.ExactResume | None = None
     #: The names the class registers in Lightning's ``StrategyRegistry`` (:mod:`lightning_sharded._registry`).
     _registry_names: tuple[str, ...] = ()
 
@@ -142,7 +143,19 @@ class ShardedCheckpointing(PartialCheckpoints):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._async_saver is not None:
             self._async_saver.poll()  # deferred logger notifications of a save published meanwhile
+        resume, self._resume = self._resume, None
+        if resume is not None:  # generators of a restarted epoch, set once its shuffle is drawn
+            resume.on_first_batch(getattr(self.lightning_module, "_trainer", None))
         super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if self._resume is not None and trainer is not None and trainer.training:
+            self._resume.on_train_loader(dataloader, module)  # before Lightning loads it or iterates it
+        return dataloader
 
     @property
     def _saves_sharded(self) -> bool:
@@ -261,7 +274,19 @@ class ShardedCheckpointing(PartialCheckpoints):
         """
         if not self.save_rank_state:
             return None
-        own = rank_state.collect(checkpoint, rank=self.global_rank, world_size=self.world_size)
+        module = self.lightning_module
+
+        def collect() -> dict[str, Any]:  # registered objects' state_dict() may fail: on every rank alike
+            generators, registered = _exact_resume.rank_extras(module)
+            return rank_state.collect(
+                checkpoint,
+                rank=self.global_rank,
+                world_size=self.world_size,
+                generators=generators,
+                registered=registered,
+            )
+
+        own = collective.agree(collect)
         if not self._saves_sharded:
             checkpoint[names.RANK_STATE_KEY] = rank_state.gathered(own)
             return None
@@ -290,32 +315,42 @@ class ShardedCheckpointing(PartialCheckpoints):
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
             assert restored.data is not None
-            outcome = rank_state.restore(
-                metadata,
-                restored.data,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                weights_only=weights_only,
-                path=str(path),
-            )
-            self._pending_rng = outcome.rng
-            if outcome.warning is not None:
-                rank_zero_warn(outcome.warning)
-            elif outcome.rng is not None:
-                what += ", and every rank's own RNG and train dataloader states"
+            what += self._restore_rank_state(metadata, restored.data, weights_only, str(path))
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
         if exclude:
             left_out = drop_parts(metadata, exclude, str(path))
             rank_zero_info(f"Not loaded from {str(path)!r} (`exclude_from_loading`): {'; '.join(left_out)}")
         return metadata
 
+    def _restore_rank_state(
+        self, metadata: dict[str, Any], data: Location, weights_only: bool | None, path: str
+    ) -> str:
+        """The one entry point of a resume's per-rank state (collective): take it out of ``metadata``.
+
+        Each rank's RNG, train dataloader, generator and registered states are set later, each at its
+        moment (:mod:`~lightning_sharded.strategies._exact_resume`); ``metadata`` gets this rank's train
+        dataloader state where Lightning loads it. Returns what to add to the load's log line.
+        """
+        rank, world_size = self.global_rank, self.world_size
+        outcome = rank_state.restore(
+            metadata, data, rank=rank, world_size=world_size, weights_only=weights_only, path=path
+        )
+        module = self.lightning_module
+        assert module is not None
+        self._resume = _exact_resume.plan(outcome, metadata, module.trainer)
+        if outcome.warning is not None:
+            rank_zero_warn(outcome.warning)
+            return ""
+        return ", and every rank's own RNG and train dataloader states" if outcome.rng is not None else ""
+
     @override
     def on_train_start(self) -> None:
-        """Set the RNG states of the checkpoint being resumed, if it had them, on every rank.
+        """Set the per-rank state of the checkpoint being resumed that is due now, on every rank.
 
         Here, at the last hook before the first batch is fetched: after the train dataloader was set up,
         its state loaded and its iterator created (which draws random numbers), and after every
-        ``on_train_start`` of callbacks and the LightningModule.
+        ``on_train_start`` of callbacks and the LightningModule (see
+        :mod:`~lightning_sharded.strategies._exact_resume` for what is set earlier or later).
         """
         super().on_train_start()
         # Before the first step, whether async_save is on yet or not (it may be switched on later):
@@ -323,11 +358,13 @@ class ShardedCheckpointing(PartialCheckpoints):
         if self._async_saver is None:
             self._async_saver = AsyncSaver(type(self).__name__)
         self._async_saver.follow(self.optimizers)
-        pending, self._pending_rng = self._pending_rng, None
-        if pending is not None:
-            skipped = rank_state.set_rng_states(pending)
+        resume, self._resume = self._resume, None
+        module = self.lightning_module
+        if resume is not None and module is not None:
+            skipped = resume.on_train_start(module.trainer, module)
             if skipped:
-                rank_zero_warn(f"Not restored from the checkpoint's per-rank state: {', '.join(skipped)}.")
+                rank_zero_warn(f"Not restored from the checkpoint's per-rank state: {'; '.join(skipped)}.")
+            self._resume = resume if resume.pending_first_batch else None
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -346,7 +383,7 @@ class ShardedCheckpointing(PartialCheckpoints):
     def teardown(self) -> None:
         """Wait for a background save (raising its error: it must not be lost), then tear down as usual."""
         saver, self._async_saver = self._async_saver, None
-        self._pending_rng = None
+        self._resume = None
         try:
             if saver is not None:
                 saver.close()

@@ -54,8 +54,9 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             in; object storage: every file checksummed before the first read). ``"during"``: from the
             load's own reads, straight into the model; a damaged file then fails the resume after its
             tensors were read (see ``docs/checkpoint-format.md``).
-        save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
-            so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        save_rank_state: save each rank's RNG states, train dataloader state and generators, and the
+            objects registered with ``register_rank_state``, with every checkpoint, so a resume at the
+            same world size continues exactly from any point (see ``docs/checkpoint-format.md``).
         warm_start: a checkpoint (sharded directory or full file) whose model state (weights and sharded
             attributes) a ``fit`` without ``ckpt_path`` starts from; the optimizers, LR schedulers,
             loops and step count start fresh, and only the model's bytes are read. A ``fit`` that resumes

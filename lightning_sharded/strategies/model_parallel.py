@@ -62,8 +62,9 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             copied in; object storage: every file checksummed before the first read). ``"during"``:
             from the load's own reads, straight into the model; a damaged file then fails the resume
             after its tensors were read (see ``docs/checkpoint-format.md``).
-        save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
-            so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        save_rank_state: save each rank's RNG states, train dataloader state and generators, and the
+            objects registered with ``register_rank_state``, with every checkpoint, so a resume at the
+            same world size continues exactly from any point (see ``docs/checkpoint-format.md``).
         warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix: partial
             loads and trainable-only checkpoints, as in :class:`~lightning_sharded.ShardedFSDPStrategy`.
 

@@ -142,3 +142,63 @@ def test_save_rank_state_is_on_by_default_and_can_be_turned_off(cls: Any) -> Non
 
     off = loop_checkpoint([{"pos": 1}])
     assert cls(save_rank_state=False)._add_rank_state(off) is None and names.RANK_STATE_KEY not in off
+
+
+def entries_with(
+    loaders: list[Any], generators: list[Any], registered: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A full file's rank-state entry whose ranks have these loader, generator and registered states."""
+    states = [
+        rank_state.collect(
+            loop_checkpoint(loader), rank=r, world_size=len(loaders), generators=gen, registered=reg
+        )
+        for r, (loader, gen, reg) in enumerate(zip(loaders, generators, registered, strict=True))
+    ]
+    return {"format": rank_state.FORMAT, "world_size": len(loaders), "ranks": states}
+
+
+def test_restore_at_the_same_world_size_gives_back_generators_and_registered_states() -> None:
+    gen = [{"generator": torch.Generator().manual_seed(4).get_state()}]
+    metadata = loop_checkpoint(None)
+    metadata[names.RANK_STATE_KEY] = entries_with([None], [gen], [{"curriculum": {"level": 3}}])
+    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    assert outcome.registered == {"curriculum": {"level": 3}} and outcome.registered_saved == ("curriculum",)
+    assert outcome.generators is not None and torch.equal(
+        outcome.generators[0]["generator"], gen[0]["generator"]
+    )
+    assert outcome.warning is None
+
+
+def test_another_world_size_restores_what_every_saved_rank_had_alike_and_names_the_rest() -> None:
+    same_gen = [{"generator": torch.Generator().manual_seed(4).get_state()}]
+    metadata = loop_checkpoint([{"pos": 4}])
+    metadata[names.RANK_STATE_KEY] = entries_with(
+        [[{"pos": 4}], [{"pos": 4}]],
+        [same_gen, same_gen],
+        [{"mix": {"w": 0.5}, "rng": {"s": 1}}, {"mix": {"w": 0.5}, "rng": {"s": 2}}],
+    )
+    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    assert outcome.rng is None and outcome.registered == {"mix": {"w": 0.5}}
+    assert outcome.generators is not None and torch.equal(
+        outcome.generators[0]["generator"], same_gen[0]["generator"]
+    )
+    assert sorted(outcome.registered_saved) == ["mix", "rng"]
+    assert outcome.warning is not None and outcome.warning.endswith(
+        " The train dataloader state, the same on every saved rank, was restored on every rank. The"
+        " registered per-rank state 'mix', the same on every saved rank, was restored on every rank. The"
+        " registered per-rank state 'rng' was not restored: it differs between the saved ranks, so those"
+        " objects keep their current state. The model and optimizer states were restored (resharded)."
+    )
+
+
+def test_generators_that_differ_between_saved_ranks_drop_the_loader_state_at_another_world_size() -> None:
+    gens = [[{"generator": torch.Generator().manual_seed(1000 + r).get_state()}] for r in range(2)]
+    metadata = loop_checkpoint(None)  # a plain DataLoader: no loader state, only its generator
+    metadata[names.RANK_STATE_KEY] = entries_with([None, None], gens, [{}, {}])
+    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    assert outcome.generators is None and outcome.registered == {}
+    assert (
+        outcome.warning is not None
+        and " The train dataloader state was not restored either" in outcome.warning
+    )
+    assert "registered" not in outcome.warning

@@ -228,6 +228,17 @@ def main(out: Path) -> None:
         results["rank-state"] = {"type": None}
     except Exception as err:
         results["rank-state"] = {"type": type(err).__name__, "message": str(err)}
+    # What the full file's entry is (here its world size) is rank 0's decision: rank 1 reads another
+    # world size in its copy, and takes rank 0's branch all the same (alone, it would skip a collective).
+    entries = [rank_state.collect({}, rank=r, world_size=2) for r in range(2)]
+    seen = {"format": rank_state.FORMAT, "world_size": 2 if rank == 0 else 1, "ranks": entries}
+    try:
+        outcome = rank_state.restore(
+            {names.RANK_STATE_KEY: seen}, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt"
+        )
+        results["rank-state-world"] = {"warning": outcome.warning, "rng": outcome.rng is not None}
+    except Exception as err:
+        results["rank-state-world"] = {"type": type(err).__name__, "message": str(err)}
     dist.barrier()
     results["full-gather"] = full_gathers()
     (out / f"rank{rank}.json").write_text(json.dumps(results))

@@ -1,0 +1,265 @@
+"""Exact resume in the strategies: what each rank saves of its own, and when a resume sets it back.
+
+Saving: :func:`rank_extras` gives the train dataloaders' generator states and the registered objects'
+states to :func:`~lightning_sharded.checkpoint.rank_state.collect`.
+
+Restoring: :func:`plan` (in ``load_checkpoint``) turns what :func:`~.rank_state.restore` decided into an
+:class:`ExactResume`, which sets every state at the moment the resumed run needs it:
+
+- as the train dataloader is set up (:meth:`ExactResume.on_train_loader`, from the strategy's
+  ``process_dataloader``), before Lightning loads its state and creates its first iterator: the
+  registered objects, and the position of a plain ``DataLoader`` (:func:`.train_loaders.skip_batches`);
+  at an epoch boundary where that first iterator starts the next epoch, also the RNG and generator
+  states, from which it draws as the unbroken run's next epoch did;
+- at ``on_train_start`` (:meth:`ExactResume.on_train_start`), once that iterator exists (its creation
+  draws random numbers the unbroken run did not draw there, and a ``StatefulDataLoader`` resets its
+  generator to the epoch's start), after the ``on_train_start`` hooks and before the first batch: the RNG
+  and generator states otherwise, and what was registered after the dataloader's setup;
+- after the first batch was fetched (:meth:`ExactResume.on_first_batch`): the generators of a plain
+  ``DataLoader`` whose position could not be restored (Lightning starts its epoch over, which draws its
+  shuffle from them; set afterwards, the epochs after it draw as the unbroken run's did).
+
+:class:`~lightning_sharded.checkpoint.train_loaders.ResumePoint` says why each point needs its moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
+
+from lightning_sharded.checkpoint import collective, rank_state, train_loaders
+from lightning_sharded.checkpoint.train_loaders import ResumePoint
+from lightning_sharded.user_state import registered_rank_state
+
+__all__ = ["ExactResume", "plan", "rank_extras", "train_loaders_of"]
+
+
+def train_loaders_of(trainer: Any) -> list[Any]:
+    """The train dataloaders of ``trainer``'s fit, flattened as Lightning iterates them (``[]``: none yet)."""
+    iterables = getattr(trainer, "train_dataloader", None)
+    return [] if iterables is None else list(CombinedLoader(iterables).flattened)
+
+
+def rank_extras(module: Any) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
+    """This rank's train dataloader generator states (``None`` outside a fit) and registered states."""
+    loaders = train_loaders_of(getattr(module, "_trainer", None))
+    generators = train_loaders.generator_states(loaders) if loaders else None
+    registered: dict[str, Any] = {}
+    for name, obj in registered_rank_state(module).items():
+        try:
+            registered[name] = obj.state_dict()
+        except Exception as err:
+            raise RuntimeError(
+                f"The registered per-rank state {name!r} could not be saved: its state_dict() raised"
+                f" {type(err).__name__}: {err}"
+            ) from err
+    return generators, registered
+
+
+def _stateful(loader: Any) -> bool:
+    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+@dataclass
+class ExactResume:
+    """One resume's pending per-rank state, and when each part of it is set (see the module docstring).
+
+    Attributes:
+        outcome: What :func:`~.rank_state.restore` decided for this rank.
+        done: Batches of the epoch done before the checkpoint (the position of a plain loader).
+        epoch: The checkpoint's epoch.
+        during: Whether the checkpoint's epoch is still the one running (a skip applies in it only).
+        early: Set the RNG and generators as the train dataloader is set up (else at ``on_train_start``).
+        position: Restore the position of plain loaders (mid-epoch, at the same world size).
+        empty_first: The first iterator of loaders that get no state yields nothing (Lightning finishes
+            the done epoch with it; it fetches a batch when no validation is due at its end).
+        loader_state: Lightning loads a state into the train dataloaders that have one.
+        stepped: The loggers' step (batches that stepped) to set at the first batch, where Lightning's
+            restart of an epoch end counts it once more; ``None``: it counts right.
+    """
+
+    outcome: rank_state.RankRestore
+    done: int
+    epoch: int
+    during: Callable[[], bool]
+    early: bool
+    position: bool
+    empty_first: bool
+    loader_state: bool
+    stepped: int | None = None
+    _registered: dict[str, Any] = field(default_factory=dict)
+    _loaders: list[Any] = field(default_factory=list)
+    _deferred: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _skipped: list[str] = field(default_factory=list)
+    #: Why a plain loader's position is not restored (``None``: it is; unset: no plain loader to position).
+    _why: Any = None
+    _started: bool = False
+
+    def __post_init__(self) -> None:
+        self._registered = dict(self.outcome.registered)
+        self._why = _UNSET
+
+    def _restore_registered(self, module: Any) -> None:
+        """Load the registered objects' states (collective: a failure on one rank fails every rank alike)."""
+
+        def load() -> None:
+            objects = registered_rank_state(module)
+            for name in sorted(self._registered.keys() & objects.keys()):
+                try:
+                    objects[name].load_state_dict(self._registered.pop(name))
+                except Exception as err:
+                    raise RuntimeError(
+                        f"The registered per-rank state {name!r} could not be restored: its load_state_dict()"
+                        f" raised {type(err).__name__}: {err}"
+                    ) from err
+
+        collective.agree(load)
+
+    def _set_generators(self, index: int, loader: Any) -> None:
+        saved = self.outcome.generators
+        if saved is None or index >= len(saved):
+            return
+        mismatched = train_loaders.set_generator_states(loader, saved[index])
+        if mismatched:
+            self._skipped.append(f"the generator(s) {', '.join(mismatched)} of train dataloader {index}")
+
+    def on_train_loader(self, loader: Any, module: Any) -> None:
+        """A train dataloader is set up: Lightning has not loaded its state nor created its iterator yet.
+
+        Only those of the resume's first setup: a reload later in the run has nothing to restore.
+        """
+        if self._started:
+            return
+        index = len(self._loaders)
+        self._loaders.append(loader)
+        if index == 0:
+            self._restore_registered(module)
+        plain = not (_stateful(loader) and self.loader_state)
+        if self.early:
+            if self.outcome.rng is not None:  # again for each loader: the last set is the one before iter()
+                rank_state.set_rng_states(self.outcome.rng)
+            self._set_generators(index, loader)
+        elif self.empty_first and plain:
+            train_loaders.skip_epoch(loader, self.during)
+        elif self.position and plain and self.done:
+            self._position(index, loader)
+
+    def _position(self, index: int, loader: Any) -> None:
+        """Skip the batches done in the epoch at ``loader``'s sampler, or defer its generators."""
+        if index == 0:
+            self._why = train_loaders.skip_batches(loader, self.done, self.during)
+        else:  # several loaders: Lightning counts the batches of the longest one, not each one's position
+            if 0 not in self._deferred:
+                train_loaders.unskip(self._loaders[0])
+                self._deferred[0] = self._saved_generators(0)
+            self._why = "the fit has several train dataloaders"
+        if self._why is not None:
+            self._deferred[index] = self._saved_generators(index)
+
+    def _saved_generators(self, index: int) -> dict[str, Any]:
+        saved = self.outcome.generators
+        return saved[index] if saved is not None and index < len(saved) else {}
+
+    def _say_position(self) -> None:
+        where = f"batch {self.done} of epoch {self.epoch}"
+        if self._why is None:
+            rank_zero_info(
+                f"Resumed the train dataloader at {where}: its sampler skips the {self.done} batch(es) done"
+                " before the checkpoint, none of them loaded (Lightning's warning that the dataloader is not"
+                " resumable does not apply to it)."
+            )
+        else:
+            rank_zero_info(
+                f"The train dataloader's position ({where}) is not restored: {self._why}. Lightning starts"
+                " the epoch over; its generators are set after the first batch, so that the epochs after it"
+                " are drawn as in the unbroken run."
+            )
+
+    def on_train_start(self, trainer: Any, module: Any) -> list[str]:
+        """Set what is still pending but the deferred generators; returns what could not be restored."""
+        self._started = True
+        self._restore_registered(module)
+        loaders = train_loaders_of(trainer)
+        if self._why is not _UNSET:
+            self._say_position()
+        if not self.early:
+            if self.outcome.rng is not None:
+                self._skipped.extend(rank_state.set_rng_states(self.outcome.rng))
+            for index, loader in enumerate(loaders):
+                if index not in self._deferred:
+                    self._set_generators(index, loader)
+        saved = self.outcome.generators
+        if saved is not None and len(saved) != len(loaders):
+            self._skipped.append(
+                f"the generators of the train dataloaders (the checkpoint has {len(saved)} dataloader(s),"
+                f" this fit {len(loaders)})"
+            )
+        if self._registered:
+            self._skipped.append(
+                f"the registered state {_names(self._registered)} (nothing is registered under that name now)"
+            )
+        absent = sorted(registered_rank_state(module).keys() - set(self.outcome.registered_saved))
+        if absent and self.outcome.saved_world_size is not None:
+            self._skipped.append(f"the registered state {_names(absent)} (the checkpoint has none of it)")
+        return self._skipped
+
+    @property
+    def pending_first_batch(self) -> bool:
+        """Whether :meth:`on_first_batch` has something to set."""
+        return bool(self._deferred) or self.stepped is not None
+
+    def on_first_batch(self, trainer: Any) -> None:
+        """The first resumed batch was fetched: set the generators deferred for a restarted epoch, and
+        the loggers' step where Lightning's restart counted it once more."""
+        if trainer is None:
+            return
+        loop = trainer.fit_loop.epoch_loop
+        if self.stepped is not None and hasattr(loop, "_batches_that_stepped"):
+            loop._batches_that_stepped = self.stepped
+        loaders = train_loaders_of(trainer)
+        for index, states in sorted(self._deferred.items()):
+            if index < len(loaders) and states:
+                train_loaders.set_generator_states(loaders[index], states)
+        self._deferred.clear()
+
+
+#: No plain loader was positioned.
+_UNSET = object()
+
+
+def _names(keys: Any) -> str:
+    return ", ".join(repr(k) for k in sorted(keys))
+
+
+def plan(outcome: rank_state.RankRestore, metadata: dict[str, Any], trainer: Any) -> ExactResume:
+    """When a resume sets each part of ``outcome``, for the checkpoint ``metadata`` (which it may edit).
+
+    At :attr:`ResumePoint.LAST_BATCH` and, training by epochs, :attr:`ResumePoint.EPOCH_END`, Lightning
+    starts the next epoch with the iterator it creates at setup: the train dataloader's saved position
+    (the done epoch's end) is dropped, so that this iterator starts the next epoch, and the RNG and
+    generators are set before it exists. Training by steps, an ``EPOCH_END`` checkpoint is read as an
+    :attr:`ResumePoint.AFTER_LAST_BATCH` one (:func:`~.train_loaders.to_after_last_batch`).
+    """
+    point = train_loaders.resume_point(metadata)
+    stepped = None
+    if point is ResumePoint.EPOCH_END and trainer.max_steps != -1:
+        stepped = train_loaders.batches_stepped(metadata)
+        train_loaders.to_after_last_batch(metadata)
+        point = ResumePoint.AFTER_LAST_BATCH
+    if point is ResumePoint.LAST_BATCH:
+        rank_state.set_loader_state(metadata, None)
+    epoch = train_loaders.epoch_of(metadata)
+    return ExactResume(
+        outcome=outcome,
+        done=train_loaders.batches_done(metadata),
+        epoch=epoch,
+        during=lambda: bool(trainer.current_epoch == epoch),
+        early=point in (ResumePoint.LAST_BATCH, ResumePoint.EPOCH_END),
+        position=point is ResumePoint.MID_EPOCH and outcome.saved_world_size == trainer.world_size,
+        empty_first=point is ResumePoint.AFTER_LAST_BATCH,
+        loader_state=rank_state.loader_state(metadata) is not None,
+        stepped=stepped,
+    )
