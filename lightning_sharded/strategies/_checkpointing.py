@@ -7,8 +7,9 @@ The strategies put it first in their bases, so its overrides replace the parent'
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -22,7 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
-from lightning_sharded.checkpoint import load, names, rank_state, save, state_dicts
+from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
@@ -32,6 +33,10 @@ StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
 _STATE_DICT_TYPES = ("sharded", "full")
+#: The default ``checkpoint_timeout``: 5 minutes. It bounds how long the fastest rank waits for the
+#: slowest at one step of a save or a load (rank 0's write of a full checkpoint included), not the
+#: whole save.
+DEFAULT_CHECKPOINT_TIMEOUT = 300.0
 
 
 def check_state_dict_type(value: str) -> StateDictType:
@@ -66,6 +71,13 @@ class ShardedCheckpointing(ParallelStrategy):
     save_rank_state: bool = True
     #: The RNG states a resume restores in :meth:`on_train_start` (set by :meth:`load_checkpoint`).
     _pending_rng: dict[str, Any] | None = None
+    #: Seconds a rank waits for the others at a step of a save or a load before it fails with an error
+    #: naming the ranks that did not come (``None``: the process group's own timeout, 30 minutes).
+    checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT
+    #: Refuse a local save that does not fit in its filesystem's free space, before writing anything.
+    check_space: bool = True
+    _bounded_group: Any = None
+    _bounded_group_made: bool = False
 
     @override
     def setup_environment(self) -> None:
@@ -80,6 +92,27 @@ class ShardedCheckpointing(ParallelStrategy):
                 " and written by it alone. Save sharded, or set `async_save=False`."
             )
         self.async_save = async_save
+
+    def _init_faults(self, checkpoint_timeout: float | None, check_space: bool) -> None:
+        if checkpoint_timeout is not None and not checkpoint_timeout > 0:
+            raise ValueError(
+                f"`checkpoint_timeout={checkpoint_timeout!r}`: give the seconds a rank waits for the others"
+                " at a step of a save or a load (a positive number), or None for the process group's own"
+                " timeout."
+            )
+        self.checkpoint_timeout = checkpoint_timeout
+        self.check_space = check_space
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        """Inside, the checkpoint's collectives run on a gloo group whose collectives fail after
+        :attr:`checkpoint_timeout` (made on first use: collective, as every save and load is)."""
+        if not self._bounded_group_made:
+            if self.checkpoint_timeout is not None:
+                self._bounded_group = collective.bounded_group(self.checkpoint_timeout)
+            self._bounded_group_made = True
+        with collective.scope(self._bounded_group):
+            yield
 
     def _init_verify(self, verify: bool | VerifyMode) -> None:
         verify_mode(verify)  # a value that is not a mode fails here, not at the first resume
@@ -194,7 +227,8 @@ class ShardedCheckpointing(ParallelStrategy):
         path = location(self.broadcast(filepath))
         start = time.perf_counter()
         hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
-        rank_files = self._add_rank_state(checkpoint)
+        with self._bounded():
+            rank_files = self._add_rank_state(checkpoint)
         if plugin is not None:
             self.wait_for_checkpoint()
             if self.is_global_zero:
@@ -203,13 +237,19 @@ class ShardedCheckpointing(ParallelStrategy):
             return
         if self.async_save and self._saves_sharded and not hpc:
             if self._async_saver is None:
-                self._async_saver = AsyncSaver(type(self).__name__)
+                self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
             state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
-            rank = self.global_rank
+            rank, check_space = self.global_rank, self.check_space
 
             def write(target: Location, staged: Any, group: Any) -> None:
                 save.write_sharded_checkpoint(
-                    target, staged[0], staged[1], rank=rank, group=group, extra_files=rank_files
+                    target,
+                    staged[0],
+                    staged[1],
+                    rank=rank,
+                    group=group,
+                    extra_files=rank_files,
+                    check_space=check_space,
                 )
 
             # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
@@ -225,14 +265,16 @@ class ShardedCheckpointing(ParallelStrategy):
             )
             return
         self.wait_for_checkpoint()  # saves publish in order
-        save.save_checkpoint(
-            path,
-            checkpoint,
-            sharded=self._saves_sharded,
-            model_key=self._model_key,
-            rank=self.global_rank,
-            extra_files=rank_files,
-        )
+        with self._bounded():
+            save.save_checkpoint(
+                path,
+                checkpoint,
+                sharded=self._saves_sharded,
+                model_key=self._model_key,
+                rank=self.global_rank,
+                extra_files=rank_files,
+                check_space=self.check_space,
+            )
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
@@ -268,14 +310,15 @@ class ShardedCheckpointing(ParallelStrategy):
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []
         start = time.perf_counter()
-        restored = load.restore_checkpoint(
-            path,
-            self.model,
-            optimizers,
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            verify=self.verify,
-        )
+        with self._bounded():
+            restored = load.restore_checkpoint(
+                path,
+                self.model,
+                optimizers,
+                strict=module.strict_loading,
+                weights_only=weights_only,
+                verify=self.verify,
+            )
         if restored.keys:
             rank_zero_warn(
                 f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping keys"
@@ -287,14 +330,15 @@ class ShardedCheckpointing(ParallelStrategy):
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
             assert restored.data is not None
-            outcome = rank_state.restore(
-                metadata,
-                restored.data,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                weights_only=weights_only,
-                path=str(path),
-            )
+            with self._bounded():
+                outcome = rank_state.restore(
+                    metadata,
+                    restored.data,
+                    rank=self.global_rank,
+                    world_size=self.world_size,
+                    weights_only=weights_only,
+                    path=str(path),
+                )
             self._pending_rng = outcome.rng
             if outcome.warning is not None:
                 rank_zero_warn(outcome.warning)
@@ -315,7 +359,7 @@ class ShardedCheckpointing(ParallelStrategy):
         # Before the first step, whether async_save is on yet or not (it may be switched on later):
         # the saver then knows when a save comes from inside a step (which copies everything at once).
         if self._async_saver is None:
-            self._async_saver = AsyncSaver(type(self).__name__)
+            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
         self._async_saver.follow(self.optimizers)
         pending, self._pending_rng = self._pending_rng, None
         if pending is not None:

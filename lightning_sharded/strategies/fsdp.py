@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
     StateDictType,
     check_state_dict_type,
@@ -55,6 +56,12 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
+            collectives run on a gloo group of their own with this timeout) before it fails with a
+            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
+            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
+        check_space: refuse a local save before writing anything when its estimated size (plus a
+            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -74,6 +81,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         async_save: bool = False,
         verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
+        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
+        check_space: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
@@ -82,6 +91,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         self._init_async_save(async_save)
         self._init_verify(verify)
         self.save_rank_state = save_rank_state
+        self._init_faults(checkpoint_timeout, check_space)
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
@@ -166,6 +176,10 @@ def _signature() -> inspect.Signature:
         inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
         inspect.Parameter("verify", keyword, default=False, annotation='bool | Literal["before", "during"]'),
         inspect.Parameter("save_rank_state", keyword, default=True, annotation="bool"),
+        inspect.Parameter(
+            "checkpoint_timeout", keyword, default=DEFAULT_CHECKPOINT_TIMEOUT, annotation="float | None"
+        ),
+        inspect.Parameter("check_space", keyword, default=True, annotation="bool"),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
     ]
     return inspect.Signature(params, return_annotation=None)

@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
     StateDictType,
     check_state_dict_type,
@@ -63,6 +64,12 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             after its tensors were read (see ``docs/checkpoint-format.md``).
         save_rank_state: save each rank's RNG states and train dataloader state with every checkpoint,
             so a resume at the same world size continues exactly (see ``docs/checkpoint-format.md``).
+        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
+            collectives run on a gloo group of their own with this timeout) before it fails with a
+            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
+            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
+        check_space: refuse a local save before writing anything when its estimated size (plus a
+            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
 
     Example::
 
@@ -85,6 +92,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         async_save: bool = False,
         verify: bool | VerifyMode = False,
         save_rank_state: bool = True,
+        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
+        check_space: bool = True,
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -106,6 +115,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._init_async_save(async_save)
         self._init_verify(verify)
         self.save_rank_state = save_rank_state
+        self._init_faults(checkpoint_timeout, check_space)
 
     @override
     def setup_environment(self) -> None:

@@ -21,6 +21,7 @@ from lightning_sharded.checkpoint.async_save import StagingBuffers
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -70,7 +71,7 @@ def restore_sharded(
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
     # requests on S3 (see docs/benchmarks.md, "Scale").
     with reading():
-        layout = collective.decide(lambda: read_sharded_layout(path, backend))
+        layout = collective.decide(lambda: read_sharded_layout(path, backend), step="reading the index")
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
@@ -82,7 +83,8 @@ def restore_sharded(
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     with reading():
         metadata = collective.decide(
-            lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
+            lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only),
+            step="reading meta.pt",
         )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
@@ -94,6 +96,7 @@ def restore_sharded(
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
     ]
+    fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
     with reading():
         _dcp_load(backend, state, path, layout.metadata, verification)
     if verification is not None:
@@ -235,18 +238,21 @@ def _dcp_load(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    run_dcp(
-        lambda: load(
-            state,
-            storage_reader=backend.dcp_reader(
-                path,
-                metadata=metadata,
-                checksums=verification.checksums if verification is not None else None,
-            ),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-        ),
-        f"Loading the sharded checkpoint {str(path)!r}",
+    where = collective.ranks()
+    reader = backend.dcp_reader(
+        path, metadata=metadata, checksums=verification.checksums if verification is not None else None
     )
+    collective.after(reader, "read_data", where, "DCP load: shards read")
+    with collective.watched(where, "DCP load: planning"):
+        run_dcp(
+            lambda: load(
+                state,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                process_group=where.group,
+            ),
+            f"Loading the sharded checkpoint {str(path)!r}",
+        )
 
 
 def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> dict[str, Any]:
