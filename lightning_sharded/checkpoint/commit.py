@@ -316,8 +316,9 @@ def commit_file(
         IsADirectoryError: ``path`` is a non-empty local directory that is not a checkpoint.
         StorageError: the storage failed (the message starts with the cause; ``errno`` is the
             cause's), or the file did not fit and was refused; nothing changed at ``path``.
-        CheckpointError: ``path`` is a sharded checkpoint on object storage, ``write`` did not create
-            the file, or it failed otherwise (the message names its error).
+        CheckpointError: ``path`` is a sharded checkpoint on object storage, or ``write`` did not create
+            the file.
+        Exception: what ``write`` raised, as it is, when no cause of the storage's is behind it.
     """
     target = _target(path)
     backend = backend or backend_for(target)
@@ -350,11 +351,11 @@ def commit_file(
         backend.publish_file(staged, target)
     except Exception as err:
         # measured before the partial file is removed (a full disk shows as such only then)
-        failure = Failure.of(err, 0, staged.parent)
+        failure = Failure.of(err, 0, staged.parent, file=staged)
         with contextlib.suppress(Exception):
             if os.path.lexists(staged):
                 backend.discard(staged)
-        if isinstance(err, CheckpointError) and not isinstance(err, StorageError) and failure.errno is None:
+        if failure.errno is None:  # the write function's own error (no cause of the storage's): its own words
             raise
         raise save_failed(target, [failure], stage=stage, space=space, place=backend.place) from err
     except BaseException:

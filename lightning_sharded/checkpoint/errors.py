@@ -30,6 +30,7 @@ class StorageError(CheckpointError, OSError):
         reason: The cause in words where its errno's text would mislead (``"The object store kept
             throttling the requests (503 SlowDown)"``); a message that names this error's cause leads
             with it.
+        summary: What happened without the advice, for a message that quotes this error.
     """
 
     def __init__(
@@ -39,24 +40,31 @@ class StorageError(CheckpointError, OSError):
         filename: str | None = None,
         *,
         reason: str | None = None,
+        summary: str | None = None,
     ) -> None:
         super().__init__(message)
         self.errno = errno
         self.strerror = os.strerror(errno) if errno else None
         self.filename = filename
         self.reason = reason
+        self.summary = summary
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _storage_error, (type(self), str(self), self.errno, self.filename, self.reason)
+        return _storage_error, (type(self), str(self), self.errno, self.filename, self.reason, self.summary)
 
 
 def _storage_error(
-    cls: type[StorageError], message: str, errno: int | None, filename: str | None, reason: str | None
+    cls: type[StorageError],
+    message: str,
+    errno: int | None,
+    filename: str | None,
+    reason: str | None,
+    summary: str | None,
 ) -> StorageError:
-    return cls(message, errno, filename, reason=reason)
+    return cls(message, errno, filename, reason=reason, summary=summary)
 
 
 def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:

@@ -149,12 +149,20 @@ class Failure:
         return self.reason or (label(self.errno) if self.errno else "")
 
     @classmethod
-    def of(cls, err: BaseException, rank: int, near: str | os.PathLike[str] | None = None) -> Failure:
+    def of(
+        cls,
+        err: BaseException,
+        rank: int,
+        near: str | os.PathLike[str] | None = None,
+        file: str | os.PathLike[str] | None = None,
+    ) -> Failure:
         """What ``err`` on ``rank`` was caused by; ``near``: a local directory the failing write was in,
-        for an error that names no file (torch's zip writer)."""
+        for an error that names no file (torch's zip writer); ``file``: the file being written, for a
+        cause that names none."""
         cause = os_cause(err)
         if cause is not None:
-            filename = os.fsdecode(cause.filename) if cause.filename is not None else None
+            named = cause.filename if cause.filename is not None else file
+            filename = os.fsdecode(named) if named is not None else None
             return cls(
                 rank,
                 _text(cause),
@@ -184,6 +192,8 @@ class Failure:
 
 
 def _text(err: BaseException) -> str:
+    if isinstance(err, StorageError):
+        return err.summary or str(err)
     if isinstance(err, OSError) and err.errno and err.strerror:
         return str(err.strerror)  # the file and the errno are shown beside it
     message = str(err).strip().splitlines()
@@ -209,7 +219,11 @@ def failures_of(err: BaseException, rank: int, near: str | os.PathLike[str] | No
     return [Failure.of(err, rank, near)]
 
 
-def _hint(number: int | None, saving: bool) -> str:
+def _hint(number: int | None, saving: bool, reason: str | None = None) -> str:
+    if reason is not None and reason.startswith("The object store"):
+        from lightning_sharded.checkpoint.backends.retry import ADVICE
+
+        return ADVICE
     uid = getattr(os, "geteuid", lambda: None)()
     user = f" (user id {uid})" if uid is not None else ""
     if saving:
@@ -296,7 +310,12 @@ def save_failed(
         ),
         "publish": f"The previous checkpoint at that {place}, if any, is unchanged.",
     }[stage]
-    hint = _hint(lead.errno if lead is not None else None, saving=True)
+    number = lead.errno if lead is not None else None
+    if number is None and any(
+        f.text.startswith(("IsADirectoryError", "NotADirectoryError")) for f in ordered
+    ):
+        number = errnos.EISDIR  # a refusal of ours: something else put a directory at the path
+    hint = _hint(number, saving=True, reason=lead.reason if lead is not None else None)
     return _error(f"{head} ({details}).{figures} {hint} {after}", lead)
 
 
@@ -315,7 +334,8 @@ def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError
     if lead is not None and lead.errno:
         head = f"{lead.cause}: {head[0].lower()}{head[1:]}"
     details = "; ".join(f.detail() for f in failures) or repr(ex)
-    error = _error(f"{head} ({details}). {_hint(lead.errno if lead else None, saving)}", lead)
+    hint = _hint(lead.errno if lead else None, saving, lead.reason if lead else None)
+    error = _error(f"{head} ({details}). {hint}", lead)
     error.rank_failures = failures  # type: ignore[attr-defined]
     return error
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from lightning_sharded.checkpoint.errors import StorageError
 
 __all__ = [
+    "ADVICE",
     "BACKOFF_ENV",
     "DEFAULT_BACKOFF_S",
     "DEFAULT_RETRIES",
@@ -47,6 +48,8 @@ RETRIES_ENV = "LIGHTNING_SHARDED_STORE_RETRIES"
 #: Environment variable: seconds of the first wait between tries (it doubles each time).
 BACKOFF_ENV = "LIGHTNING_SHARDED_STORE_BACKOFF"
 DEFAULT_RETRIES = 6
+#: What to do when the tries are spent.
+ADVICE = f"Try again later, spread the saves out, or allow more tries ({RETRIES_ENV}, {BACKOFF_ENV})."
 DEFAULT_BACKOFF_S = 0.5
 #: The longest wait between two tries.
 MAX_WAIT_S = 20.0
@@ -135,13 +138,15 @@ def call(request: Callable[[], T], what: str) -> T:
                     if reason.startswith("throttled")
                     else ("kept dropping the connection")
                 )
+                summary = (
+                    f"{what} failed {attempt + 1} time(s) over {spent:.1f} s; the last error:"
+                    f" {type(err).__name__}: {str(err).rstrip('.')}"
+                )
                 raise StorageError(
-                    f"The object store {cause}: {what} failed {attempt + 1} time(s) over {spent:.1f} s;"
-                    f" the last error: {type(err).__name__}: {err}. The previous checkpoint, if any, is"
-                    " unchanged. Try again later, spread the saves out, or allow more tries"
-                    f" ({RETRIES_ENV}, {BACKOFF_ENV}).",
+                    f"The object store {cause}: {summary}. {ADVICE}",
                     errno.EBUSY if reason.startswith("throttled") else errno.ECONNRESET,
                     reason=f"The object store {cause}",
+                    summary=summary,
                 ) from err
             wait = random.uniform(0, min(MAX_WAIT_S, backoff * 2**attempt))
             log.warning("Object store %s (%s); trying again in %.2f s: %s", what, reason, wait, err)
