@@ -29,12 +29,17 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["GRACE_S", "RanksLost", "lost", "reach", "set_timeout"]
+__all__ = ["GRACE_S", "LINGER_S", "RanksLost", "lost", "reach", "set_timeout"]
 
 #: Seconds a rank whose collective failed waits for the marks of the ranks behind it (which may be
 #: giving up at the same moment, or just arriving): a rank that died never comes, so this is the most
 #: a failure's error is delayed by.
 GRACE_S = 1.0
+#: Seconds rank 0, which serves the job's store in most launches (Lightning's, ``init_method="tcp://"``,
+#: ``env://``; not torchrun's, whose agent serves it), waits after giving up for the other survivors to
+#: read the marks and give up too, before its error (and its exit) takes the store away; it stops
+#: waiting as soon as every rank that came has given up.
+LINGER_S = 3.0
 _PREFIX = "lightning_sharded/reached"
 
 
@@ -188,6 +193,8 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     missing -= set(gave_up)
     names = sorted(missing)
     _put(_key(state, state.me), [count, step, names])
+    if state.me == 0:
+        _linger(state, set(names))
     if not names:
         return RanksLost(
             f"a collective at the checkpoint's step {step!r} failed ({cause}) although every rank had reached"
@@ -203,6 +210,18 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
         f" the timeout; {last}; the collective failed with {cause}). {hint}",
         names,
     )
+
+
+def _linger(state: _Group, missing: set[int]) -> None:
+    """On rank 0: wait (at most :data:`LINGER_S`) until every other rank not ``missing`` has given up."""
+    deadline = time.monotonic() + LINGER_S
+    while time.monotonic() < deadline:
+        marks = _read(state)
+        if marks is None or all(
+            len(marks.get(r, [])) >= 3 for r in state.members if r != state.me and r not in missing
+        ):
+            return
+        time.sleep(0.05)
 
 
 def _first_line(err: BaseException) -> str:
