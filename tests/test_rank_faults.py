@@ -80,3 +80,50 @@ def test_the_previous_checkpoint_stays_whole(run: tuple[Path, dict[str, Any]], c
     recovered = out / case / "recovered" / "ckpt"
     assert_version(recovered, 3)
     assert leftovers(recovered) == []
+
+
+# ----------------------------------------------------------------- through the strategy (Lightning)
+
+SCENARIO = Path(__file__).parent / "distributed" / "scenario_timeout.py"
+STRATEGY_TIMEOUT_S = 4.0
+
+
+def test_the_strategy_s_checkpoint_timeout_bounds_a_save_and_a_resume(tmp_path: Path) -> None:
+    """``checkpoint_timeout=4`` on ``ShardedModelParallelStrategy``: rank 1 hangs in ``save_checkpoint``
+    (after writing its shards), or in the resume (before reading them); rank 0 raises naming it within
+    the timeout, not the process group's 30 minutes, and exits."""
+    import os
+    import signal
+    import time
+
+    from tests.distributed.launch import free_port, rank_env, run_ranks, start_rank
+
+    ckpt = tmp_path / "ckpt"
+    args = ["--ckpt", str(ckpt), "--timeout", str(STRATEGY_TIMEOUT_S)]
+    run_ranks(SCENARIO, 2, "prepare", "--out", str(tmp_path / "prepare.json"), *args, timeout=120)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    launches = {}
+    for phase, fault in (("save", "after_write@1:hang"), ("resume", "before_read@1:hang")):
+        port = free_port()
+        argv = [str(SCENARIO), phase, "--out", str(tmp_path / f"{phase}.json"), *args]
+        env = {"LIGHTNING_SHARDED_FAULT": fault}
+        launches[phase] = [start_rank(argv, rank_env(r, 2, port, env)) for r in range(2)]
+    deadline = time.monotonic() + 90
+    for phase, (first, hung) in launches.items():
+        try:
+            first.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            if hung.poll() is None:
+                os.killpg(hung.pid, signal.SIGKILL)
+            hung.communicate()
+        assert first.returncode == 4, (phase, first.returncode)
+        result = json.loads((tmp_path / f"{phase}.json").read_text())
+        assert result["type"] == "RanksLost", result
+        assert "rank(s) 1 did not reach the checkpoint's step" in result["message"], result
+        assert f"within {STRATEGY_TIMEOUT_S:g} s" in result["message"], result
+        assert result["elapsed"] <= STRATEGY_TIMEOUT_S + SLACK_S + 3, result  # a resume's setup included
+    verify_checkpoint(ckpt)  # the save that failed left the one before whole
+    assert all(p.name.startswith(".ckpt.staging-") for p in leftovers(ckpt))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ckpt.staging-")) == sorted(
+        [*before, "save.json", "resume.json"]
+    )
