@@ -155,8 +155,8 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(
     message = str(raised.value)
     assert re.match(
         rf"No space left on device \(ENOSPC\) for the checkpoint '{path}', refused before writing: this save"
-        r" needs about [0-9.]+ KiB \(its estimate; with the margin of 2% and 1\.0 MiB, [0-9.]+ MiB\), and the"
-        rf" filesystem of '{tmp_path}' has [0-9.]+ MiB free \(statvfs\)\. Nothing was written",
+        r" needs about [0-9.]+ KiB \(its estimate; with the margin of 2% and 256\.0 KiB, [0-9.]+ KiB\), and the"
+        rf" filesystem of '{tmp_path}' has [0-9.]+ KiB free \(statvfs\)\. Nothing was written",
         message,
     ), message
     assert "check_space=False" in message and raised.value.errno == errno.ENOSPC

@@ -82,10 +82,11 @@ def named_os_error(err: BaseException, path: str | os.PathLike[str]) -> OSError 
     return OSError(err.errno, err.strerror or os.strerror(err.errno), os.fspath(path))
 
 
-def free_space(path: str | os.PathLike[str]) -> int | None:
+def free_space(path: str | os.PathLike[str], *, writable: bool = False) -> int | None:
     """Bytes this process may still write on the filesystem of ``path`` (its nearest existing parent),
     from ``statvfs``: the blocks free to unprivileged users, or all free blocks for root (who may use
-    the reserved ones). ``None`` where ``statvfs`` is not available."""
+    the reserved ones). ``None`` where ``statvfs`` is not available. With ``writable``, a filesystem
+    mounted read-only raises ``OSError(EROFS)`` naming that parent (its free space means nothing)."""
     if not hasattr(os, "statvfs"):
         return None
     current = Path(path)
@@ -95,6 +96,8 @@ def free_space(path: str | os.PathLike[str]) -> int | None:
         stats = os.statvfs(current)
     except OSError:
         return None
+    if writable and stats.f_flag & getattr(os, "ST_RDONLY", 1):
+        raise OSError(errnos.EROFS, os.strerror(errnos.EROFS), os.fspath(current))
     root = getattr(os, "geteuid", lambda: -1)() == 0
     return (stats.f_bfree if root else stats.f_bavail) * stats.f_frsize
 

@@ -44,7 +44,7 @@ BLOCK = 4096
 #: The margin over the estimate: a fraction of it, plus a fixed amount (the filesystem's own metadata,
 #: the manifest, the estimate's error).
 MARGIN_FRACTION = 0.02
-MARGIN_BYTES = MIB
+MARGIN_BYTES = MIB // 4
 
 
 def _leaves(obj: Any) -> Iterator[Any]:

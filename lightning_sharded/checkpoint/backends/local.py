@@ -335,7 +335,7 @@ class LocalBackend:
         return None
 
     def free_space(self, target: Location) -> int | None:
-        return free_space(_path(target).parent)
+        return free_space(_path(target).parent, writable=True)
 
     def stage(self, target: Location, *, directory: bool) -> Location:
         staged = _sibling(_path(target), names.STAGING)
