@@ -82,11 +82,11 @@ class FlakyFileSystem(MemoryFileSystem):  # type: ignore[misc]
     """
 
     protocol = "flaky"
-    store: dict[str, Any] = {}  # noqa: RUF012 - fsspec's MemoryFileSystem keeps its files on the class
-    pseudo_dirs = [""]  # noqa: RUF012
+    store: dict[str, Any] = {}
+    pseudo_dirs = [""]
     failures = 0
     kind = "throttle"
-    failed: list[str] = []  # noqa: RUF012 - the requests that failed, by method
+    failed: list[str] = []
 
     def _maybe_fail(self, method: str) -> None:
         cls = type(self)

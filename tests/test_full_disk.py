@@ -63,8 +63,8 @@ def test_a_save_that_does_not_fit_is_refused_before_writing(run: tuple[Path, lis
         failed = steps[step]
         assert failed["type"] == "StorageError" and failed["errno"] == 28, failed
         assert failed["message"].startswith(
-            f"No space left on device (ENOSPC) for the checkpoint '{out.parent / 'disk' / path}', refused before"
-            " writing: this save needs about 1.0 MiB (2 ranks' estimates, 524.0 KiB at most each;"
+            f"No space left on device (ENOSPC) for the checkpoint '{out.parent / 'disk' / path}', refused"
+            " before writing: this save needs about 1.0 MiB (2 ranks' estimates, 524.0 KiB at most each;"
         ), failed["message"]
         assert "has 984.0 KiB free (statvfs). Nothing was written" in failed["message"], failed["message"]
 

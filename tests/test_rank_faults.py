@@ -45,7 +45,7 @@ def assert_version(path: Path, version: int) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_others_name_the_rank_within_the_timeout(run: tuple[Path, dict[str, Any]], case: str) -> None:
     out, results = run
-    operation, fault, _, faulty = CASES[case]
+    operation, _, _, faulty = CASES[case]
     codes = results[case]["crash"]
     assert codes[faulty] == -9, codes  # it hung (then was killed) or killed itself
     hang = "kill" not in case

@@ -116,10 +116,15 @@ class Space:
     free: int | None
     where: str
 
-    def figures(self) -> str:
-        """``This save needed about 52.3 MiB there; 31.0 MiB were free when it started (...).``"""
-        free = f"; {format_size(self.free)} were free when it started" if self.free is not None else ""
-        return f"This save needed about {format_size(self.needed)} there{free} (statvfs of {self.where!r})."
+    def figures(self, *, free: bool = True) -> str:
+        """``This save needed about 52.3 MiB there; 31.0 MiB were free when it started (...).``; with
+        ``free=False`` (a quota, which ``statvfs`` does not see) the first half only."""
+        if not free or self.free is None:
+            return f"This save needed about {format_size(self.needed)} there."
+        free_text = f"; {format_size(self.free)} were free when it started"
+        return (
+            f"This save needed about {format_size(self.needed)} there{free_text} (statvfs of {self.where!r})."
+        )
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ class Failure:
                 cause.errno,
                 filename,
                 _size(filename),
-                free_space(filename) if filename is not None and cause.errno in _SPACE else None,
+                free_space(filename) if filename is not None and cause.errno == errnos.ENOSPC else None,
                 reason=getattr(cause, "reason", None),
             )
         text = _text(err)
@@ -305,7 +310,9 @@ def save_failed(
     what = f"saving the checkpoint {str(target)!r} failed on rank(s) {ranks}"
     head = f"{lead.cause}: {what}" if lead is not None and lead.errno else what[0].upper() + what[1:]
     details = "; ".join(f.detail() for f in ordered)
-    figures = f" {space.figures()}" if space is not None and lead is not None and lead.errno in _SPACE else ""
+    figures = ""
+    if space is not None and lead is not None and lead.errno in _SPACE:
+        figures = f" {space.figures(free=lead.errno == errnos.ENOSPC)}"
     after = {
         "prepare": f"Nothing was written; the previous checkpoint at that {place}, if any, is unchanged.",
         "write": (
