@@ -326,3 +326,28 @@ def test_what_is_worth_another_try() -> None:
     assert transient(translate_boto_error(denied)) is None
     assert transient(FileNotFoundError("s3://b/k")) is None
     assert transient(ValueError("bad argument")) is None
+
+
+# ------------------------------------------------------------------------------------------- loads
+
+
+def test_a_read_the_storage_fails_has_a_load_s_advice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_sharded.checkpoint.load.sharded import load_meta
+
+    path = tmp_path / "ckpt"
+    save(path, 1)
+
+    def unreadable(self: Any, loc: Any, **kwargs: Any) -> Any:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(loc))
+
+    monkeypatch.setattr(LocalBackend, "torch_load", unreadable)
+    with pytest.raises(StorageError) as raised:
+        load_meta(LocalBackend(), path / "meta.pt", True)
+    message = str(raised.value)
+    assert message.startswith(
+        f"Permission denied (EACCES): could not read the Lightning metadata '{path / 'meta.pt'}'"
+    )
+    assert "may not read it" in message and "Nothing on disk was changed" in message, message
+    assert "save_top_k" not in message  # a load's advice, not a save's

@@ -35,6 +35,7 @@ __all__ = [
     "label",
     "named_os_error",
     "os_cause",
+    "read_failed",
     "save_failed",
 ]
 
@@ -327,6 +328,23 @@ def save_failed(
         number = errnos.EISDIR  # a refusal of ours: something else put a directory at the path
     hint = _hint(number, saving=True, reason=lead.reason if lead is not None else None)
     return _error(f"{head} ({details}).{figures} {hint} {after}", lead)
+
+
+def read_failed(err: BaseException, what: str) -> StorageError | None:
+    """The error of a read of ``what`` (``"the Lightning metadata '...'"``) that failed because the
+    storage did (an ``OSError`` behind ``err``: permissions, an I/O error, a missing file), with a load's
+    advice; ``None`` when no such cause is behind it (the file itself is bad)."""
+    cause = os_cause(err)
+    if cause is None:
+        return None
+    failure = Failure.of(cause, 0)
+    return StorageError(
+        f"{failure.cause}: could not read {what}: {failure.text}. {_hint(cause.errno, saving=False)}"
+        " Nothing on disk was changed.",
+        cause.errno,
+        failure.filename,
+        reason=failure.reason,
+    )
 
 
 def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError:

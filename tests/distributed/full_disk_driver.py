@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.failures import free_space
 from tests.distributed.forks import fork
@@ -118,9 +118,7 @@ def run_rank(rank: int, port: int, disk: Path, out: Path) -> int:
 
 def main(argv: list[str]) -> None:
     disk, out = Path(argv[0]), Path(argv[1])
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     pids = [fork(functools.partial(run_rank, rank, port, disk, out)) for rank in range(WORLD_SIZE)]
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     if codes != [0] * WORLD_SIZE:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import collective, faults
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.faults import FAULT_ENV
@@ -123,18 +123,12 @@ def run_rank(rank: int, port: int, ckpt: Path, operation: str, version: int, dcp
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_op(
     ckpt: Path, operation: str, version: int, fault: str = "", dcp_hang: int | None = None, faulty: int = -1
 ) -> list[int]:
     """Fork the ranks of one save or load; once every rank but ``faulty`` has exited (or the deadline
     passed), kill what is left. Each rank's exit code (negative: killed by that signal)."""
-    port = _free_port()
+    port = free_port()
 
     def the_rank(rank: int) -> int:
         os.environ[FAULT_ENV] = fault

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names, unpickling
+from lightning_sharded.checkpoint import collective, failures, fsdp1, names, unpickling
 from lightning_sharded.checkpoint.async_save import StagingBuffers
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
@@ -274,6 +274,9 @@ def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> di
             " Lightning."
         ) from None
     except Exception as ex:
+        storage = failures.read_failed(ex, f"the Lightning metadata {str(path)!r}")
+        if storage is not None:
+            raise storage from ex
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"
             " resume from an earlier checkpoint."
