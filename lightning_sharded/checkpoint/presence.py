@@ -66,6 +66,7 @@ class _Group:
     name: str
     members: list[int]  # global ranks, in group order
     me: int  # this process's global rank
+    local: str  # the key of its timeout (see _local_name)
     count: int = 0
     step: str = ""
 
@@ -73,31 +74,44 @@ class _Group:
 _lock = threading.Lock()
 _groups: dict[str, _Group] = {}
 _timeouts: dict[str, float] = {}
-_store_state: list[Any] = []  # [store or None], filled on first use
+_store_state: dict[int, Any] = {}  # id of the default process group -> its store, or None
 
 
 def _store() -> Any:
+    import torch.distributed as dist
+
+    world = id(dist.group.WORLD)  # a new default group (re-initialized) has a new store
     with _lock:
-        if not _store_state:
+        if world not in _store_state:
             try:
                 from torch.distributed.distributed_c10d import _get_default_store
 
-                _store_state.append(_get_default_store())
+                _store_state[world] = _get_default_store()
             except Exception:  # no store here (no process group, a launcher without one)
-                _store_state.append(None)
-        return _store_state[0]
+                _store_state[world] = None
+        return _store_state[world]
 
 
 def _group(group: ProcessGroup | None) -> _Group:
     import torch.distributed as dist
 
-    name = str(getattr(group if group is not None else dist.group.WORLD, "group_name", "world"))
+    pg = group if group is not None else dist.group.WORLD
+    name = str(getattr(pg, "group_name", "world"))  # the same on every rank: the store's keys use it
+    local = _local_name(pg)
     with _lock:
-        known = _groups.get(name)
+        known = _groups.get(local)
         if known is None:
-            members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-            known = _groups[name] = _Group(name, list(members), dist.get_rank())
+            members = dist.get_process_group_ranks(pg)
+            known = _groups[local] = _Group(name, list(members), dist.get_rank(), local)
         return known
+
+
+def _local_name(pg: Any) -> str:
+    """This process's name of a group: its name and the default group's identity (a world that is
+    initialized again reuses the group names)."""
+    import torch.distributed as dist
+
+    return f"{getattr(pg, 'group_name', 'world')}-{id(dist.group.WORLD)}"
 
 
 def _key(group: _Group, rank: int) -> str:
@@ -106,7 +120,7 @@ def _key(group: _Group, rank: int) -> str:
 
 def set_timeout(group: ProcessGroup, seconds: float) -> None:
     """Remember the timeout ``group`` was made with, for the messages of its failures."""
-    _timeouts[str(group.group_name)] = seconds
+    _timeouts[_local_name(group)] = seconds
 
 
 def _put(key: str, value: list[Any]) -> None:
@@ -116,8 +130,10 @@ def _put(key: str, value: list[Any]) -> None:
     try:
         store.set(key, json.dumps(value))
     except Exception:  # the store went away (its process died) or does not store: no marks from now on
+        import torch.distributed as dist
+
         with _lock:
-            _store_state[:] = [None]
+            _store_state[id(dist.group.WORLD)] = None
 
 
 def reach(group: ProcessGroup | None, step: str) -> None:
@@ -169,7 +185,7 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
             break
         time.sleep(0.05)
     cause = _first_line(err)
-    timeout = _timeouts.get(state.name)
+    timeout = _timeouts.get(state.local)
     within = f" within {timeout:g} s" if timeout is not None else ""
     hint = (
         "Check their logs. If they are only slow (a large write), raise the strategy's `checkpoint_timeout`"
