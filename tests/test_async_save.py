@@ -105,8 +105,12 @@ def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
     for where in ("next_save_error", "teardown_error"):
         message = result[where]
         assert message is not None, f"the failed background write was not raised ({where})"
-        assert message.startswith("CheckpointError"), message
+        # The cause first, as for a synchronous save (a StorageError is a CheckpointError and an OSError)
+        assert message.startswith("StorageError: No space left on device (ENOSPC): saving the checkpoint"), (
+            message
+        )
         assert "No space left on device (injected)" in message, message
+        assert "(The background save of the checkpoint" in message, message
     # Both failed writes went to `sync`: it still is the complete checkpoint saved at step 2.
     assert_whole(root / "sync")
     assert_equal(result["saved"], read_values(root / "sync", strategy))

@@ -25,9 +25,10 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 def test_meta_unreadable_on_rank_0_fails_every_rank_alike(reports: list[dict]) -> None:
     first, second = (r["meta"] for r in reports)
-    assert first["type"] == second["type"] == "CheckpointError"
+    # a StorageError (a CheckpointError) that leads with the cause, as decide() shares it
+    assert first["type"] == second["type"] == "StorageError"
     assert first["message"] == second["message"]
-    assert "Could not read the Lightning metadata" in first["message"]
+    assert first["message"].startswith("Input/output error (EIO): could not read the Lightning metadata")
     assert "Input/output error (injected)" in first["message"]
 
 
@@ -86,9 +87,9 @@ def test_verify_true_leaves_every_rank_s_model_as_it_was_on_a_damaged_shard(repo
 
 def test_a_full_file_unreadable_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
     first, second = (r["full"] for r in reports)
-    assert first["type"] == second["type"] == "CheckpointError"
+    assert first["type"] == second["type"] == "StorageError"  # a CheckpointError, the cause first
     assert first["message"] == second["message"]
-    assert "Could not read the checkpoint file" in first["message"]
+    assert first["message"].startswith("Input/output error (EIO): could not read the checkpoint file")
 
 
 def test_a_full_files_rank_state_bad_for_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:

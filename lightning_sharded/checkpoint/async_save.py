@@ -45,8 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Location
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import background_failed
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -199,10 +200,13 @@ class AsyncSaver:
 
     Args:
         name: shown in the background thread's name and in log messages.
+        timeout_s: seconds a background save's collectives wait for the other ranks before failing
+            with an error that names the missing ones (``None``: the process group's default timeout).
     """
 
-    def __init__(self, name: str = "lightning-sharded") -> None:
+    def __init__(self, name: str = "lightning-sharded", timeout_s: float | None = None) -> None:
         self._name = name
+        self._timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
         self._future: Future[None] | None = None
         self._path: Location | None = None
@@ -258,16 +262,14 @@ class AsyncSaver:
             callback()
 
     def group(self) -> ProcessGroup | None:
-        """The process group of the background writes: a gloo group of all ranks, made on first use.
+        """The process group of the background writes: a gloo group of all ranks, made on first use,
+        whose collectives time out after ``timeout_s``.
 
         Collective the first time (every rank must call it in the same order, as :meth:`save` does);
-        ``None`` without an initialized default group (one process).
+        ``None`` without an initialized default group or with one rank.
         """
-        import torch.distributed as dist
-
         if not self._group_made:
-            if dist.is_available() and dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")
+            self._group = collective.bounded_group(self._timeout_s)
             self._group_made = True
         return self._group
 
@@ -407,12 +409,7 @@ class AsyncSaver:
         except _BackgroundError as err:
             self._drop_step_hooks()
             self._on_published = []  # nothing was published: nobody hears of it
-            cause = err.cause
-            raise CheckpointError(
-                f"The background save of the checkpoint {str(path)!r} failed: {cause!r}. The previous"
-                " checkpoint at that path, if any, is unchanged; fix the cause (disk space, permissions)"
-                " and save again."
-            ) from cause
+            raise background_failed(path, err.cause, collective.ranks().rank) from err.cause
         self._drop_step_hooks()
         self._run_published()
 

@@ -232,6 +232,9 @@ class HashingStream(io.RawIOBase):
         self._size = 0
         self._crc = 0
         self._pool: ThreadPoolExecutor | None = None
+        #: The ``OSError`` a write to ``raw`` raised (a full disk...), kept: a ``torch.save`` writing
+        #: through this stream drops it and raises its own ``RuntimeError`` instead.
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -257,7 +260,11 @@ class HashingStream(io.RawIOBase):
         return len(view)
 
     def _write(self, view: memoryview) -> None:
-        n = self._raw.write(view)
+        try:
+            n = self._raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         if n is not None and n != len(view):  # a buffered writer writes everything or raises
             raise OSError(f"short write: {n} of {len(view)} bytes")
         self._size += len(view)

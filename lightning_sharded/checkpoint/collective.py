@@ -12,20 +12,45 @@ So a check runs through one of two functions here:
   failing rank, naming it.
 
 Without an initialized process group both simply run the function.
+
+Time: every collective here (and DCP's, given :func:`ranks`' group) runs on the group it is given, or
+inside :func:`scope` on the scope's group, such as a :func:`bounded_group` whose collectives fail after
+the strategy's ``checkpoint_timeout`` instead of the process group's 30 minutes. When one fails (a rank
+died, or did not come in time), :mod:`~lightning_sharded.checkpoint.presence` names the ranks that did
+not reach it: the error is a :class:`~lightning_sharded.checkpoint.presence.RanksLost`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint import presence
+from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
+from lightning_sharded.checkpoint.presence import RanksLost
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Ranks", "agree", "all_gather", "broadcast", "decide", "describe", "gather", "ranks"]
+__all__ = [
+    "Ranks",
+    "RanksLost",
+    "after",
+    "agree",
+    "all_gather",
+    "bounded_group",
+    "broadcast",
+    "decide",
+    "describe",
+    "gather",
+    "ranks",
+    "scope",
+    "watched",
+]
 
 T = TypeVar("T")
 
@@ -47,51 +72,124 @@ class Ranks:
     group: ProcessGroup | None
 
 
+_scoped: contextvars.ContextVar[ProcessGroup | None] = contextvars.ContextVar(
+    "lightning_sharded_checkpoint_group", default=None
+)
+
+
+@contextlib.contextmanager
+def scope(group: ProcessGroup | None) -> Iterator[None]:
+    """Inside, in this thread, the checkpoint's collectives that are given no group run on ``group``
+    (``None``: the default group, as outside)."""
+    token = _scoped.set(group)
+    try:
+        yield
+    finally:
+        _scoped.reset(token)
+
+
+def bounded_group(timeout_s: float | None) -> ProcessGroup | None:
+    """A new gloo group of every rank whose collectives fail after ``timeout_s`` seconds (the process
+    group's default when ``None``); ``None`` without a process group or with one rank.
+
+    Collective over the default group: every rank calls it, in the same order.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if timeout_s is None:
+        default: ProcessGroup = dist.new_group(backend="gloo")
+        return default
+    group: ProcessGroup = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    presence.set_timeout(group, timeout_s)
+    return group
+
+
 def ranks(group: ProcessGroup | None = None, *, alone: bool = False) -> Ranks:
-    """This process's rank, world size and source rank in ``group`` (the default group when ``None``);
-    with ``alone``, this process by itself (rank 0 of 1), whatever process group is up."""
+    """This process's rank, world size and source rank in ``group`` (the :func:`scope`'s group, else
+    the default group, when ``None``); with ``alone``, this process by itself (rank 0 of 1), whatever
+    process group is up."""
     import torch.distributed as dist
 
     if alone or not (dist.is_available() and dist.is_initialized()):
         return Ranks(0, 1, 0, None if alone else group)
+    if group is None:
+        group = _scoped.get()
     src = dist.get_global_rank(group, 0) if group is not None else 0
     return Ranks(dist.get_rank(group), dist.get_world_size(group), src, group)
 
 
-def broadcast(obj: Any, where: Ranks) -> Any:
-    """Rank 0's ``obj`` on every rank of ``where.group`` (collective)."""
+@contextlib.contextmanager
+def watched(where: Ranks, step: str) -> Iterator[None]:
+    """Mark ``step`` (see :mod:`~lightning_sharded.checkpoint.presence`), then run the block, whose
+    collectives' failure (a ``RuntimeError`` of the backend) becomes a :class:`RanksLost` naming the
+    ranks that did not reach this rank's last step. Nothing happens with one rank."""
+    if where.world_size == 1:
+        yield
+        return
+    presence.reach(where.group, step)
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except RuntimeError as err:  # gloo and NCCL errors (DistError and its kinds are RuntimeErrors)
+        raise presence.lost(where.group, err) from err
+
+
+def after(obj: Any, method: str, where: Ranks, step: str) -> None:
+    """Mark ``step`` each time ``obj.method`` returns or raises (a step of DCP's between its own
+    collectives, such as a storage writer's ``write_data``); nothing with one rank."""
+    if where.world_size == 1:
+        return
+    original = getattr(obj, method)
+
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        finally:
+            presence.reach(where.group, step)
+
+    setattr(obj, method, marked)
+
+
+def broadcast(obj: Any, where: Ranks, step: str = "broadcast") -> Any:
+    """Rank 0's ``obj`` on every rank of ``where.group`` (collective); ``step`` names it in errors."""
     if where.world_size == 1:
         return obj
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=where.src, group=where.group)
+    with watched(where, step):
+        dist.broadcast_object_list(box, src=where.src, group=where.group)
     return box[0]
 
 
-def all_gather(obj: Any, where: Ranks) -> list[Any]:
-    """Every rank's ``obj``, in rank order (collective)."""
+def all_gather(obj: Any, where: Ranks, step: str = "all-gather") -> list[Any]:
+    """Every rank's ``obj``, in rank order (collective); ``step`` names it in errors."""
     if where.world_size == 1:
         return [obj]
     import torch.distributed as dist
 
     out: list[Any] = [None] * where.world_size
-    dist.all_gather_object(out, obj, group=where.group)
+    with watched(where, step):
+        dist.all_gather_object(out, obj, group=where.group)
     return out
 
 
-def gather(obj: Any, where: Ranks) -> list[Any] | None:
+def gather(obj: Any, where: Ranks, step: str = "gather") -> list[Any] | None:
     """Every rank's ``obj``, in rank order, on rank 0; ``None`` on the others (collective).
 
     For what only rank 0 needs (the manifest entries of every rank): each rank receives nothing, where
-    :func:`all_gather` would send every rank all N objects.
+    :func:`all_gather` would send every rank all N objects. ``step`` names it in errors.
     """
     if where.world_size == 1:
         return [obj]
     import torch.distributed as dist
 
     out: list[Any] | None = [None] * where.world_size if where.rank == 0 else None
-    dist.gather_object(obj, out, dst=where.src, group=where.group)
+    with watched(where, step):
+        dist.gather_object(obj, out, dst=where.src, group=where.group)
     return out
 
 
@@ -101,30 +199,41 @@ def describe(err: BaseException) -> str:
 
 
 # Exceptions a check may raise that travel between ranks as themselves; anything else becomes a
-# CheckpointError that names it.
+# CheckpointError that names it. A StorageError keeps its cause's errno and file name.
 _SHARED_ERRORS: dict[str, type[Exception]] = {
     "CheckpointError": CheckpointError,
+    "StorageError": StorageError,
     "FileNotFoundError": FileNotFoundError,
     "IsADirectoryError": IsADirectoryError,
 }
+_Packed = tuple[str, str, "int | None", "str | None"]
 
 
-def _pack(err: Exception) -> tuple[str, str]:
+def _pack(err: Exception) -> _Packed:
     name = type(err).__name__
-    return (name, str(err)) if name in _SHARED_ERRORS else ("CheckpointError", describe(err))
+    if isinstance(err, StorageError):
+        return ("StorageError", str(err), err.errno, err.filename)
+    return (
+        (name, str(err), None, None)
+        if name in _SHARED_ERRORS
+        else ("CheckpointError", describe(err), None, None)
+    )
 
 
-def _unpack(packed: tuple[str, str], suffix: str = "") -> Exception:
-    name, message = packed
+def _unpack(packed: _Packed, suffix: str = "") -> Exception:
+    name, message, number, filename = packed
+    if name == "StorageError":
+        return StorageError(message + suffix, number, filename)
     return _SHARED_ERRORS[name](message + suffix)
 
 
-def decide(check: Callable[[], T], group: ProcessGroup | None = None) -> T:
+def decide(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "decision") -> T:
     """Run ``check`` on rank 0 and give every rank its result, or raise its error on every rank.
 
     Collective over ``group``. An ``Exception`` of rank 0 is raised on every rank as the same type
-    (``CheckpointError``, ``FileNotFoundError``, ``IsADirectoryError``; any other type as a
-    ``CheckpointError`` naming it) with the same message. The result must be picklable.
+    (``CheckpointError``, ``StorageError``, ``FileNotFoundError``, ``IsADirectoryError``; any other type
+    as a ``CheckpointError`` naming it) with the same message. The result must be picklable. ``step``
+    names the collective in the error of a rank that did not come (:class:`RanksLost`).
     """
     where = ranks(group)
     if where.world_size == 1:
@@ -135,28 +244,28 @@ def decide(check: Callable[[], T], group: ProcessGroup | None = None) -> T:
             outcome = (True, check())
         except Exception as err:
             outcome = (False, _pack(err))
-    ok, value = broadcast(outcome, where)
+    ok, value = broadcast(outcome, where, step)
     if not ok:
         raise _unpack(value)
     return value  # type: ignore[no-any-return]
 
 
-def agree(check: Callable[[], T], group: ProcessGroup | None = None) -> T:
+def agree(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "agreement") -> T:
     """Run ``check`` on every rank; if it failed on any, raise the lowest failing rank's error everywhere.
 
     Collective over ``group``. When only some ranks failed, the message says which rank saw it.
-    Returns this rank's result.
+    Returns this rank's result. ``step`` names the collective in the error of a rank that did not come.
     """
     where = ranks(group)
     if where.world_size == 1:
         return check()
     result: Any = None
-    failure: tuple[str, str] | None = None
+    failure: _Packed | None = None
     try:
         result = check()
     except Exception as err:
         failure = _pack(err)
-    failures = [(r, f) for r, f in enumerate(all_gather(failure, where)) if f is not None]
+    failures = [(r, f) for r, f in enumerate(all_gather(failure, where, step)) if f is not None]
     if not failures:
         return result  # type: ignore[no-any-return]
     first_rank, first = failures[0]

@@ -41,9 +41,12 @@ from typing import TYPE_CHECKING, Any
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, location
 from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, leftovers, resolve
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
+from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
 from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart, Manifest
+from lightning_sharded.checkpoint.presence import RanksLost
+from lightning_sharded.checkpoint.space import refusal
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -78,11 +81,14 @@ def commit_directory(
     group: ProcessGroup | None = None,
     backend: Backend | None = None,
     frozen: FrozenPart | None = None,
+    needed: int | None = None,
+    check_space: bool = True,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
-    Every rank of ``group`` (the default group when ``None``; no process group at all works as one
-    rank) must call it with the same ``path``; rank 0's ``path`` and ``metadata`` are used.
+    Every rank of ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
+    ``None``; no process group at all works as one rank) must call it with the same ``path``; rank 0's
+    ``path`` and ``metadata`` are used.
 
     Args:
         path: The checkpoint directory, local or an fsspec URL. It may exist (a previous checkpoint,
@@ -100,13 +106,22 @@ def commit_directory(
         backend: The storage; the one of ``path`` (:func:`~.backends.backend_for`) when ``None``.
         frozen: A trainable-only checkpoint: what it leaves out and where that is (rank 0's value),
             recorded in the manifest.
+        needed: This rank's estimate of the bytes it writes (:func:`~.space.sharded_share`), or ``None``
+            (no estimate; then on every rank). The estimates are gathered on rank 0, shown in the error
+            of a full disk, and compared with the free space before anything is written.
+        check_space: Refuse the save, before anything is written, when the local filesystem has less
+            free space than the estimates and their margin (:func:`~.space.required`).
 
     Raises:
-        CheckpointError: another rank failed while writing, rank 0 failed to prepare or publish, or a
-            collective of the commit failed (a rank died).
-        BaseException: the exception ``write`` raised on this rank (``OSError`` for a full disk, DCP's
-            ``CheckpointException``...), re-raised after every rank has learned of it. In both cases
-            the staged data is removed and the previous checkpoint is unchanged.
+        StorageError: the storage failed (the message starts with the cause: ``No space left on device
+            (ENOSPC): ...``; ``errno`` is the cause's), or the save did not fit and was refused. It is a
+            ``CheckpointError`` and an ``OSError``.
+        CheckpointError: a rank failed while writing, rank 0 failed to prepare or publish, or a
+            collective of the commit failed (a rank died or did not come in time: the message names
+            it). The same error on every rank, raised from this rank's own error where it had one. In
+            every case the staged data is removed (or, when a rank was lost, left for the next save to
+            remove) and the previous checkpoint is unchanged. ``KeyboardInterrupt`` and ``SystemExit``
+            on a rank are re-raised there as they are.
     """
     target = _target(path)
     backend = backend or backend_for(target)
@@ -114,23 +129,30 @@ def commit_directory(
     rank = where.rank
     started = time.perf_counter()
 
-    # 1. rank 0: recovery, cleanup, refusal, staging; everyone learns the outcome.
-    prepared: tuple[Location | None, str | None, str | None] = (None, None, None)
-    if rank == 0:
+    # 0. every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)
+    needs: list[int | None] | None = [needed]
+    if needed is not None:
         try:
-            previous = backend.prepare(target, directory=True)
-            prepared = (backend.stage(target, directory=True), previous, None)
+            needs = collective.gather(needed, where, "estimating the size of the save")
         except Exception as err:
-            prepared = (None, None, collective.describe(err))
+            raise _lost_rank(target, "before writing", err, backend.place) from err
+
+    # 1. rank 0: recovery, cleanup, space, refusal, staging; everyone learns the outcome.
+    prepared: tuple[Location | None, str | None, CheckpointError | None, Space | None] = (
+        None,
+        None,
+        None,
+        None,
+    )
+    if rank == 0:
+        prepared = _prepare(backend, target, needs, check_space)
     try:
-        staging, previous, error = collective.broadcast(prepared, where)
+        staging, previous, error, space = collective.broadcast(prepared, where, "preparing the save")
     except Exception as err:  # a rank died: what was staged is left for the next save to remove
         raise _lost_rank(target, "before writing", err, backend.place) from err
     if staging is None:
-        raise CheckpointError(
-            f"Could not prepare the checkpoint {str(target)!r} on rank 0: {error}. Check that the"
-            f" {backend.place} is writable and has space; the previous checkpoint is unchanged."
-        )
+        assert error is not None
+        raise error
 
     # 2. every rank writes, then seals its own files.
     entries: list[FileEntry] = []
@@ -144,23 +166,26 @@ def commit_directory(
         entries = backend.seal_own(staging, rank, written)
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
-    report = (entries, None if own_error is None else collective.describe(own_error))
+    if isinstance(own_error, RanksLost):  # a collective inside write failed: the others know it too
+        raise _lost_rank(target, "while writing", own_error, backend.place) from own_error
+    near = staging if isinstance(staging, Path) else None
+    report = (entries, None if own_error is None else failures_of(own_error, rank, near))
     try:
         # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
         # outcome rank 0 broadcasts below, so no rank receives N ranks' entries.
-        reports = collective.gather(report, where)
+        reports = collective.gather(report, where, "gathering the written files")
     except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
         raise _lost_rank(target, "after writing, before publishing", err, backend.place) from err
 
     # 3. rank 0: the rest of the files, the manifest, the publish. The outcome: None (published), or
-    # ("write", who failed) or ("publish", why).
-    outcome: tuple[str, str] | None = None
+    # the error every rank raises.
+    outcome: CheckpointError | None = None
     publishing = False
-    failures = [(r, msg) for r, (_, msg) in enumerate(reports or []) if msg is not None]
-    if rank == 0 and failures:
+    failed = [f for _, rank_failures in reports or [] for f in rank_failures or []]
+    if rank == 0 and failed:
         with contextlib.suppress(Exception):
             backend.discard(staging)
-        outcome = ("write", ", ".join(f"rank {r} ({msg})" for r, msg in failures))
+        outcome = save_failed(target, failed, stage="write", space=space, place=backend.place)
     elif rank == 0:
         assert reports is not None
         try:
@@ -195,36 +220,76 @@ def commit_directory(
                 time.perf_counter() - t_pub,
             )
         except Exception as err:
-            outcome = ("publish", collective.describe(err))
+            stage = "publish" if publishing else "write"
+            outcome = save_failed(
+                target, [Failure.of(err, 0, near)], stage=stage, space=space, place=backend.place
+            )
             if not publishing:
                 with contextlib.suppress(Exception):
                     backend.discard(staging)
     elif own_error is None:
         fault(FaultPoint.BEFORE_MANIFEST, rank)
         fault(FaultPoint.BEFORE_PUBLISH, rank)
+    interrupted = own_error if isinstance(own_error, KeyboardInterrupt | SystemExit | GeneratorExit) else None
     try:
-        outcome = collective.broadcast(outcome, where)
+        outcome = collective.broadcast(outcome, where, "publishing")
     except Exception as err:
+        if interrupted is not None:
+            raise interrupted from err
         if own_error is not None:  # this rank failed itself: its own error says more
-            raise own_error from err
+            own = save_failed(target, report[1] or [], stage="write", space=space, place=backend.place)
+            raise own from own_error
         raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
-    if outcome is None:
-        return
-    stage, message = outcome
-    if stage == "write":
-        if own_error is not None:
-            raise own_error
-        raise CheckpointError(
-            f"Saving the checkpoint {str(target)!r} failed on {message}. The partial save was removed and the"
-            f" previous checkpoint at that {backend.place}, if any, is unchanged."
-        )
-    raise CheckpointError(
-        f"Publishing the checkpoint {str(target)!r} failed on rank 0: {message}. The previous"
-        f" checkpoint at that {backend.place}, if any, is unchanged; check the storage and save again."
-    )
+    if interrupted is not None:
+        raise interrupted
+    if outcome is not None:
+        raise outcome from own_error
+
+
+def _prepare(
+    backend: Backend, target: Location, needs: list[int | None] | None, check_space: bool
+) -> tuple[Location | None, str | None, CheckpointError | None, Space | None]:
+    """Rank 0's step 1: ``(staging, previous version, None, space)``, or ``(None, None, error, space)``."""
+    space: Space | None = None
+    try:
+        previous = backend.prepare(target, directory=True)
+        known = [n for n in needs or [] if n is not None]
+        free = backend.free_space(target) if known else None
+        if free is not None:
+            space = Space(sum(known), free, str(_parent(target)))
+            refused = refusal(target, space, known, backend.place) if check_space else None
+            if refused is not None:
+                return None, None, refused, space
+        return backend.stage(target, directory=True), previous, None, space
+    except Exception as err:
+        near = _parent(target)
+        failure = Failure.of(err, 0, near if isinstance(near, Path) else None)
+        if failure.errno is None:  # a refusal (a directory of something else...): its message says it all
+            return (
+                None,
+                None,
+                CheckpointError(
+                    f"Could not prepare the checkpoint {str(target)!r} on rank 0: {collective.describe(err)}"
+                    f" The previous checkpoint at that {backend.place}, if any, is unchanged."
+                ),
+                space,
+            )
+        return None, None, save_failed(target, [failure], stage="prepare", place=backend.place), space
+
+
+def _parent(target: Location) -> Location:
+    return target.parent if isinstance(target, Path) else target
 
 
 def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:
+    if isinstance(err, RanksLost):
+        why = str(err)
+        error: CheckpointError = RanksLost(
+            f"Saving the checkpoint {str(target)!r} failed {stage}: {why} The {place} holds the previous"
+            " checkpoint or this one, whole, never a mix; resume from it.",
+            err.ranks,
+        )
+        return error
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return CheckpointError(
         f"Saving the checkpoint {str(target)!r} failed {stage}: a collective failed, most likely because"
@@ -238,6 +303,8 @@ def commit_file(
     write: Callable[[Path], None],
     *,
     backend: Backend | None = None,
+    needed: int | None = None,
+    check_space: bool = True,
 ) -> None:
     """Write a full checkpoint file at ``path`` atomically; called by one process (rank 0).
 
@@ -245,18 +312,37 @@ def commit_file(
     is atomic), in a temporary directory for a URL; e.g. ``lambda tmp: torch.save(checkpoint, tmp)``.
     The file is fsynced, then published over ``path`` (a previous file, or a previous sharded directory,
     swapped atomically; on object storage one upload). A crash at any moment leaves the previous
-    checkpoint or the new file at ``path``; an exception in ``write`` removes the file and is re-raised.
+    checkpoint or the new file at ``path``; an exception in ``write`` removes the file. ``needed``: the
+    file's estimated size (:func:`~.space.full_size`): with ``check_space``, a local save is refused
+    before anything is written when its filesystem has less free space (and the margin).
 
     Raises:
         IsADirectoryError: ``path`` is a non-empty local directory that is not a checkpoint.
-        CheckpointError: ``path`` is a sharded checkpoint on object storage, or ``write`` did not
-            create the file.
+        StorageError: the storage failed (the message starts with the cause; ``errno`` is the
+            cause's), or the file did not fit and was refused; nothing changed at ``path``.
+        CheckpointError: ``path`` is a sharded checkpoint on object storage, or ``write`` did not create
+            the file.
+        Exception: what ``write`` raised, as it is, when no cause of the storage's is behind it.
     """
     target = _target(path)
     backend = backend or backend_for(target)
-    backend.prepare(target, directory=False)
-    staged = backend.stage(target, directory=False)
+    try:
+        backend.prepare(target, directory=False)
+        space: Space | None = None
+        free = backend.free_space(target) if needed is not None else None
+        if needed is not None and free is not None:
+            space = Space(needed, free, str(_parent(target)))
+            refused = refusal(target, space, [needed], backend.place) if check_space else None
+            if refused is not None:
+                raise refused
+        staged = backend.stage(target, directory=False)
+    except OSError as err:
+        if err.errno is None or isinstance(err, StorageError):  # a refusal: its message says it all
+            raise
+        failure = Failure.of(err, 0, _parent(target) if isinstance(target, Path) else None)
+        raise save_failed(target, [failure], stage="prepare", place=backend.place) from err
     assert isinstance(staged, Path)
+    stage = "write"
     try:
         write(staged)
         if not staged.is_file():
@@ -265,7 +351,17 @@ def commit_file(
                 f" given; nothing was written to {str(target)!r}."
             )
         fault(FaultPoint.BEFORE_PUBLISH, 0)
+        stage = "publish"
         backend.publish_file(staged, target)
+    except Exception as err:
+        # measured before the partial file is removed (a full disk shows as such only then)
+        failure = Failure.of(err, 0, staged.parent, file=staged)
+        with contextlib.suppress(Exception):
+            if os.path.lexists(staged):
+                backend.discard(staged)
+        if failure.errno is None:  # the write function's own error (no cause of the storage's): its own words
+            raise
+        raise save_failed(target, [failure], stage=stage, space=space, place=backend.place) from err
     except BaseException:
         with contextlib.suppress(Exception):
             if os.path.lexists(staged):

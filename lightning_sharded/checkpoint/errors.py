@@ -1,11 +1,12 @@
-"""Errors raised for invalid or corrupt checkpoints, and DCP's errors turned into them."""
+"""Errors raised for invalid or corrupt checkpoints and failed saves, and DCP's errors turned into them."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CheckpointError", "run_dcp"]
+__all__ = ["CheckpointError", "StorageError", "run_dcp"]
 
 
 class CheckpointError(ValueError):
@@ -15,20 +16,70 @@ class CheckpointError(ValueError):
     """
 
 
-def run_dcp(call: Callable[[], Any], what: str) -> Any:
-    """Run a DCP call; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``."""
+class StorageError(CheckpointError, OSError):
+    """A save or load failed because the storage did (a full disk, a read-only filesystem, a quota...).
+
+    A :class:`CheckpointError` whose message starts with the cause (``No space left on device
+    (ENOSPC): ...``), and an ``OSError`` whose :attr:`errno` and :attr:`filename` are the cause's, so
+    ``except OSError as err: if err.errno == errno.ENOSPC: ...`` works as for the ``OSError`` itself.
+
+    Args:
+        message: The whole message.
+        errno: The cause's error number (``errno.ENOSPC``...), if known.
+        filename: The file the cause happened on, if known.
+        reason: The cause in words where its errno's text would mislead (``"The object store kept
+            throttling the requests (503 SlowDown)"``); a message that names this error's cause leads
+            with it.
+        summary: What happened without the advice, for a message that quotes this error.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        errno: int | None = None,
+        filename: str | None = None,
+        *,
+        reason: str | None = None,
+        summary: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.errno = errno
+        self.strerror = os.strerror(errno) if errno else None
+        self.filename = filename
+        self.reason = reason
+        self.summary = summary
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _storage_error, (type(self), str(self), self.errno, self.filename, self.reason, self.summary)
+
+
+def _storage_error(
+    cls: type[StorageError],
+    message: str,
+    errno: int | None,
+    filename: str | None,
+    reason: str | None,
+    summary: str | None,
+) -> StorageError:
+    return cls(message, errno, filename, reason=reason, summary=summary)
+
+
+def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
+    """Run a DCP call; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
+
+    The message names every failing rank and its error; when a rank's error was caused by an
+    ``OSError`` (a full disk, a missing file), it starts with that cause and the error is a
+    :class:`StorageError`. ``saving`` picks the advice: a save's (space, permissions) or a load's
+    (files complete and readable).
+    """
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_sharded.checkpoint import failures
 
     try:
         return call()
     except CheckpointException as ex:
-        failures = getattr(ex, "failures", {}) or {}
-        detail = "; ".join(
-            # DCP wraps each failure as (exception, stack summary)
-            f"rank {rank}: {failure[0] if isinstance(failure, tuple) else failure!r}"
-            for rank, failure in sorted(failures.items())
-        )
-        raise CheckpointError(
-            f"{what} failed on rank(s) {sorted(failures)}: {detail or ex!r}. Check that the directory is"
-            " complete and readable (every *.distcp file its .metadata names) and that there is disk space."
-        ) from None
+        raise failures.dcp_failed(ex, what, saving=saving) from None

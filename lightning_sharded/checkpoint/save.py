@@ -14,11 +14,12 @@ import contextlib
 import io
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint import collective, names, space
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
@@ -57,22 +58,29 @@ def write_sharded_checkpoint(
     group: ProcessGroup | None = None,
     extra_files: Mapping[str, bytes] | None = None,
     frozen: FrozenPart | None = None,
+    check_space: bool = True,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
-    Collective over ``group`` (the default group when ``None``): every rank calls it with its own shards
-    in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``). ``metadata`` (the rest of
-    the Lightning checkpoint) is written by rank 0. Everything goes to a staging location, checksummed
-    while it is written, then published with the manifest: a previous checkpoint at ``path`` stays
-    whole until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
-    per-rank state file) are written by this rank next to its shards, checksummed and listed in the
-    manifest as its own. ``frozen``: a trainable-only checkpoint's frozen part (the model keys ``state``
-    leaves out and where they are), recorded in the manifest.
+    Collective over ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
+    ``None``): every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
+    and ``"optimizer_0"``). ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
+    Everything goes to a staging location, checksummed while it is written, then published with the
+    manifest: a previous checkpoint at ``path`` stays whole until the new one is complete.
+    ``extra_files`` (``{relative path: bytes}``, e.g. this rank's per-rank state file) are written by
+    this rank next to its shards, checksummed and listed in the manifest as its own. With
+    ``check_space``, a local save whose estimated size (:mod:`~lightning_sharded.checkpoint.space`) does
+    not fit in the free space of its filesystem is refused before anything is written. ``frozen``: a
+    trainable-only checkpoint's frozen part (the model keys ``state`` leaves out and where they are),
+    recorded in the manifest.
 
     Raises:
+        StorageError: the storage failed (a full disk, a quota, a read-only filesystem...: the message
+            starts with the cause, names the rank(s) and files, and for a full disk the bytes needed
+            against the bytes free), or the save was refused for lack of space.
         CheckpointError: ``path`` is a non-empty directory that is not a checkpoint (it would be replaced
-            as a whole), DCP failed on some rank, or the commit did; the message names the ranks and
-            their errors.
+            as a whole), DCP failed on some rank, or the commit did (a rank died or did not come in
+            time); the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -80,28 +88,38 @@ def write_sharded_checkpoint(
 
     target = location(path)
     backend = backend_for(target)
+    where = collective.ranks(group)
+    own: dict[str, bytes] = dict(extra_files or {})
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save(metadata, buffer)
+        own[names.LIGHTNING_METADATA] = buffer.getvalue()
+    needed = space.sharded_share(state, where.world_size, [len(data) for data in own.values()])
 
     def write(staging: Location) -> dict[str, tuple[int, str]]:
         writer = backend.dcp_writer(staging, thread_count=WRITER_THREADS)
-        with without_torch_crc32():
+        collective.after(writer, "write_data", where, "DCP save: shards written")
+        with without_torch_crc32(), collective.watched(where, "DCP save: planning"):
             run_dcp(
-                lambda: save(state, storage_writer=writer, process_group=group),
+                lambda: save(state, storage_writer=writer, process_group=where.group),
                 f"Saving the sharded checkpoint to {str(target)!r}",
+                saving=True,
             )
         checksums: dict[str, tuple[int, str]] = dict(writer.checksums)
-        for rel, data in sorted((extra_files or {}).items()):
+        for rel, data in sorted(own.items()):
             backend.write_bytes(join(staging, *rel.split("/")), data)
             checksums[rel] = bytes_checksum(data)
-        if rank == 0:
-            buffer = io.BytesIO()
-            torch.save(metadata, buffer)
-            data = buffer.getvalue()
-            backend.write_bytes(join(staging, names.LIGHTNING_METADATA), data)
-            checksums[names.LIGHTNING_METADATA] = bytes_checksum(data)
         return checksums
 
     commit_directory(
-        target, write, metadata=_manifest_metadata(metadata), group=group, backend=backend, frozen=frozen
+        target,
+        write,
+        metadata=_manifest_metadata(metadata),
+        group=where.group,
+        backend=backend,
+        needed=needed,
+        check_space=check_space,
+        frozen=frozen,
     )
 
 
@@ -120,19 +138,32 @@ def split_sharded_checkpoint(
 
 
 def write_full_checkpoint(
-    path: Location | str | os.PathLike[str], checkpoint: dict[str, Any], *, rank: int
+    path: Location | str | os.PathLike[str],
+    checkpoint: dict[str, Any],
+    *,
+    rank: int,
+    check_space: bool = True,
 ) -> None:
     """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
 
     Locally the file is written next to ``path`` and published by rename (a sharded checkpoint
     directory at ``path`` is replaced by it); on object storage it is written locally, then uploaded.
+    With ``check_space``, a local file whose estimated size does not fit in the free space of its
+    filesystem is refused before anything is written.
 
     Raises:
         IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
+        StorageError: the storage failed (the message starts with the cause), or the file did not fit.
     """
     if rank != 0:
         return
-    commit_file(location(path), lambda staged: torch.save(checkpoint, staged))
+
+    def write(staged: Path) -> None:
+        # Through a Python file: torch.save into a file name drops the OSError of a failed write
+        with open(staged, "wb") as f:
+            torch.save(checkpoint, f)
+
+    commit_file(location(path), write, needed=space.full_size(checkpoint), check_space=check_space)
 
 
 def save_checkpoint(
@@ -144,8 +175,12 @@ def save_checkpoint(
     rank: int,
     extra_files: Mapping[str, bytes] | None = None,
     frozen: FrozenPart | None = None,
+    check_space: bool = True,
 ) -> None:
     """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
+
+    Collective: a full file is written by rank 0 and its outcome shared, so that every rank returns
+    or raises the same error.
 
     Args:
         path: the target directory (``sharded=True``) or file.
@@ -160,14 +195,21 @@ def save_checkpoint(
         extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
         frozen: a trainable-only checkpoint (``checkpoint["state_dict"]`` leaves its keys out): in the
             manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
+        check_space: refuse a local save that does not fit in its filesystem's free space, before
+            writing (see :mod:`~lightning_sharded.checkpoint.space`).
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
-        write_sharded_checkpoint(path, state, metadata, rank=rank, extra_files=extra_files, frozen=frozen)
+        write_sharded_checkpoint(
+            path, state, metadata, rank=rank, extra_files=extra_files, check_space=check_space, frozen=frozen
+        )
     else:
         if frozen is not None:
             checkpoint[names.FROZEN_KEY] = frozen.to_dict()
-        write_full_checkpoint(path, checkpoint, rank=rank)
+        collective.decide(
+            lambda: write_full_checkpoint(path, checkpoint, rank=0, check_space=check_space),
+            step="writing the full checkpoint on rank 0",
+        )
 
 
 def remove_checkpoint(path: Location | str | os.PathLike[str], *, rank: int) -> None:

@@ -7,8 +7,9 @@ The strategies put it first in their bases, so its overrides replace the parent'
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -22,7 +23,7 @@ from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
-from lightning_sharded.checkpoint import collective, names, rank_state, save, state_dicts
+from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
 from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
@@ -34,6 +35,10 @@ StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
 _STATE_DICT_TYPES = ("sharded", "full")
+#: The default ``checkpoint_timeout``: 5 minutes. It bounds how long the fastest rank waits for the
+#: slowest at one step of a save or a load (rank 0's write of a full checkpoint included), not the
+#: whole save.
+DEFAULT_CHECKPOINT_TIMEOUT = 300.0
 
 
 def check_state_dict_type(value: str) -> StateDictType:
@@ -78,6 +83,14 @@ class ShardedCheckpointing(PartialCheckpoints):
         strategies do; ``import lightning_sharded`` registers them in Lightning's registry already."""
         register(strategy_registry, cls._registry_names, strategy=cls)
 
+    #: Seconds a rank waits for the others at a step of a save or a load before it fails with an error
+    #: naming the ranks that did not come (``None``: the process group's own timeout, 30 minutes).
+    checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT
+    #: Refuse a local save that does not fit in its filesystem's free space, before writing anything.
+    check_space: bool = True
+    _bounded_group: Any = None
+    _bounded_group_made: bool = False
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -92,6 +105,40 @@ class ShardedCheckpointing(PartialCheckpoints):
                 " and written by it alone. Save sharded, or set `async_save=False`."
             )
         self.async_save = async_save
+
+    def _init_faults(self, checkpoint_timeout: float | None, check_space: bool) -> None:
+        if checkpoint_timeout is not None and not checkpoint_timeout > 0:
+            raise ValueError(
+                f"`checkpoint_timeout={checkpoint_timeout!r}`: give the seconds a rank waits for the others"
+                " at a step of a save or a load (a positive number), or None for the process group's own"
+                " timeout."
+            )
+        self.checkpoint_timeout = checkpoint_timeout
+        self.check_space = check_space
+
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        """Inside, the checkpoint's collectives run on a gloo group whose collectives fail after
+        :attr:`checkpoint_timeout` (made on first use: collective, as every save and load is)."""
+        if not self._bounded_group_made:
+            if self.checkpoint_timeout is not None:
+                self._bounded_group = collective.bounded_group(self.checkpoint_timeout)
+            self._bounded_group_made = True
+        with collective.scope(self._bounded_group):
+            yield
+
+    @override
+    def _restore(
+        self,
+        path: Location,
+        optimizers: Sequence[Optimizer],
+        weights_only: bool | None,
+        *,
+        read_metadata: bool = True,
+    ) -> load.Restored:
+        # Every load (a resume, a warm start, a trainable-only checkpoint's frozen part) is bounded too.
+        with self._bounded():
+            return super()._restore(path, optimizers, weights_only, read_metadata=read_metadata)
 
     def _init_verify(self, verify: bool | VerifyMode) -> None:
         verify_mode(verify)  # a value that is not a mode fails here, not at the first resume
@@ -212,7 +259,8 @@ class ShardedCheckpointing(PartialCheckpoints):
         path = location(self.broadcast(filepath))
         start = time.perf_counter()
         hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
-        rank_files = self._add_rank_state(checkpoint)
+        with self._bounded():
+            rank_files = self._add_rank_state(checkpoint)
         frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
         if plugin is not None:
             if frozen is not None:
@@ -224,9 +272,9 @@ class ShardedCheckpointing(PartialCheckpoints):
             return
         if self.async_save and self._saves_sharded and not hpc:
             if self._async_saver is None:
-                self._async_saver = AsyncSaver(type(self).__name__)
+                self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
             state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
-            rank = self.global_rank
+            rank, check_space = self.global_rank, self.check_space
 
             def write(target: Location, staged: Any, group: Any) -> None:
                 save.write_sharded_checkpoint(
@@ -237,6 +285,7 @@ class ShardedCheckpointing(PartialCheckpoints):
                     group=group,
                     extra_files=rank_files,
                     frozen=frozen,
+                    check_space=check_space,
                 )
 
             # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
@@ -252,15 +301,17 @@ class ShardedCheckpointing(PartialCheckpoints):
             )
             return
         self.wait_for_checkpoint()  # saves publish in order
-        save.save_checkpoint(
-            path,
-            checkpoint,
-            sharded=self._saves_sharded,
-            model_key=self._model_key,
-            rank=self.global_rank,
-            extra_files=rank_files,
-            frozen=frozen,
-        )
+        with self._bounded():
+            save.save_checkpoint(
+                path,
+                checkpoint,
+                sharded=self._saves_sharded,
+                model_key=self._model_key,
+                rank=self.global_rank,
+                extra_files=rank_files,
+                check_space=self.check_space,
+                frozen=frozen,
+            )
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
@@ -315,7 +366,8 @@ class ShardedCheckpointing(PartialCheckpoints):
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
             assert restored.data is not None
-            what += self._restore_rank_state(metadata, restored.data, weights_only, str(path))
+            with self._bounded():
+                what += self._restore_rank_state(metadata, restored.data, weights_only, str(path))
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
         if exclude:
             left_out = drop_parts(metadata, exclude, str(path))
@@ -356,7 +408,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         # Before the first step, whether async_save is on yet or not (it may be switched on later):
         # the saver then knows when a save comes from inside a step (which copies everything at once).
         if self._async_saver is None:
-            self._async_saver = AsyncSaver(type(self).__name__)
+            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
         self._async_saver.follow(self.optimizers)
         resume, self._resume = self._resume, None
         module = self.lightning_module

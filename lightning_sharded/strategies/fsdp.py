@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
     StateDictType,
     check_state_dict_type,
@@ -71,6 +72,12 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             full or a sharded checkpoint); required with ``save_trainable_only``. On a load it overrides
             the source a trainable-only checkpoint names.
         frozen_prefix: the part of the frozen parameters' keys the source's keys lack (``"model."``).
+        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
+            collectives run on a gloo group of their own with this timeout) before it fails with a
+            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
+            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
+        check_space: refuse a local save before writing anything when its estimated size (plus a
+            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
         **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
 
     Example::
@@ -96,6 +103,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         save_trainable_only: bool = False,
         frozen_source: str | os.PathLike[str] | None = None,
         frozen_prefix: str = "",
+        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
+        check_space: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
@@ -107,6 +116,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         self._init_partial(
             warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
         )
+        self._init_faults(checkpoint_timeout, check_space)
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
@@ -206,6 +216,10 @@ def _signature() -> inspect.Signature:
         inspect.Parameter("save_trainable_only", keyword, default=False, annotation="bool"),
         inspect.Parameter("frozen_source", keyword, default=None, annotation="str | os.PathLike[str] | None"),
         inspect.Parameter("frozen_prefix", keyword, default="", annotation="str"),
+        inspect.Parameter(
+            "checkpoint_timeout", keyword, default=DEFAULT_CHECKPOINT_TIMEOUT, annotation="float | None"
+        ),
+        inspect.Parameter("check_space", keyword, default=True, annotation="bool"),
         inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
     ]
     return inspect.Signature(params, return_annotation=None)

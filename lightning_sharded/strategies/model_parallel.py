@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
     StateDictType,
     check_state_dict_type,
@@ -67,6 +68,12 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             same world size continues exactly from any point (see ``docs/checkpoint-format.md``).
         warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix: partial
             loads and trainable-only checkpoints, as in :class:`~lightning_sharded.ShardedFSDPStrategy`.
+        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
+            collectives run on a gloo group of their own with this timeout) before it fails with a
+            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
+            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
+        check_space: refuse a local save before writing anything when its estimated size (plus a
+            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
 
     Example::
 
@@ -96,6 +103,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         save_trainable_only: bool = False,
         frozen_source: str | os.PathLike[str] | None = None,
         frozen_prefix: str = "",
+        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
+        check_space: bool = True,
     ) -> None:
         if state_dict_type is None:
             state_dict_type = "sharded" if save_distributed_checkpoint else "full"
@@ -120,6 +129,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self._init_partial(
             warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
         )
+        self._init_faults(checkpoint_timeout, check_space)
 
     @override
     def setup_environment(self) -> None:

@@ -142,6 +142,11 @@ class Backend(Protocol):
         what must not be replaced; returns the published version's name where versions are kept."""
         ...
 
+    def free_space(self, target: Location) -> int | None:
+        """Bytes free for a save at ``target`` (its filesystem's, ``statvfs``), or ``None`` where there
+        is no such limit to check (object storage)."""
+        ...
+
     def stage(self, target: Location, *, directory: bool) -> Location:
         """A fresh staging location for ``target`` (a directory, or for a full file a local file name)."""
         ...

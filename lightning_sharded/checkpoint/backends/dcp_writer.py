@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from typing_extensions import override
 
 from lightning_sharded.checkpoint.checksum import HashingStream
+from lightning_sharded.checkpoint.failures import named_os_error
 from lightning_sharded.checkpoint.writeback import WriteBehind
 
 __all__ = ["ChecksummingWriter", "without_torch_crc32"]
@@ -58,9 +59,13 @@ class _ChecksummingFileSystem(FileSystem):
                 yield stream  # DCP writes the file and fsyncs it (its sync_files)
                 behind.finish()
             except BaseException as err:  # kept: torch's extra writer threads only print it
+                named = named_os_error(stream.error or err, path)
                 with self._lock:
-                    self.errors.append(err)
-                raise
+                    self.errors.append(named or err)
+                if named is None:
+                    raise
+                # torch.save swallowed the write's OSError (RuntimeError "unexpected pos"): raise it
+                raise named from err
             finally:
                 figures = stream.result()
         with self._lock:

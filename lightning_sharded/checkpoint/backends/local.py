@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends.paths import Location
 from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.failures import free_space, named_os_error
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
@@ -93,8 +94,20 @@ def fsync_dir(path: Path) -> None:
 
 
 def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+    with _naming(path), open(path, "rb") as f:
+        os.fsync(f.fileno())  # a full disk or a quota may show only here (delayed allocation, NFS)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` raised inside without a file name (a write's, an fsync's) names ``path``."""
+    try:
+        yield
+    except OSError as err:
+        named = named_os_error(err, path)
+        if named is None:
+            raise
+        raise named from err
 
 
 def make_dirs(directory: Path) -> None:
@@ -321,6 +334,9 @@ class LocalBackend:
                 _delete(stale)
         return None
 
+    def free_space(self, target: Location) -> int | None:
+        return free_space(_path(target).parent, writable=True)
+
     def stage(self, target: Location, *, directory: bool) -> Location:
         staged = _sibling(_path(target), names.STAGING)
         if directory:
@@ -334,7 +350,7 @@ class LocalBackend:
 
     def write_bytes(self, loc: Location, data: bytes) -> None:
         _path(loc).parent.mkdir(parents=True, exist_ok=True)
-        with open(loc, "wb") as f:
+        with _naming(_path(loc)), open(loc, "wb") as f:
             f.write(data)
 
     def seal_own(
@@ -377,7 +393,7 @@ class LocalBackend:
     def write_manifest(self, staging: Location, manifest: Manifest) -> None:
         directory = _path(staging)
         tmp = directory / f".{names.MANIFEST_NAME}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
+        with _naming(tmp), open(tmp, "w", encoding="utf-8") as f:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
@@ -396,6 +412,8 @@ class LocalBackend:
         staged, target = _path(staging), _path(target)
         parent = target.parent
         try:
+            # Again, right before the swap: something else may have put a directory there meanwhile.
+            _refuse_foreign_directory(target)
             if not os.path.lexists(target):
                 os.rename(staged, target)
                 fsync_dir(parent)

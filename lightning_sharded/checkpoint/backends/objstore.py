@@ -40,6 +40,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join
+from lightning_sharded.checkpoint.backends.retry import Retrying
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
@@ -57,13 +58,17 @@ _STOCK_FILE = re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path in it (no protocol): ``(S3FileSystem, "b/k")``."""
+    """The fsspec filesystem of ``url`` and the path in it (no protocol): ``(S3FileSystem, "b/k")``.
+
+    Its requests are retried when the store throttles them or drops the connection
+    (:class:`~lightning_sharded.checkpoint.backends.retry.Retrying`).
+    """
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url)
     # Other processes (the other ranks) write too: never trust a listing cached in this process.
     fs.invalidate_cache(str(path))
-    return fs, str(path)
+    return Retrying(fs), str(path)
 
 
 def _url(loc: Location) -> str:
@@ -272,6 +277,9 @@ class ObjectStoreBackend:
                     log.info("Removing %s/%s left by an interrupted save", url, name)
                     self._remove_tree(join(url, name))
         return current
+
+    def free_space(self, target: Location) -> int | None:
+        return None  # no filesystem to fill: object stores skip the space check
 
     def stage(self, target: Location, *, directory: bool) -> Location:
         if directory:  # object storage has no directories to create

@@ -32,6 +32,7 @@ from lightning_sharded.checkpoint.load.checksums import (
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.checkpoint.presence import RanksLost
 from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
@@ -95,9 +96,39 @@ def restore_checkpoint(
         FileNotFoundError: nothing at ``path``.
         CheckpointError: not a checkpoint, keys (strict) or shapes that do not fit, a different number of
             optimizers, or a read that failed on some rank; the message names the key, file or rank.
+            A :class:`~lightning_sharded.checkpoint.presence.RanksLost` when a rank died or did not
+            reach a step of the load in time (the strategy's ``checkpoint_timeout``), naming it.
     """
+    try:
+        return _restore(
+            path,
+            model,
+            optimizers,
+            strict=strict,
+            weights_only=weights_only,
+            verify=verify,
+            read_metadata=read_metadata,
+        )
+    except RanksLost as err:
+        raise RanksLost(
+            f"Loading the checkpoint {str(path)!r} failed: {err} Nothing on disk was changed; the model may"
+            " hold part of the checkpoint.",
+            err.ranks,
+        ) from err
+
+
+def _restore(
+    path: str | Path,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+    verify: bool | VerifyMode,
+    read_metadata: bool,
+) -> Restored:
     mode = verify_mode(verify)
-    found = collective.decide(lambda: detect(path))
+    found = collective.decide(lambda: detect(path), step="finding the checkpoint")
     if found.kind is CheckpointKind.SHARDED:
         # Local files with a manifest are checked from the load's own reads (each byte read once); for
         # "before" the model's values wait beside it until the checksums matched. Elsewhere (object

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, fsdp1
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import read_failed
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -49,6 +50,9 @@ def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     except Exception as ex:
+        storage = read_failed(ex, f"the checkpoint file {str(path)!r}")
+        if storage is not None:
+            raise storage from ex
         raise CheckpointError(
             f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
             " by torch.save, or it is truncated or corrupt; resume from another checkpoint."

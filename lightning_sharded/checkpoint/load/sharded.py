@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names, unpickling
+from lightning_sharded.checkpoint import collective, failures, fsdp1, names, unpickling
 from lightning_sharded.checkpoint.async_save import StagingBuffers
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -74,7 +75,7 @@ def restore_sharded(
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
     # requests on S3 (see docs/benchmarks.md, "Scale").
     with reading():
-        layout = collective.decide(lambda: read_sharded_layout(path, backend))
+        layout = collective.decide(lambda: read_sharded_layout(path, backend), step="reading the index")
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
@@ -90,7 +91,8 @@ def restore_sharded(
     if read_metadata:
         with reading():
             metadata = collective.decide(
-                lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only)
+                lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only),
+                step="reading meta.pt",
             )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
@@ -102,6 +104,7 @@ def restore_sharded(
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
     ]
+    fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
     with reading():
         _dcp_load(backend, state, path, layout.metadata, verification)
     if verification is not None:
@@ -243,18 +246,21 @@ def _dcp_load(
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    run_dcp(
-        lambda: load(
-            state,
-            storage_reader=backend.dcp_reader(
-                path,
-                metadata=metadata,
-                checksums=verification.checksums if verification is not None else None,
-            ),
-            planner=DefaultLoadPlanner(allow_partial_load=True),
-        ),
-        f"Loading the sharded checkpoint {str(path)!r}",
+    where = collective.ranks()
+    reader = backend.dcp_reader(
+        path, metadata=metadata, checksums=verification.checksums if verification is not None else None
     )
+    collective.after(reader, "read_data", where, "DCP load: shards read")
+    with collective.watched(where, "DCP load: planning"):
+        run_dcp(
+            lambda: load(
+                state,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+                process_group=where.group,
+            ),
+            f"Loading the sharded checkpoint {str(path)!r}",
+        )
 
 
 def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> dict[str, Any]:
@@ -276,6 +282,9 @@ def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> di
             " Lightning."
         ) from None
     except Exception as ex:
+        storage = failures.read_failed(ex, f"the Lightning metadata {str(path)!r}")
+        if storage is not None:
+            raise storage from ex
         raise CheckpointError(
             f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"
             " resume from an earlier checkpoint."
