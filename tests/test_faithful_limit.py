@@ -54,7 +54,7 @@ def test_the_layout_gives_each_rank_the_files_its_save_writes(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("behind", [True, False])
-def test_the_write_probe_writes_the_checkpoints_files_from_each_ranks_bytes(tmp_path: Path, behind: bool) -> None:
+def test_the_write_probe_writes_the_saves_files_from_each_ranks_bytes(tmp_path: Path, behind: bool) -> None:
     """Two ranks (threads meeting at a barrier) write a checkpoint of the saved one's layout: the same
     files at the same sizes, each rank's from its own bytes, published by a rename (no staging left)."""
     layout = faithful.layout_of(_checkpoint(tmp_path))
