@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CHUNK = 64 << 20
 #: The pieces a write probe hands to the kernel: those of a save's writer (``HashingStream``).
@@ -46,6 +47,11 @@ class Probe:
     def bytes_key(self) -> str:
         """Where a rank records the bytes it moved in each probe."""
         return self.key.removesuffix(" s") + " bytes"
+
+    def append(self, record: dict[str, Any], seconds: float, nbytes: int) -> None:
+        """Add one probe's seconds and this rank's bytes to a rank's ``record``."""
+        record.setdefault(self.key, []).append(seconds)
+        record.setdefault(self.bytes_key, []).append(nbytes)
 
     @property
     def ratio(self) -> str:
@@ -128,15 +134,6 @@ def evict_tree(path: Path) -> None:
     """:func:`evict` every file under ``path`` (or ``path`` itself if it is a file)."""
     for file in [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()):
         evict(file)
-
-
-def fsync_dir(path: Path) -> None:
-    """``fsync`` a directory (its entries: files created or renamed in it)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def dirty_bytes() -> int:
