@@ -9,14 +9,17 @@ Layers (each imports only those below it; nothing imports ``tests``):
   ``scale`` (a package of its own), ``hooks_overhead``, ``hf_memory``, ``checksum_throughput``,
   ``commit_overhead``;
 - the report of ``run``: ``report`` (the ranks' figures into sections and ratios), ``tables``
-  (console, markdown, ``docs/benchmarks.md``), ``chart`` (``results.png``), ``tools`` (the CLI timed);
+  (console, markdown, ``docs/benchmarks.md``), ``chart`` (``results.png``), ``tools`` (the CLI timed),
+  ``profile`` (the phases timed and the resume's profile made of them);
 - ``cases``: the one registry of rank cases, and the rank process (``python -m benchmarks.cases``);
 - rank cases: ``save_load``, ``async_stall``, ``training``, ``writers``, ``phases``;
 - ``ranks``: the one rank runner (starts the ranks, forked after one import; their figures come back
   as files);
 - helpers: ``builders`` (model, strategies, trainers), ``world`` (what the ranks do together),
-  ``timing`` (the one undoable patch and timer), ``disk`` (the disk's probes), ``staging`` (the bare
-  writers of the writer experiment), ``names`` (the display names), ``s3_server`` (moto on loopback).
+  ``timing`` (the one undoable patch and timer), ``faithful`` (the disk's limit: the checkpoint's own
+  files written and read as a save and a resume must, at best), ``disk`` (the probes' registry and
+  file primitives), ``staging`` (the bare writers of the writer experiment), ``names`` (the display
+  names), ``s3_server`` (moto on loopback).
 """
 
 from __future__ import annotations

@@ -1,13 +1,18 @@
-"""The disk's own limits, measured by the same run that measures the checkpoints.
+"""The disk's own limits, measured by the same run that measures the checkpoints: the probes' registry
+and the file primitives they are made of.
 
-Sequential write+fsync and cold sequential read of one large file, with random bytes (nothing to
-compress) in 64 MiB chunks; the page cache is dropped for the file before reading
-(``posix_fadvise(DONTNEED)``), so the read comes from the device. Beside them, the same cold read
-into new memory laid out as a resume's (:func:`read_into_new_memory`): what a resume cannot beat.
+:data:`PROBES` names every probe a rank records and the figure ``benchmarks.report`` makes of it. The
+bars of the report are the *faithful* probes (``benchmarks.faithful``): the checkpoint's own files,
+written as a save must write them at best and read as a resume must read them at best
+(:data:`WRITE`, :data:`READ`). The others are kept because they explain something: the same files
+written plainly (:data:`PLAIN_WRITE`: what write-behind gives), the probe the report used before
+issue 34 (:data:`WHOLE_FILE_WRITE`, :data:`WHOLE_FILE_READ`: one file per rank of random bytes,
+written plainly and read by one stream; the saves beat it), and the resume's reads into memory laid out
+as a resume's (:data:`NEW_MEMORY_READ`: what fresh memory costs a resume here).
 
-:data:`PROBES` names every probe a rank records (``benchmarks.world.raw_probe`` runs :func:`probe`
-between the timed saves) and the figure ``benchmarks.report`` makes of it: a new probe is one entry
-there and one step in :func:`probe`.
+Every probe runs on every rank at once (each its share); a rank records, per probe, its seconds
+(``key``) and the bytes it moved (``bytes_key``); the report takes the slowest rank's seconds and the
+sum of the ranks' bytes.
 """
 
 from __future__ import annotations
@@ -15,26 +20,98 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 CHUNK = 64 << 20
+#: The pieces a write probe hands to the kernel: those of a save's writer (``HashingStream``).
+WRITE_PIECE = 8 << 20
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One kind of probe: its seconds per probe in a rank's record (``key``), its GB/s in the report
-    (``name``; ``"write GB/s"`` has its list of probes under ``"write probes GB/s"``)."""
+    """One kind of probe: seconds per probe in a rank's record (``key``), its GB/s in the report
+    (``name``; the list of every probe's GB/s under ``"<name> probes"``), what a save or load is
+    divided by it as (``short``: ``"save / disk write"``), and whether it is a bar of the report."""
 
     key: str
     name: str
+    short: str
+    kind: str  # "write" or "read"
+    bar: bool
+    what: str
+
+    @property
+    def bytes_key(self) -> str:
+        """Where a rank records the bytes it moved in each probe."""
+        return self.key.removesuffix(" s") + " bytes"
+
+    def append(self, record: dict[str, Any], seconds: float, nbytes: int) -> None:
+        """Add one probe's seconds and this rank's bytes to a rank's ``record``."""
+        record.setdefault(self.key, []).append(seconds)
+        record.setdefault(self.bytes_key, []).append(nbytes)
+
+    @property
+    def ratio(self) -> str:
+        """The name of a throughput row's ratio against this probe."""
+        return f"{'save' if self.kind == 'write' else 'load'} / {self.short}"
 
 
-WRITE = Probe("raw write s", "write GB/s")
-READ = Probe("raw read s", "read GB/s")
-NEW_MEMORY_READ = Probe("raw new-memory read s", "new-memory read GB/s")
-PROBES = (WRITE, READ, NEW_MEMORY_READ)
+WRITE = Probe(
+    "write probe s",
+    "write GB/s",
+    "disk write",
+    "write",
+    True,
+    "the checkpoint's files at their sizes, each rank its own, from its own state's bytes; write-behind"
+    " as a save's writer; fsync per file and per directory; manifest last; rename publish",
+)
+PLAIN_WRITE = Probe(
+    "plain write probe s",
+    "plain write GB/s",
+    "plain write",
+    "write",
+    False,
+    "the same files, bytes and fsyncs, written plainly (no write-behind): what write-behind gives",
+)
+WHOLE_FILE_WRITE = Probe(
+    "whole-file write probe s",
+    "whole-file write GB/s",
+    "whole-file write",
+    "write",
+    False,
+    "one file per rank of half the checkpoint, a 64 MiB random chunk over and over, write+fsync:"
+    " the probe before issue 34",
+)
+READ = Probe(
+    "read probe s",
+    "read GB/s",
+    "disk read",
+    "read",
+    True,
+    "the bytes each rank's resume read (recorded from the real resume), from the real checkpoint's"
+    " files evicted, two streams, the page cache dropped behind, into reused buffers",
+)
+WHOLE_FILE_READ = Probe(
+    "whole-file read probe s",
+    "whole-file read GB/s",
+    "whole-file read",
+    "read",
+    False,
+    "the whole-file probe's file read back cold by one stream: the probe before issue 34",
+)
+NEW_MEMORY_READ = Probe(
+    "new-memory read probe s",
+    "new-memory read GB/s",
+    "new-memory read",
+    "read",
+    False,
+    "the same reads into memory laid out as the resume's (the model's items into memory touched"
+    " before, the optimizer's into new tensors) with the reader's own reads",
+)
+PROBES = (WRITE, PLAIN_WRITE, WHOLE_FILE_WRITE, READ, WHOLE_FILE_READ, NEW_MEMORY_READ)
 
 
 @functools.cache
@@ -59,8 +136,86 @@ def evict_tree(path: Path) -> None:
         evict(file)
 
 
+def dirty_bytes() -> int:
+    """The machine's dirty and under-write-back page cache now (``/proc/meminfo``), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return 0
+    return sum(int(fields.get(name, "0 kB").split()[0]) * 1024 for name in ("Dirty", "Writeback"))
+
+
+class Source:
+    """Bytes for a write probe, in order and over again: a rank's own state (what its save writes), or
+    random bytes when it has none. Each probe takes a new ``Source``, so each writes the same bytes."""
+
+    def __init__(self, buffers: Sequence[memoryview] = ()) -> None:
+        self._buffers = [b.cast("B") for b in buffers if b.nbytes] or [memoryview(random_chunk())]
+        self._index = 0
+        self._at = 0
+
+    def take(self, nbytes: int) -> memoryview:
+        """The next bytes, at most ``nbytes`` (fewer at the end of a buffer)."""
+        buffer = self._buffers[self._index]
+        piece = buffer[self._at : self._at + nbytes]
+        self._at += len(piece)
+        if self._at >= len(buffer):
+            self._index = (self._index + 1) % len(self._buffers)
+            self._at = 0
+        return piece
+
+
+@dataclass
+class Written:
+    """What a write probe did on one rank: bytes written, seconds in ``fsync``, and the machine's dirty
+    page cache right before the ``fsync`` of its largest file (the write-back left for the fsync)."""
+
+    nbytes: int = 0
+    fsync_s: float = 0.0
+    dirty_at_fsync: int = 0
+    files: list[str] = field(default_factory=list)
+
+    def add(self, other: Written) -> None:
+        self.nbytes += other.nbytes
+        self.fsync_s += other.fsync_s
+        self.dirty_at_fsync = max(self.dirty_at_fsync, other.dirty_at_fsync)
+        self.files += other.files
+
+
+def write_file(path: Path, size: int, source: Source, *, behind: bool) -> Written:
+    """Write ``size`` bytes of ``source`` to a new file ``path`` in :data:`WRITE_PIECE` pieces, then
+    ``fsync`` it. With ``behind``, the write-back of each piece starts as it is written and the pages
+    on disk leave the page cache (a save's :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`,
+    the library's own), as a save's shard files are written."""
+    from lightning_sharded.checkpoint.writeback import WINDOW, WriteBehind
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_behind = WriteBehind(fd) if behind else None
+        written = 0
+        while written < size:
+            piece = source.take(min(WRITE_PIECE, size - written))
+            while piece:
+                n = os.write(fd, piece)
+                written += n
+                piece = piece[n:]
+            if write_behind is not None:
+                write_behind.advance(written)
+        dirty = dirty_bytes() if size > WINDOW else 0
+        start = time.perf_counter()
+        os.fsync(fd)
+        fsync_s = time.perf_counter() - start
+        if write_behind is not None:
+            write_behind.finish()
+    finally:
+        os.close(fd)
+    return Written(size, fsync_s, dirty, [path.name])
+
+
 def write_fsync(path: Path, nbytes: int, chunk: bytes | None = None) -> None:
-    """Write ``nbytes`` of random bytes to ``path`` sequentially in 64 MiB chunks, then fsync."""
+    """Write ``nbytes`` of random bytes to ``path`` sequentially in 64 MiB chunks, then fsync (the
+    whole-file probe's write)."""
     view = memoryview(chunk if chunk is not None else os.urandom(CHUNK))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -80,72 +235,17 @@ def read_all(path: Path) -> None:
             pass
 
 
-def raw_write_read(directory: Path, nbytes: int) -> dict[str, float]:
-    """GB/s of a sequential write+fsync and of a cold sequential read of ``nbytes``, one process."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "raw.bin"
-    start = time.perf_counter()
-    write_fsync(path, nbytes, random_chunk())
-    write_s = time.perf_counter() - start
-    evict(path)
-    start = time.perf_counter()
-    read_all(path)
-    read_s = time.perf_counter() - start
-    path.unlink()
-    return {"write GB/s": nbytes / write_s / 1e9, "read GB/s": nbytes / read_s / 1e9}
-
-
-def read_into_new_memory(path: Path, nbytes: int) -> Callable[[], None]:
-    """A cold read of the first ``nbytes`` of ``path`` into memory laid out as a resume's, with the
-    reads a resume makes (:class:`~lightning_sharded.checkpoint.backends.dcp_reader.DirectReader`'s:
-    two streams, the new memory faulted in ahead of them, the page cache dropped behind them) and no
-    DCP, Lightning or strategy around them: a resume's floor on this machine. Returns the read, to time.
-
-    A third of the bytes go into a tensor touched now (the model's shards, which exist before a
-    resume), two thirds into tensors the read makes, 32 MiB each (the optimizer state, which a resume
-    must make: on a VM that gives free memory back to its host, every new page is a fault).
-    """
-    import torch
-
-    from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader, _Job
-
-    piece = 32 << 20
-    model = torch.ones(nbytes // 3, dtype=torch.uint8)
-
-    class Planner:
-        def commit_tensor(self, req: object, tensor: object) -> None:
-            pass
-
-    def read() -> None:
-        targets = [model[i : i + piece] for i in range(0, model.numel(), piece)]
-        targets += [
-            torch.empty(min(piece, nbytes - done), dtype=torch.uint8)
-            for done in range(model.numel(), nbytes, piece)
-        ]
-        jobs, offset = [], 0
-        for target in targets:
-            jobs.append(_Job(None, os.fspath(path), path.name, offset, target))
-            offset += target.numel()
-        short = DirectReader(path.parent)._read_jobs(jobs, Planner())
-        assert not short, f"{path} is shorter than {nbytes} bytes"
-
-    return read
-
-
-def probe(
+def whole_file_probe(
     file: Path,
     nbytes: int,
     timed: Callable[[Callable[[], object]], float],
     evict_file: Callable[[Path], None],
 ) -> dict[str, float]:
-    """One probe of each kind of :data:`PROBES` on ``nbytes`` at ``file`` (removed after): seconds by
-    probe key. ``timed`` times a call (every rank together), ``evict_file`` drops the file's cache."""
-    seconds = {WRITE.key: timed(lambda: write_fsync(file, nbytes, random_chunk()))}
+    """The probe before issue 34 on ``nbytes`` at ``file`` (removed after): a write+fsync of random
+    bytes, then a cold read by one stream. Seconds by probe key; ``timed`` times a call (every rank
+    together), ``evict_file`` drops the file's cache."""
+    seconds = {WHOLE_FILE_WRITE.key: timed(lambda: write_fsync(file, nbytes, random_chunk()))}
     evict_file(file)
-    seconds[READ.key] = timed(lambda: read_all(file))
-    read = read_into_new_memory(file, nbytes)
-    evict_file(file)
-    seconds[NEW_MEMORY_READ.key] = timed(read)
-    del read
+    seconds[WHOLE_FILE_READ.key] = timed(lambda: read_all(file))
     file.unlink()
     return seconds

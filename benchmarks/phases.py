@@ -3,12 +3,16 @@
 Run: ``python -m benchmarks.phases [--size-gb 2] [--cases stock-fsdp ours-fsdp stock-mp ours-mp]``.
 It starts 2 ranks (as ``benchmarks.run`` does, same model and Trainers), and for each case fits one
 step, times one ``trainer.save_checkpoint`` and one resume (``fit(ckpt_path=...)``, page cache dropped),
-with timers wrapped around the functions each phase runs (:data:`PHASES`; inclusive seconds, the
-slowest rank's): the state dicts Lightning builds before saving, DCP's planning, writes and reads, the
-optimizer templates, copies into the model, Lightning's own restore. A case ``S+OPTION`` resumes with
-``OPTION=True`` (``ours-mp+verify``). ``--cprofile DIR`` also writes rank 0's profile of each save and
-load (``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this module; its rank cases are
-``phases-<case>``.
+with timers wrapped around the functions each phase runs (``benchmarks.profile.PHASES``; inclusive
+seconds, the slowest rank's): the state dicts Lightning builds before saving, DCP's planning, writes
+and reads, the optimizer templates, copies into the model, Lightning's own restore. Then the resume's
+profile, on each rank: every phase's own seconds (less its timed callees'), grouped (reading bytes,
+CRC-32, copies into the sharded tensors, the optimizer set, Lightning's own restore, our metadata and
+per-rank steps...), which add up to the restore's wall time (checked: ``benchmarks.profile``), and
+beside them what the reader's threads did. A case ``S+OPTION`` resumes with ``OPTION=True``
+(``ours-mp+verify``). ``--cprofile DIR`` also writes rank 0's profile of each save and load
+(``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this module; its rank cases are
+``phases-<case>``, and ``benchmarks.run`` runs those of our strategies for its profile section.
 """
 
 from __future__ import annotations
@@ -36,112 +40,11 @@ from benchmarks.builders import (
     shards_layers,
     trainer_for,
 )
+from benchmarks.profile import PHASES, ROOTS, case_label, profile_lines, resume_profile
 from benchmarks.ranks import Case, run_rank_cases
 from benchmarks.save_load import restore_timer
 from benchmarks.timing import PhaseTimers
 from benchmarks.world import evict, remove, settle, timed, world_size
-
-#: (dotted owner, attribute, label): the functions timed, wherever they are looked up (``STRATEGY``:
-#: the case's strategy class, inherited methods included).
-PHASES: list[tuple[str, str, str]] = [
-    # Lightning
-    (
-        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector",
-        "dump_checkpoint",
-        "save: Lightning dump_checkpoint (state dicts + loops)",
-    ),
-    ("STRATEGY", "lightning_module_state_dict", "save: model state dict"),
-    ("STRATEGY", "optimizer_state", "save: optimizer state dict"),
-    ("STRATEGY", "save_checkpoint", "save: strategy.save_checkpoint (write + commit)"),
-    ("STRATEGY", "load_checkpoint", "load: strategy.load_checkpoint"),
-    (
-        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector",
-        "_restore_modules_and_callbacks",
-        "load: Lightning _restore_modules_and_callbacks (incl. load_checkpoint)",
-    ),
-    (
-        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector",
-        "restore_training_state",
-        "load: Lightning restore_training_state",
-    ),
-    # DCP, both directions
-    (
-        "torch.distributed.checkpoint.default_planner.DefaultSavePlanner",
-        "create_local_plan",
-        "dcp: save local plan",
-    ),
-    (
-        "torch.distributed.checkpoint.default_planner.DefaultSavePlanner",
-        "create_global_plan",
-        "dcp: save global plan",
-    ),
-    ("torch.distributed.checkpoint.filesystem.FileSystemWriter", "write_data", "dcp: write_data"),
-    ("torch.distributed.checkpoint.filesystem.FileSystemWriter", "finish", "dcp: write .metadata"),
-    (
-        "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner",
-        "set_up_planner",
-        "dcp: load set_up_planner",
-    ),
-    (
-        "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner",
-        "create_local_plan",
-        "dcp: load local plan",
-    ),
-    (
-        "torch.distributed.checkpoint.default_planner.DefaultLoadPlanner",
-        "create_global_plan",
-        "dcp: load global plan",
-    ),
-    ("torch.distributed.checkpoint.filesystem.FileSystemReader", "read_metadata", "dcp: read .metadata"),
-    ("torch.distributed.checkpoint.filesystem.FileSystemReader", "read_data", "dcp: read_data"),
-    ("torch.distributed.checkpoint.state_dict_loader", "load", "dcp: load (whole call)"),
-    ("torch.distributed.checkpoint.state_dict_saver", "save", "dcp: save (whole call)"),
-    # torch's FSDP1 helpers
-    ("torch.distributed.fsdp.FullyShardedDataParallel", "optim_state_dict", "fsdp1: FSDP.optim_state_dict"),
-    (
-        "torch.distributed.fsdp.FullyShardedDataParallel",
-        "optim_state_dict_to_load",
-        "fsdp1: FSDP.optim_state_dict_to_load",
-    ),
-    ("torch.distributed.checkpoint.state_dict", "_init_optim_state", "torch: _init_optim_state (fake step)"),
-    ("torch.optim.Optimizer", "load_state_dict", "torch: Optimizer.load_state_dict"),
-    (
-        "torch.distributed.checkpoint.optimizer",
-        "load_sharded_optimizer_state_dict",
-        "stock: load_sharded_optimizer_state_dict",
-    ),
-    # ours
-    ("lightning_sharded.checkpoint.load", "detect", "ours: detect"),
-    ("lightning_sharded.checkpoint.load", "check_found", "ours: check_found (sizes/manifest)"),
-    ("lightning_sharded.checkpoint.verify", "_checksum_problems", "ours: verify checksums (a read)"),
-    (
-        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
-        "check",
-        "ours: verify checksums (after the reads)",
-    ),
-    ("lightning_sharded.checkpoint.load.sharded", "read_sharded_layout", "ours: read layout (.metadata)"),
-    ("lightning_sharded.checkpoint.load.sharded", "model_state_dict", "ours: load target model state dict"),
-    (
-        "lightning_sharded.checkpoint.load.sharded",
-        "optimizer_state_dict",
-        "ours: load optimizer template (torch)",
-    ),
-    ("lightning_sharded.checkpoint.load.sharded", "_dcp_load", "ours: dcp load calls"),
-    ("lightning_sharded.checkpoint.load.sharded", "set_model_state", "ours: set_model_state"),
-    ("lightning_sharded.checkpoint.load.sharded", "set_optimizer_state", "ours: set_optimizer_state"),
-    ("lightning_sharded.checkpoint.load.sharded", "load_meta", "ours: meta.pt"),
-    (
-        "lightning_sharded.checkpoint.backends.dcp_reader.DirectReader",
-        "read_data",
-        "ours: DirectReader.read_data",
-    ),
-    (
-        "lightning_sharded.checkpoint.backends.dcp_writer.ChecksummingWriter",
-        "write_data",
-        "ours: writer write_data",
-    ),
-    ("lightning_sharded.checkpoint.save", "commit_directory", "ours: commit_directory (incl. write)"),
-]
 
 
 @contextlib.contextmanager
@@ -181,12 +84,10 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     base, _, option = case.partition("+")
     options = {option: True} if option else {}
     strategy = make_strategy(base, world_size())
-    timers = PhaseTimers()
+    timers = PhaseTimers(roots=ROOTS)
     record: dict[str, Any] = {}
     prof = args.cprofile if dist.get_rank() == 0 else None
-    phases = [
-        (type(strategy) if where == "STRATEGY" else where, attr, label) for where, attr, label in PHASES
-    ]
+    phases = [(type(strategy) if p.owner == "STRATEGY" else p.owner, p.attr, p.label) for p in PHASES]
     with timers.installed(phases):
         save = _SaveOnce(ckpt, timers, record, prof / f"{case}.save.pstats" if prof else None)
         model = BenchModel(args.width, args.layers, shard_layers=shards_layers(base))
@@ -203,6 +104,8 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
         record["load s"] = restore["restore s"]
         record["load phases"] = dict(timers.seconds)
         record["load calls"] = dict(timers.calls)
+        record["load own"] = dict(timers.own)
+        record["load threads"] = dict(timers.threads)
     del trainer, model
     remove(ckpt)
     return record
@@ -233,6 +136,7 @@ def report(per_rank: list[dict[str, Any]]) -> str:
                 seconds = max(r[case][f"{kind} phases"].get(label, 0.0) for r in per_rank)
                 calls = per_rank[0][case][f"{kind} calls"].get(label, 0)
                 lines.append(f"  {label:<66}{seconds:>7.2f} s{calls:>4}x")
+        lines += profile_lines(case_label(f"phases-{case}"), resume_profile([r[case] for r in per_rank]))
     return "\n".join(lines)
 
 

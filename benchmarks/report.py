@@ -1,9 +1,11 @@
 """The ranks' figures of ``benchmarks.run`` into the report's sections, each with its ratios.
 
-Every section (``throughput``, ``async``, ``memory``, ``verify``, ``training``; ``disk`` for the probes)
-holds ``rows`` (the tables' rows, by display name: ``benchmarks.names``) and ``ratios`` (every ratio
-of the section against its baseline, by ``"row: ratio"``); the slowest rank counts, medians over the
-repeats.
+Every section (``throughput``, ``async``, ``memory``, ``verify``, ``training``, ``profile``) holds
+``rows`` (the tables' rows, by display name: ``benchmarks.names``) and ``ratios`` (every ratio of the
+section against its baseline, by ``"row: ratio"``); the slowest rank counts, medians over the repeats.
+``disk`` holds the probes' figures (:func:`disk_figures`): the bars every "of disk" ratio is against,
+and the probes kept to explain them; a save or load above its bar is listed under the throughput
+section's ``"above the bars"``, to be investigated, not reported.
 """
 
 from __future__ import annotations
@@ -13,10 +15,19 @@ import statistics
 from typing import Any
 
 from benchmarks import names
-from benchmarks.disk import PROBES, WRITE
+from benchmarks.disk import (
+    NEW_MEMORY_READ,
+    PLAIN_WRITE,
+    PROBES,
+    READ,
+    WHOLE_FILE_READ,
+    WHOLE_FILE_WRITE,
+    WRITE,
+    Probe,
+)
 
 #: The sections whose every ratio must be a finite positive number (:func:`finite_positive`).
-SECTIONS = ("throughput", "async", "memory", "hooks", "verify", "training", "tools")
+SECTIONS = ("disk", "throughput", "async", "memory", "hooks", "verify", "training", "tools", "profile")
 
 
 def median_of_max(per_rank: list[dict[str, Any]], case: str, key: str) -> float:
@@ -43,30 +54,88 @@ def training_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def raw_bandwidth(per_rank: list[dict[str, Any]], nbytes: int) -> dict[str, Any]:
-    """The disk's GB/s of each probe of :data:`benchmarks.disk.PROBES` (all ranks at once, each its
-    share of ``nbytes``; slowest rank per probe), median over every probe of the run, and the list of
-    each probe's (``"write probes GB/s"``...)."""
-    figures: dict[str, Any] = {}
+def _probe_series(per_rank: list[dict[str, Any]], probe: Probe) -> dict[str, list[Any]]:
+    """Every occurrence of ``probe`` in the run, in case order: its case, seconds (slowest rank), bytes
+    (all ranks'), each rank's bytes."""
+    series: dict[str, list[Any]] = {"case": [], "seconds": [], "bytes": [], "rank bytes": []}
+    for case, figures in per_rank[0].items():
+        if not isinstance(figures, dict) or probe.key not in figures:
+            continue
+        seconds = zip(*(r[case][probe.key] for r in per_rank), strict=True)
+        nbytes = zip(*(r[case][probe.bytes_key] for r in per_rank), strict=True)
+        for s, b in zip(seconds, nbytes, strict=True):
+            series["case"].append(case)
+            series["seconds"].append(max(s))
+            series["bytes"].append(sum(b))
+            series["rank bytes"].append(list(b))
+    return series
+
+
+def _median_of_max(per_rank: list[dict[str, Any]], key: str) -> float:
+    """The median over every occurrence of ``key`` in the run (any case) of the ranks' largest value."""
+    values = [
+        max(v)
+        for case, figures in per_rank[0].items()
+        if isinstance(figures, dict) and key in figures
+        for v in zip(*(r[case][key] for r in per_rank), strict=True)
+    ]
+    return float(statistics.median(values)) if values else math.nan
+
+
+def disk_figures(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The disk's GB/s by each probe of :data:`benchmarks.disk.PROBES` (all ranks at once; the slowest
+    rank's seconds, every rank's bytes), the median over every probe of the run and each probe's
+    (``"write probes GB/s"``...); for the write probes, the median ``fsync`` seconds (slowest rank) and
+    dirty page cache at the largest file's ``fsync``; what each rank read in each case's resumes; and
+    ratios between the probes (what write-behind, the faithful files and the resume's memory change)."""
+    figures: dict[str, Any] = {"probes": {}, "read bytes per rank": {}, "written / checkpoint bytes": {}}
     for probe in PROBES:
-        probes = [
-            max(values)
-            for case in per_rank[0]
-            if isinstance(per_rank[0][case], dict) and probe.key in per_rank[0][case]
-            for values in zip(*(r[case][probe.key] for r in per_rank), strict=True)
-        ]
+        series = _probe_series(per_rank, probe)
+        rates = [b / s / 1e9 for b, s in zip(series["bytes"], series["seconds"], strict=True)]
         # No probe without a Lightning save case (a run of --cases that has none): no disk ratios.
-        figures[probe.name] = nbytes / statistics.median(probes) / 1e9 if probes else math.nan
-        figures[probe.name.replace("GB/s", "probes GB/s")] = [nbytes / s / 1e9 for s in probes]
+        figures[probe.name] = statistics.median(rates) if rates else math.nan
+        figures[probe.name.replace("GB/s", "probes GB/s")] = rates
+        figures["probes"][probe.name] = {"bar": probe.bar, "what": probe.what, "count": len(rates)}
+        stem = probe.key.removesuffix(" s")
+        fsync = _median_of_max(per_rank, stem + " fsync s")
+        if not math.isnan(fsync):  # the faithful write probes record their fsyncs
+            figures["probes"][probe.name]["fsync s"] = fsync
+            figures["probes"][probe.name]["dirty at fsync GB"] = (
+                _median_of_max(per_rank, stem + " dirty bytes") / 1e9
+            )
+        if probe is READ:
+            for case, rank_bytes in zip(series["case"], series["rank bytes"], strict=True):
+                figures["read bytes per rank"].setdefault(case, rank_bytes)
+        if probe is WRITE:
+            for case, nbytes in zip(series["case"], series["bytes"], strict=True):
+                figures["written / checkpoint bytes"][case] = nbytes / per_rank[0][case]["bytes"]
+    figures["ratios"] = {
+        "plain write / disk write": figures[PLAIN_WRITE.name] / figures[WRITE.name],
+        "whole-file write / disk write": figures[WHOLE_FILE_WRITE.name] / figures[WRITE.name],
+        "whole-file read / disk read": figures[WHOLE_FILE_READ.name] / figures[READ.name],
+        "new-memory read / disk read": figures[NEW_MEMORY_READ.name] / figures[READ.name],
+    }
     return figures
 
 
 def probe_count(disk: dict[str, Any]) -> int:
-    """How many probes the disk figures are the median of."""
-    return len(disk[WRITE.name.replace("GB/s", "probes GB/s")])
+    """How many probes the disk's bars are the median of."""
+    return int(disk["probes"][WRITE.name]["count"])
 
 
-def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, Any]:
+def above_the_bars(rows: dict[str, dict[str, float]]) -> list[str]:
+    """``"row: ratio"`` of every save or load faster than its bar (ratio above 1.0): a figure to
+    investigate (the bar is wrong, or something was measured that is not the save or load), not a
+    result."""
+    return [
+        f"{name}: {probe.ratio} {r[probe.ratio]:.2f}"
+        for name, r in rows.items()
+        for probe in PROBES
+        if probe.bar and probe.ratio in r and r[probe.ratio] > 1.0
+    ]
+
+
+def collect(per_rank: list[dict[str, Any]], raw: dict[str, Any]) -> dict[str, Any]:
     """Turn the ranks' JSON into the report's sections; every ratio in each section's ``ratios``."""
     errors = {
         case: values["error"]
@@ -83,10 +152,10 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
             "load s": load_s,
             "save GB/s": nbytes / save_s / 1e9,
             "load GB/s": nbytes / load_s / 1e9,
-            "save / raw write": nbytes / save_s / 1e9 / raw["write GB/s"],
-            "load / raw read": nbytes / load_s / 1e9 / raw["read GB/s"],
-            "load / new-memory read": nbytes / load_s / 1e9 / raw["new-memory read GB/s"],
         }
+        for probe in PROBES:  # every save against every write probe, every load against every read one
+            rate = rows[name]["save GB/s" if probe.kind == "write" else "load GB/s"]
+            rows[name][probe.ratio] = rate / raw[probe.name]
 
     if "torch" in ok:
         t = per_rank[0]["torch"]
@@ -196,7 +265,7 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, float]) -> dict[str, 
                 f"{n}: while saving / without": r["while saving / without"] for n, r in training_rows.items()
             },
         },
-        "throughput": {"rows": rows, "ratios": throughput_ratios},
+        "throughput": {"rows": rows, "ratios": throughput_ratios, "above the bars": above_the_bars(rows)},
         "async": {
             "rows": async_rows,
             "ratios": {

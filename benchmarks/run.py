@@ -8,9 +8,11 @@ tables of ``docs/benchmarks.md``). Every figure is a ratio against a baseline me
   CPU, gloo, ranks started by this module) through real Lightning Trainers (``trainer.save_checkpoint``
   and the restore of ``fit(ckpt_path=...)``), for stock ``ModelParallelStrategy``, stock
   ``FSDPStrategy``, ours, plain ``torch.save``/``torch.load`` and plain ``dcp.save``/``dcp.load``, as
-  checkpoint bytes per second against the disk's raw sequential write+fsync and cold read, measured the
-  same way (every rank writes and reads its share at once) before each timed save, the median of those
-  probes. The page cache of a checkpoint is dropped before each load (``benchmarks.save_load``);
+  checkpoint bytes per second against the disk's faithful limit (``benchmarks.faithful``): every rank
+  writing, after each timed save, the files that save wrote, at their sizes, as a save must at best
+  (fsync per file and directory, rename publish), and reading, after each timed resume, the bytes that
+  resume read, cold, as a resume must at best; the median of those probes. The page cache of a
+  checkpoint is dropped before each load (``benchmarks.save_load``);
 - **async**: how long a save blocks training with ``async_save`` against the synchronous save
   (``benchmarks.async_stall``); **training**: steps per second while an async save is in flight
   (``benchmarks.training``);
@@ -18,7 +20,9 @@ tables of ``docs/benchmarks.md``). Every figure is a ratio against a baseline me
   process's memory before the model was built, against the size of the rank's shard (model plus Adam);
 - **verify**: loads with checksums against a plain load; **tools**: the CLI on the checkpoint
   (``benchmarks.tools``);
-- **hooks**: the sharded-state hooks' overhead (``benchmarks.hooks_overhead``).
+- **hooks**: the sharded-state hooks' overhead (``benchmarks.hooks_overhead``);
+- **profile**: where a resume's seconds go, on each rank, phase by phase (``benchmarks.phases``), the
+  phases' sum checked against the wall time.
 
 Times are the slowest rank's, medians over ``--repeats``.
 """
@@ -38,8 +42,9 @@ from typing import Any
 from benchmarks import RESULTS, ROOT, hooks_overhead
 from benchmarks.builders import WORLD, geometry
 from benchmarks.chart import plot
+from benchmarks.profile import section as profile_section
 from benchmarks.ranks import run_rank_cases
-from benchmarks.report import collect, raw_bandwidth
+from benchmarks.report import collect, disk_figures
 from benchmarks.tables import markdown, table, update_docs
 from benchmarks.tools import tools_section
 
@@ -73,6 +78,8 @@ def choose_cases(quick: bool, only: list[str] | None) -> list[str]:
     cases += [f"async-{case}" for case, has_async in ours.items() if has_async]
     if "ours-mp" in ours:
         cases.append("verify-ours-mp")
+    # The resume's profile (benchmarks.phases): where a resume's seconds go, on each rank.
+    cases += [f"phases-{case}" for case in ours]
     # The training-while-saving cases are the slowest: the smoke test runs one of them.
     cases += [
         f"throughput-{case}"
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    raw = raw_bandwidth(per_rank, nbytes)
+    raw = disk_figures(per_rank)
     report: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "disk": raw,
     }
     report.update(collect(per_rank, raw))
+    report["profile"] = profile_section(per_rank)
     report["tools"] = tools
     report["load"] = _load_average()
     report["hooks"] = (

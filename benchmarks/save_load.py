@@ -1,9 +1,11 @@
 """Rank cases of save and load throughput, full-file memory and verified loads (``benchmarks.run``).
 
 - ``stock-mp``, ``stock-fsdp``, ``ours-mp``, ``ours-fsdp``: a real Lightning ``Trainer`` fits one step,
-  then ``trainer.save_checkpoint`` is timed ``--repeats`` times (the disk probed before each); then a
-  new model and Trainer resume from it with ``fit(ckpt_path=...)`` ``--repeats`` times, the page cache
-  of the checkpoint dropped before each, timing the restore (:func:`restore_timer`).
+  then ``trainer.save_checkpoint`` is timed ``--repeats`` times, each followed by the write probes on
+  the files it wrote (``benchmarks.faithful.probe_writes``); then a new model and Trainer resume from
+  it with ``fit(ckpt_path=...)`` ``--repeats`` times, the page cache of the checkpoint dropped before
+  each, timing the restore (:func:`restore_timer`) and recording what each rank read, each followed by
+  the read probes of those bytes (``benchmarks.faithful.probe_reads``).
 - ``torch``: the same model sharded with ``fully_shard`` without Lightning; each rank ``torch.save``-s its
   local shards (then fsync) and ``torch.load``-s them back cold; also plain ``dcp.save`` / ``dcp.load`` and
   the blocking time of ``dcp.async_save``, torch's own figures.
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.builders import STEPS, STRATEGIES, BenchModel, make_strategy, shards_layers, trainer_for
+from benchmarks.faithful import Extent, probe_reads, probe_writes, recording_reads
 from benchmarks.ranks import Case
 from benchmarks.timing import timer
 from benchmarks.world import (
@@ -39,7 +42,6 @@ from benchmarks.world import (
     evict,
     evict_own,
     local_bytes,
-    raw_probe,
     remove,
     reset_peak_rss,
     settle,
@@ -84,7 +86,8 @@ def shard_bytes(trainer: L.Trainer) -> int:
 
 
 class SaveTimer(L.Callback):
-    """At the end of fitting, time ``trainer.save_checkpoint`` ``repeats`` times (and write a full file)."""
+    """At the end of fitting, time ``trainer.save_checkpoint`` ``repeats`` times, each followed by the
+    write probes on its files (and write a full file)."""
 
     def __init__(
         self, ckpt: Path, args: argparse.Namespace, record: dict[str, Any], full: Path | None
@@ -96,9 +99,9 @@ class SaveTimer(L.Callback):
         for i in range(self.args.repeats):
             if i:
                 remove(self.ckpt)
-            raw_probe(self.args, self.record)
             settle()
             times.append(timed(lambda: trainer.save_checkpoint(self.ckpt)))
+            probe_writes(self.args, self.record, self.ckpt, trainer)
         self.record["save s"] = times
         self.record["bytes"] = tree_bytes(self.ckpt)
         self.record["shard bytes"] = shard_bytes(trainer)
@@ -111,15 +114,21 @@ class SaveTimer(L.Callback):
 
 
 def resume(
-    strategy: str, args: argparse.Namespace, ckpt: Path, model: BenchModel | None = None, **options: Any
+    strategy: str,
+    args: argparse.Namespace,
+    ckpt: Path,
+    model: BenchModel | None = None,
+    reads: list[Extent] | None = None,
+    **options: Any,
 ) -> tuple[L.Trainer, dict[str, float]]:
     """A new model and Trainer (``strategy`` with ``options``) resumed from ``ckpt``: the trainer and
-    its :func:`restore_timer` record."""
+    its :func:`restore_timer` record; with ``reads``, what the resume read is appended to it."""
     if model is None:
         model = BenchModel(args.width, args.layers, shard_layers=shards_layers(strategy))
     trainer = trainer_for(make_strategy(strategy, world_size(), **options))
     restore: dict[str, float] = {}
-    with restore_timer(trainer, restore):
+    recording = recording_reads(reads) if reads is not None else contextlib.nullcontext()
+    with restore_timer(trainer, restore), recording:
         trainer.fit(model, ckpt_path=ckpt)
     return trainer, restore
 
@@ -136,11 +145,13 @@ def lightning_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     loads = []
     for _ in range(args.repeats):
         evict(ckpt)
-        trainer, restore = resume(name, args, ckpt)
+        reads: list[Extent] = []
+        trainer, restore = resume(name, args, ckpt, reads=reads)
         assert trainer.global_step == STEPS, trainer.global_step
         loads.append(restore["restore s"])
         del trainer
         gc.collect()
+        probe_reads(args, record, ckpt, reads)
     record["load s"] = loads
     remove(ckpt)
     return record

@@ -10,10 +10,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import names
+from benchmarks.disk import NEW_MEMORY_READ, PROBES, READ, WRITE
+from benchmarks.profile import GROUPS, THREADS
 from benchmarks.report import probe_count
 
 #: The tables of ``docs/benchmarks.md`` sit between these lines; a full run rewrites them.
 BEGIN, END = "<!-- results: written by benchmarks/run.py -->", "<!-- end of results -->"
+
+
+def _bar(value: float) -> str:
+    """A ratio against a bar of the disk: above 1.0 it is not a result but something to investigate."""
+    return f"{value:.2f}" + (" (above the bar)" if value > 1.0 else "")
 
 
 def table(report: dict[str, Any]) -> str:
@@ -21,19 +28,33 @@ def table(report: dict[str, Any]) -> str:
     raw, config = report["disk"], report["config"]
     lines = [
         f"checkpoint: {config['checkpoint GB']:.2f} GB (model + Adam), {config['ranks']} ranks, CPU, gloo;"
-        f" disk raw write+fsync {raw['write GB/s']:.2f} GB/s, cold read {raw['read GB/s']:.2f} GB/s,"
-        f" into new memory {raw['new-memory read GB/s']:.2f} GB/s",
+        f" disk (the checkpoint's own files, as a save or resume must at best): write {raw[WRITE.name]:.2f}"
+        f" GB/s, cold read {raw[READ.name]:.2f} GB/s, into the resume's memory"
+        f" {raw[NEW_MEMORY_READ.name]:.2f} GB/s",
         "",
-        f"{'save / load':<38}{'save GB/s':>10}{'/ raw':>7}{'load GB/s':>11}{'/ raw':>7}{'/ new mem':>11}"
+        f"{'probe':<30}{'GB/s':>7}{'fsync s':>9}{'dirty GB':>10}",
+    ]
+    for probe in PROBES:
+        details = raw["probes"][probe.name]
+        fsync, dirty = details.get("fsync s"), details.get("dirty at fsync GB")
+        lines.append(
+            f"{probe.short + (' (bar)' if probe.bar else ''):<30}{raw[probe.name]:>7.2f}"
+            + (f"{fsync:>9.2f}{dirty:>10.2f}" if fsync is not None and dirty is not None else "")
+        )
+    lines += [
+        "",
+        f"{'save / load':<38}{'save GB/s':>10}{'/ disk':>8}{'load GB/s':>11}{'/ disk':>8}{'/ new mem':>11}"
         f"{'resume x stock':>16}",
     ]
     for name, r in report["throughput"]["rows"].items():
         speed = r.get("resume speedup vs stock")
         lines.append(
-            f"{names.label(name):<38}{r['save GB/s']:>10.2f}{r['save / raw write']:>7.2f}"
-            f"{r['load GB/s']:>11.2f}{r['load / raw read']:>7.2f}{r['load / new-memory read']:>11.2f}"
+            f"{names.label(name):<38}{r['save GB/s']:>10.2f}{r[WRITE.ratio]:>8.2f}"
+            f"{r['load GB/s']:>11.2f}{r[READ.ratio]:>8.2f}{r[NEW_MEMORY_READ.ratio]:>11.2f}"
             f"{(f'{speed:.2f}' if speed else '-'):>16}"
         )
+    for above in report["throughput"].get("above the bars", []):
+        lines.append(f"ABOVE THE DISK'S BAR (investigate, not a result): {above}")
     lines += ["", f"{'async save':<50}{'sync s':>8}{'stall s':>9}{'stall / sync':>14}"]
     for name, r in report["async"]["rows"].items():
         lines.append(f"{name:<50}{r['sync save s']:>8.2f}{r['stall s']:>9.3f}{r['stall / sync save']:>14.3f}")
@@ -65,6 +86,15 @@ def table(report: dict[str, Any]) -> str:
     lines += ["", "hooks overhead (hooked / plain)"]
     for name, value in report["hooks"]["ratios"].items():
         lines.append(f"  {name:<70}{value:>7.3f}")
+    for label, profiles in report["profile"]["rows"].items():
+        groups = ", ".join(
+            f"{group} {max(p['groups'][group] for p in profiles):.2f}"
+            for group in GROUPS
+            if any(p["groups"][group] > 0.005 for p in profiles)
+        )
+        lines.append(f"resume profile, {label} (s, slowest rank): {groups}")
+    for problem in report["profile"]["problems"]:
+        lines.append(f"PROFILE DOES NOT ADD UP: {problem}")
     if report["errors"]:
         lines += ["", "FAILED cases: " + ", ".join(f"{c}: {e}" for c, e in report["errors"].items())]
     return "\n".join(lines)
@@ -86,35 +116,79 @@ def markdown(report: dict[str, Any]) -> str:
     def ratio_x(value: float | None) -> str:
         return f"{value:.2f}x" if value else "-"
 
+    rows = report["throughput"]["rows"]
+    ours = [case for case in names.STOCK if case in rows]
     out = [
-        f"Disk, probed the same way (both ranks at once, median of {probe_count(raw)} probes):"
-        f" write+fsync **{raw['write GB/s']:.2f} GB/s**, cold read **{raw['read GB/s']:.2f} GB/s**,"
-        f" cold read into new memory laid out as a resume's **{raw['new-memory read GB/s']:.2f} GB/s**;"
-        f" checkpoint {report['config']['checkpoint GB']:.2f} GB.",
+        f"The disk, doing what a save and a resume of this checkpoint must do, at best, on its own files"
+        f" (both ranks at once, median of {probe_count(raw)} probes; checkpoint"
+        f" {report['config']['checkpoint GB']:.2f} GB): write **{raw[WRITE.name]:.2f} GB/s**, cold read"
+        f" **{raw[READ.name]:.2f} GB/s**, cold read into memory laid out as the resume's"
+        f" **{raw[NEW_MEMORY_READ.name]:.2f} GB/s**. Each probe, and what our saves and resumes make of it"
+        " (the bars are the first of each kind; the others explain them):",
+        "",
+        *_md_table(
+            [
+                "probe",
+                "GB/s",
+                "fsync s (slowest rank)",
+                "dirty page cache at the fsync GB",
+                *(f"{names.short(case)} / it" for case in ours),
+                "what it does",
+            ],
+            [
+                [
+                    f"**{probe.short}** (the bar)" if probe.bar else probe.short,
+                    f"{raw[probe.name]:.2f}",
+                    f"{d['fsync s']:.2f}" if "fsync s" in (d := raw["probes"][probe.name]) else "-",
+                    f"{d['dirty at fsync GB']:.2f}" if "dirty at fsync GB" in d else "-",
+                    *(f"{rows[case][probe.ratio]:.2f}" for case in ours),
+                    probe.what,
+                ]
+                for probe in PROBES
+            ],
+        ),
+        "",
+        "What each rank read on a resume (recorded from the real resumes; what the read probes read): "
+        + "; ".join(
+            f"{names.label(case) if case in names.NAMES else case} "
+            + " / ".join(f"{b / 1e9:.3f}" for b in rank_bytes)
+            + " GB"
+            for case, rank_bytes in raw["read bytes per rank"].items()
+        )
+        + ".",
         "",
         *_md_table(
             [
                 "save / load",
                 "save GB/s",
-                "save / raw write",
+                "save / disk write",
                 "load GB/s",
-                "load / raw read",
-                "load / read into new memory",
+                "load / disk read",
+                "load / read into the resume's memory",
                 "resume vs stock",
             ],
             [
                 [
                     names.label(name),
                     f"{r['save GB/s']:.2f}",
-                    f"{r['save / raw write']:.2f}",
+                    _bar(r[WRITE.ratio]),
                     f"{r['load GB/s']:.2f}",
-                    f"{r['load / raw read']:.2f}",
-                    f"{r['load / new-memory read']:.2f}",
+                    _bar(r[READ.ratio]),
+                    f"{r[NEW_MEMORY_READ.ratio]:.2f}",
                     ratio_x(r.get("resume speedup vs stock")),
                 ]
-                for name, r in report["throughput"]["rows"].items()
+                for name, r in rows.items()
             ],
         ),
+    ]
+    above = report["throughput"].get("above the bars", [])
+    if above:
+        out += [
+            "",
+            "Above the disk's bar, so not a result but a figure to investigate (docs/benchmarks.md, \"The"
+            ' faithful limit"): ' + "; ".join(above) + ".",
+        ]
+    out += [
         "",
         *_md_table(
             ["async save", "sync save s", "stall s", "stall / sync save", "first stall s"],
@@ -198,7 +272,9 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             f"Offline tools on the {tools['bytes'] / 1e9:.2f} GB 2-rank checkpoint (CLI, a fresh process"
             " each, cold cache; `consolidate` reads the source once and checksums it as it reads,"
-            " `--no-verify` does not checksum it):",
+            ' `--no-verify` does not checksum it; "disk copy", its bar, is the source read cold and'
+            " written into one file of the output's size, as a copy must at best; the last row is the bar"
+            " before issue 34, a plain write that `consolidate` beat):",
             "",
             *_md_table(
                 ["command", "s", "GB/s of the checkpoint", "peak RSS GB", "peak anonymous GB"],
@@ -214,8 +290,15 @@ def markdown(report: dict[str, Any]) -> str:
                 ],
             ),
             "",
-            *_md_table(["tools ratio", "value"], [[name, f"{v:.2f}"] for name, v in tools["ratios"].items()]),
+            *_md_table(
+                ["tools ratio", "value"],
+                [
+                    [name, _bar(v) if "disk copy" in name else f"{v:.2f}"]
+                    for name, v in tools["ratios"].items()
+                ],
+            ),
         ]
+    out += _profile_table(report["profile"])
     load = report.get("load", {})
     if load:
         out += [
@@ -224,6 +307,41 @@ def markdown(report: dict[str, Any]) -> str:
             f" / {load['15 min']:.1f}.",
         ]
     return "\n".join(out)
+
+
+def _profile_table(profile: dict[str, Any]) -> list[str]:
+    """The resume profile of every ``phases-*`` case: each group's own seconds on each rank, their sum
+    against the wall time, then the read threads' seconds (which overlap the wait for them)."""
+    cases = profile["rows"]
+    if not cases:
+        return []
+    columns = [(label, rank) for label, profiles in cases.items() for rank in range(len(profiles))]
+
+    def cells(value: Any) -> list[str]:
+        return [f"{value(cases[label][rank]):.3f}" for label, rank in columns]
+
+    shown = [g for g in GROUPS if any(cases[label][rank]["groups"][g] > 0 for label, rank in columns)]
+    threaded = sorted({t for label, rank in columns for t in cases[label][rank]["threads"]})
+    out = [
+        "",
+        "Where a resume's seconds go (`benchmarks.phases`: one cold resume per case, after the timed ones;"
+        " each phase's own seconds on the rank's main thread, less those of the timed phases it calls, so"
+        " the phases add up to the restore's wall time; the read threads' seconds overlap the main"
+        " thread's wait for them and are not in the sum):",
+        "",
+        *_md_table(
+            ["resume, seconds", *(f"{names.shorten(label)}, rank {rank}" for label, rank in columns)],
+            [
+                *([group, *cells(lambda p, g=group: p["groups"][g])] for group in shown),
+                ["**sum of the phases**", *cells(lambda p: p["sum s"])],
+                ["**wall time of the restore**", *cells(lambda p: p["wall s"])],
+                *([f"{THREADS}: {t}", *cells(lambda p, t=t: p["threads"].get(t, 0.0))] for t in threaded),
+            ],
+        ),
+    ]
+    if profile["problems"]:
+        out += ["", "The profile does not add up: " + "; ".join(profile["problems"]) + "."]
+    return out
 
 
 def update_docs(path: Path, tables: str) -> None:

@@ -1,4 +1,4 @@
-"""What the ranks of a benchmark do together: barriers, timed calls, the disk probe, files, memory.
+"""What the ranks of a benchmark do together: barriers, timed calls, files, the page cache, memory.
 
 Every rank case uses these; each is collective (all ranks call it, in the same order) unless it says
 otherwise. Times are taken on every rank between barriers; the report keeps the slowest rank.
@@ -6,7 +6,6 @@ otherwise. Times are taken on every rank between barriers; the report keeps the 
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import time
@@ -88,18 +87,6 @@ def evict_own(file: Path) -> None:
     barrier()
     disk.evict_tree(file)
     barrier()
-
-
-def raw_probe(args: argparse.Namespace, record: dict[str, Any]) -> None:
-    """The disk's raw bandwidth, taken the way the checkpoints use it: every rank probes its share of
-    ``--raw-bytes`` at once (:func:`benchmarks.disk.probe`), each probe's seconds appended to
-    ``record``. Interleaved with the timed saves, so both see the same disk (its bandwidth drifts)."""
-    if not args.raw_bytes:
-        return
-    file = args.dir / f"raw.rank{dist.get_rank()}.bin"
-    settle()
-    for key, seconds in disk.probe(file, args.raw_bytes // dist.get_world_size(), timed, evict_own).items():
-        record.setdefault(key, []).append(seconds)
 
 
 def local_bytes(obj: Any) -> int:

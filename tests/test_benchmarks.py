@@ -1,6 +1,8 @@
 """Smoke test of the benchmark suite: ``python -m benchmarks.run --quick`` runs end to end (2 real ranks).
 
-No timing assertions: only that every section is there and every ratio is a finite positive number.
+No timing assertions: only that every section is there and every ratio is a finite positive number, that
+the disk's probes wrote the files the saves wrote and read what the resumes read (bytes), and that each
+rank's resume profile adds up to its wall time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("throughput", "async", "memory", "hooks", "verify", "training", "tools")
+SECTIONS = ("disk", "throughput", "async", "memory", "hooks", "verify", "training", "tools", "profile")
 
 
 @pytest.mark.slow
@@ -49,8 +51,29 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
     rows = report["throughput"]["rows"]
     for case in ("torch", "dcp", "stock-mp", "stock-fsdp"):
         assert case in rows, f"no throughput figures for {case}"
-    assert report["disk"]["write GB/s"] > 0 and report["disk"]["read GB/s"] > 0
-    assert "ratio" in proc.stdout or "/ raw" in proc.stdout
+    disk = report["disk"]
+    assert disk["write GB/s"] > 0 and disk["read GB/s"] > 0
+    lightning_cases = ("stock-mp", "stock-fsdp", "ours-mp", "ours-fsdp")
+    # The write probe wrote exactly the files of each save (their bytes), the read probe what each
+    # rank's resume read: about half the checkpoint per rank (its shards, a few shared bytes), once.
+    assert disk["written / checkpoint bytes"] == dict.fromkeys(lightning_cases, 1.0)
+    assert sorted(disk["read bytes per rank"]) == sorted(lightning_cases)
+    for case, rank_bytes in disk["read bytes per rank"].items():
+        total = rows[case]["bytes"]
+        assert 0.95 * total <= sum(rank_bytes) <= 1.05 * total, (case, rank_bytes, total)
+        assert all(b >= 0.4 * total for b in rank_bytes), (case, rank_bytes, total)
+    profiles = report["profile"]
+    assert not profiles["problems"], profiles["problems"]
+    assert set(profiles["rows"]) == {"ShardedModelParallelStrategy", "ShardedFSDPStrategy"}
+    for label, ranks in profiles["rows"].items():
+        for profile in ranks:
+            assert profile["sum s"] == pytest.approx(profile["wall s"], rel=0.01), label
+            reads = profile["groups"]["reading bytes (waiting for the read threads)"]
+            reads += profile["groups"]["torch's reader: items read, unpickled, copied in"]
+            assert reads > 0, (label, profile["groups"])
+    markdown = (out / "results.md").read_text()
+    assert "**disk write** (the bar)" in markdown and "**sum of the phases**" in markdown
+    assert "/ disk" in proc.stdout and "resume profile" in proc.stdout
 
 
 @pytest.mark.parametrize("kind", ["thread", "process"])
