@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sharded._launch import free_port, rank_env
+from lightning_sharded._launch import free_port, rank_env, run_ranks
 
 __all__ = ["compare", "main"]
 
@@ -210,33 +209,24 @@ def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry:
         "--strategy",
         args.strategy,
     ]
-    procs = []
-    for rank in range(world):
-        env = rank_env(rank, world, port, _PACKAGE_ROOT)
-        procs.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    deadline = time.monotonic() + args.timeout
-    outputs = []
-    timed_out = False
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for other in procs:
-                other.kill()
-            out, _ = proc.communicate()
-        outputs.append(out)
-    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-    if not (timed_out or failed):
+    envs = [rank_env(rank, world, port, _PACKAGE_ROOT) for rank in range(world)]
+    outcome = run_ranks(command, envs, timeout=args.timeout)
+    if outcome.ok:
         return True
-    if retry and not timed_out and any("address already in use" in out.lower() for out in outputs):
+    if (
+        retry
+        and not outcome.timed_out
+        and any("address already in use" in out.lower() for out in outcome.outputs)
+    ):
         return _launch(args, job, world, output, retry=False)
-    reason = f"timed out after {args.timeout:.0f} s" if timed_out else f"rank(s) {failed} failed"
+    reason = (
+        f"timed out after {args.timeout:.0f} s"
+        if outcome.timed_out
+        else f"rank {outcome.first_failed} failed (the others were stopped)"
+    )
     print(f"FAILED: the {job} phase in {world} process(es) {reason}.", file=sys.stderr)
-    for rank, out in enumerate(outputs):
-        print(f"----- rank {rank} (exit {procs[rank].returncode}) -----\n{out[-4000:]}", file=sys.stderr)
+    for rank, out in enumerate(outcome.outputs):
+        print(f"----- rank {rank} (exit {outcome.returncodes[rank]}) -----\n{out[-4000:]}", file=sys.stderr)
     return False
 
 
