@@ -17,7 +17,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, failures, fsdp1, names, unpickling
-from lightning_sharded.checkpoint.async_save import StagingBuffers
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
@@ -33,6 +32,7 @@ from lightning_sharded.checkpoint.load.checks import (
     template_like,
 )
 from lightning_sharded.checkpoint.load.checksums import ReadVerification
+from lightning_sharded.checkpoint.staging import StagingBuffers
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
