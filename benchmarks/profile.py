@@ -217,19 +217,19 @@ PHASES: list[Phase] = [
     Phase("lightning_sharded.checkpoint.load", "check_found", "ours: check_found (sizes/manifest)", METADATA),
     Phase("lightning_sharded.checkpoint.load", "restore_sharded", "ours: restore_sharded", METADATA),
     Phase(
-        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
+        "lightning_sharded.checkpoint.integrity.ReadVerification",
         "check_sizes",
         "ours: file sizes against the manifest",
         METADATA,
     ),
     Phase(
-        "lightning_sharded.checkpoint.verify",
+        "lightning_sharded.checkpoint.integrity",
         "_checksum_problems",
         "ours: verify checksums (a read)",
         CHECKSUMS,
     ),
     Phase(
-        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
+        "lightning_sharded.checkpoint.integrity.ReadVerification",
         "check",
         "ours: verify checksums (after the reads)",
         CHECKSUMS,

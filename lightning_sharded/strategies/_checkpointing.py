@@ -26,7 +26,7 @@ from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, location
-from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
+from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
 from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._partial import PartialCheckpoints

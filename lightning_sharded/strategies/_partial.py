@@ -22,8 +22,8 @@ from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective, load
 from lightning_sharded.checkpoint.backends import Location, is_url, location
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
-from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.load.parts import check_parts
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks

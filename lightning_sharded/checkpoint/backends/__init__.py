@@ -15,17 +15,26 @@ interrupted save), reading files, then the steps of a commit (:meth:`Backend.pre
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from lightning_sharded.checkpoint.backends.local import LocalBackend
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
-from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location, parent
+from lightning_sharded.checkpoint.backends.paths import (
+    Location,
+    absolute,
+    basename,
+    is_url,
+    join,
+    local_path,
+    location,
+    parent,
+)
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
@@ -33,10 +42,12 @@ __all__ = [
     "LocalBackend",
     "Location",
     "ObjectStoreBackend",
+    "absolute",
     "backend_for",
     "basename",
     "is_url",
     "join",
+    "local_path",
     "location",
     "parent",
 ]
@@ -122,11 +133,16 @@ class Backend(Protocol):
         """A local path with the content of the file at ``loc`` (itself, or a temporary download)."""
         ...
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
-        """``(size, crc32 hex)`` of the file at ``loc``, read once."""
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        """``(size, crc32 hex)`` of the file at ``loc``, read once.
+
+        ``known``: ``(offset, length, crc32)`` of byte ranges already checksummed (what :meth:`dcp_reader`
+        recorded): only the bytes between them are read. Only where :attr:`reads_checksums` (else a
+        ``ValueError`` for any range).
+        """
         ...
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
 
         ``metadata``: the checkpoint's DCP ``Metadata`` already read (once, on rank 0, and shared); the

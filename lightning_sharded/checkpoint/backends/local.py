@@ -28,19 +28,19 @@ import errno
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends.paths import Location
-from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.checksum import file_checksum, ranges_checksum
 from lightning_sharded.checkpoint.failures import free_space, named_os_error
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
 
 __all__ = ["NO_EXCHANGE_ENV", "LocalBackend", "leftovers", "resolve"]
 
@@ -308,10 +308,12 @@ class LocalBackend:
     def local_file(self, loc: Location) -> Iterator[Path]:
         yield _path(loc)
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
-        return file_checksum(loc)
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        if known is None:
+            return file_checksum(loc)
+        return ranges_checksum(loc, os.stat(loc).st_size, known)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
         return DirectReader(data, metadata=metadata, checksums=checksums)

@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -47,7 +47,7 @@ from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import OBJECT_STORE_FORMAT_VERSION, FileEntry, Manifest
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
 
 __all__ = ["ObjectStoreBackend", "filesystem"]
 
@@ -240,12 +240,14 @@ class ObjectStoreBackend:
             fs.get_file(path, os.fspath(local))
             yield local
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        if known:
+            raise ValueError("torch's fsspec reader records no checksums (reads_checksums is False)")
         fs, path = filesystem(_url(loc))
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
         if checksums is not None:

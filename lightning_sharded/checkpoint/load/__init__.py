@@ -4,7 +4,7 @@
 sharded checkpoint through DCP (:mod:`.sharded`), a full file memory-mapped (:mod:`.full`). What is
 at the path is decided once (:func:`~lightning_sharded.checkpoint.detect.detect`, on rank 0, shared),
 the files are checked by every rank with the findings agreed
-(:func:`~lightning_sharded.checkpoint.verify.check_found`), so every rank takes the same branch or
+(:func:`~lightning_sharded.checkpoint.integrity.check_found`), so every rank takes the same branch or
 raises the same error. No load ever writes to the checkpoint.
 """
 
@@ -21,19 +21,19 @@ from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checks import KeyReport
-from lightning_sharded.checkpoint.load.checksums import (
+from lightning_sharded.checkpoint.integrity import (
     AFTER_READ,
     UNCHANGED,
     ReadVerification,
     VerifyMode,
+    check_found,
     verify_mode,
 )
+from lightning_sharded.checkpoint.load.checks import KeyReport
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.presence import RanksLost
-from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
 
@@ -78,7 +78,7 @@ def restore_checkpoint(
         weights_only: passed to ``torch.load`` for the Lightning metadata.
         verify: also compare every file's checksum with the manifest (presence and sizes are always
             checked, before the first read). Local files are checked from the load's own reads (one
-            CRC-32 pass over the bytes in memory, no second read of every byte; :mod:`.checksums`).
+            CRC-32 pass over the bytes in memory, no second read of every byte; :mod:`~.integrity`).
             ``True`` or ``"before"``: nothing of a damaged checkpoint is loaded: the model's values are
             read into CPU buffers beside it and copied in once every file matched (one more copy of
             the rank's model shard in host memory meanwhile); on object storage every file is

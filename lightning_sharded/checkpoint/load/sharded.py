@@ -21,6 +21,7 @@ from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
+from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -31,7 +32,6 @@ from lightning_sharded.checkpoint.load.checks import (
     set_optimizer_state,
     template_like,
 )
-from lightning_sharded.checkpoint.load.checksums import ReadVerification
 from lightning_sharded.checkpoint.staging import StagingBuffers
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,

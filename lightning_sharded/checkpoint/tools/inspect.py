@@ -21,6 +21,7 @@ from lightning_sharded.checkpoint.detect import (
     not_a_checkpoint,
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.integrity import check_found
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import (
@@ -31,7 +32,6 @@ from lightning_sharded.checkpoint.tools.reader import (
     safe_torch_load,
 )
 from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
-from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 

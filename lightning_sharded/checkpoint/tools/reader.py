@@ -30,8 +30,7 @@ from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checksums import ReadVerification
-from lightning_sharded.checkpoint.verify import check_found
+from lightning_sharded.checkpoint.integrity import ReadVerification, check_found
 
 log = logging.getLogger(__name__)
 
