@@ -224,7 +224,9 @@ def main(out: Path) -> None:
     entries[1]["rank"] = 0  # rank 1's entry is not its own; rank 0's is fine
     metadata = {names.RANK_STATE_KEY: {"format": rank_state.FORMAT, "world_size": 2, "ranks": entries}}
     try:
-        rank_state.restore(metadata, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt")
+        rank_state.restore(
+            metadata, detect(full), rank=rank, world_size=2, weights_only=True, path="full.ckpt"
+        )
         results["rank-state"] = {"type": None}
     except Exception as err:
         results["rank-state"] = {"type": type(err).__name__, "message": str(err)}
@@ -234,7 +236,12 @@ def main(out: Path) -> None:
     seen = {"format": rank_state.FORMAT, "world_size": 2 if rank == 0 else 1, "ranks": entries}
     try:
         outcome = rank_state.restore(
-            {names.RANK_STATE_KEY: seen}, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt"
+            {names.RANK_STATE_KEY: seen},
+            detect(full),
+            rank=rank,
+            world_size=2,
+            weights_only=True,
+            path="full.ckpt",
         )
         results["rank-state-world"] = {"warning": outcome.warning, "rng": outcome.rng is not None}
     except Exception as err:

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Location
-from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import (
     AFTER_READ,
@@ -45,12 +45,18 @@ class Restored(NamedTuple):
     metadata: dict[str, Any]
     #: Model keys compared with the checkpoint's (non-empty only for a non-strict load).
     keys: KeyReport
-    #: Where the checkpoint's files were read: the sharded directory (on object storage, its published
-    #: version) or the full file.
-    data: Location | None = None
+    #: The checkpoint as the detector found it (on rank 0, shared): its kind, manifest, backend and where
+    #: its files are. A later read of its files (each rank's own state) goes through ``found.backend``.
+    found: Found
     #: A trainable-only checkpoint: the model keys it left out that the model has, and where they are.
     #: They were not loaded: the caller reads them from the source (``load_pretrained``'s machinery).
     frozen: FrozenPart | None = None
+
+    @property
+    def data(self) -> Location:
+        """Where the checkpoint's files were read: the sharded directory (on object storage, its
+        published version) or the full file."""
+        return self.found.data
 
 
 def restore_checkpoint(
@@ -145,8 +151,7 @@ def _restore(
             check_found(found, verify=mode is not None)
         partial = found.manifest.frozen if found.manifest is not None else None
         metadata, report, from_source = restore_sharded(
-            found.backend,
-            found.data,
+            found,
             model,
             optimizers,
             strict=strict,
@@ -157,7 +162,7 @@ def _restore(
             read_metadata=read_metadata,
         )
         frozen = FrozenPart(partial.source, tuple(from_source), partial.prefix) if partial else None
-        return Restored(metadata, report, found.data, frozen)
+        return Restored(metadata, report, found, frozen)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
     with found.backend.local_file(found.data) as local:
         try:
@@ -168,4 +173,4 @@ def _restore(
             if local == found.data:
                 raise
             raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
-    return Restored(metadata, report, found.data, frozen)
+    return Restored(metadata, report, found, frozen)

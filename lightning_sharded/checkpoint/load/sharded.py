@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_sharded.checkpoint import collective, failures, fsdp1, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
+from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.integrity import ReadVerification
@@ -47,8 +48,7 @@ __all__ = ["load_meta", "restore_sharded"]
 
 
 def restore_sharded(
-    backend: Backend,
-    path: Location,
+    found: Found,
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     *,
@@ -59,7 +59,8 @@ def restore_sharded(
     frozen: Collection[str] = (),
     read_metadata: bool = True,
 ) -> tuple[dict[str, Any], KeyReport, list[str]]:
-    """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
+    """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
+    ``optimizers``.
 
     Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
     comparison of model keys, and the model keys to take from a trainable-only checkpoint's frozen
@@ -70,6 +71,7 @@ def restore_sharded(
     into the model only once the checksums matched, so a damaged checkpoint leaves the model as it was
     (the cost: one more copy of the rank's model shard in host memory while it loads).
     """
+    backend, path = found.backend, found.data
     reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
