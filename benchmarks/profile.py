@@ -238,7 +238,7 @@ PHASES: list[Phase] = [
     Phase(_SHARDED, "model_state_dict", "ours: load target model state dict", METADATA),
     Phase(_SHARDED, "check_keys", "ours: key check", METADATA),
     Phase(_SHARDED, "check_shapes", "ours: shape check", METADATA),
-    Phase(_SHARDED, "load_meta", "ours: meta.pt", METADATA),
+    Phase(_SHARDED, "read_meta", "ours: meta.pt", METADATA),
     Phase(_SHARDED, "_prepare_optimizer", "ours: optimizer template and checks", TEMPLATES),
     Phase(_SHARDED, "template_like", "ours: optimizer template from the index", TEMPLATES),
     Phase(

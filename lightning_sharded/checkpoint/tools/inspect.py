@@ -22,13 +22,13 @@ from lightning_sharded.checkpoint.detect import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import check_found
+from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import (
     OfflineReader,
     leaves,
     load_full,
-    read_meta,
     safe_torch_load,
 )
 from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
@@ -203,7 +203,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and names.LIGHTNING_METADATA in files:
         try:
-            meta = read_meta(backend, real, weights_only)
+            meta = read_meta(backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
         except unpickling.RefusedPickleError:
             meta = unpickling.inert_load(
                 join(real, names.LIGHTNING_METADATA), load=backend.torch_load, map_location="cpu"

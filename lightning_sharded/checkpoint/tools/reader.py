@@ -31,6 +31,7 @@ from lightning_sharded.checkpoint.dcp_index import read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import ReadVerification, check_found
+from lightning_sharded.checkpoint.lightning_meta import VERIFY_HINT, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,10 @@ __all__ = [
     "map_tensors",
     "open_sharded",
     "read_checkpoint",
-    "read_meta",
     "safe_torch_load",
     "set_path",
     "to_lightning",
 ]
-
-VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 
 
 # ------------------------------------------------------------------------------------ reading DCP
@@ -247,30 +245,6 @@ def safe_torch_load(
     )
 
 
-def read_meta(backend: Backend, root: Location, weights_only: bool | None) -> dict[str, Any]:
-    """The Lightning metadata (``meta.pt``) of the sharded checkpoint at ``root``, as a dict.
-
-    Read safely unless ``weights_only`` is ``False``; a refused type raises
-    :class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`.
-    """
-    file = join(root, names.LIGHTNING_METADATA)
-    try:
-        meta = safe_torch_load(backend, file, "The Lightning metadata", weights_only, map_location="cpu")
-    except (FileNotFoundError, CheckpointError):
-        raise
-    except Exception as err:
-        raise CheckpointError(
-            f"The Lightning metadata {str(file)!r} (epoch, global step, loops, callbacks) cannot be read"
-            f" ({type(err).__name__}: {err}). {VERIFY_HINT.format(path=root)}"
-        ) from err
-    if not isinstance(meta, dict):
-        raise CheckpointError(
-            f"The Lightning metadata {str(file)!r} holds a {type(meta).__name__}, not a dict: this is not a"
-            " Lightning checkpoint."
-        )
-    return meta
-
-
 def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     node: Any = root
     for key, nxt in itertools.pairwise(path):
@@ -386,7 +360,7 @@ def read_checkpoint(
         return load_full(found.backend, real, map_location, weights_only)
     reader = open_sharded(found, verify, weights_only, during=True)
     with reader.reading():
-        meta = read_meta(found.backend, real, weights_only)
+        meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
     if not optimizer_states:
         reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()
