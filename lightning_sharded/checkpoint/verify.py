@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, local_path, location
-from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
+from lightning_sharded.checkpoint.dcp_index import index_problems, model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, checkpoint_files, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import find_problems
@@ -91,6 +91,17 @@ def _full_file_problems(backend: Backend, file: Location, progress: bool | None)
             )
         ]
     return []
+
+
+def _check_model_key(backend: Backend, data: Location) -> None:
+    """The model state under one of the model keys, as every load and tool needs it
+    (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`); read safely, so an index that holds a
+    refused type (noted by the pickle check, with the flag) is not checked."""
+    try:
+        index = read_index(backend, data, weights_only=True)
+    except unpickling.RefusedPickleError:
+        return
+    model_key(top_level_keys(index), data)
 
 
 def _raise(path: Location, problems: list[Problem]) -> None:
@@ -186,6 +197,8 @@ def verify_checkpoint(
     report.files, report.bytes = len(files), sum(files.values())
     if not weights:  # safetensors holds no pickle
         report.notes += check_pickles(backend, real, found.kind, weights_only)
+    if found.kind is CheckpointKind.SHARDED:
+        _check_model_key(backend, real)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
         real,

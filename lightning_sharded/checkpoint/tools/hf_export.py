@@ -118,14 +118,7 @@ def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: 
 
 def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefix: str) -> _Source:
     reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
-    tops = {reader.path_of(key)[0] for key in reader.tensors} | {reader.path_of(k)[0] for k in reader.objects}
-    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(found.path)!r} has no model state (none of the keys"
-            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))}): there are no"
-            " weights to export."
-        )
+    model_key = reader.model_key()
     tensors = []
     for key, md in reader.tensors.items():
         path = reader.path_of(key)

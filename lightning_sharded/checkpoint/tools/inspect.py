@@ -159,6 +159,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     check_found(found, alone=True, weights_only=weights_only)  # presence and sizes: cheap, no data read
     files = checkpoint_files(found)
     reader = OfflineReader(backend, real, weights_only)
+    reader.model_key()  # the one rule: a checkpoint with neither model key, or both, is refused everywhere
     chunks: dict[str, int] = {}
     for index in reader.metadata.storage_data or {}:
         chunks[index.fqn] = chunks.get(index.fqn, 0) + 1

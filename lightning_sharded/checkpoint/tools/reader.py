@@ -27,7 +27,7 @@ import torch
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
-from lightning_sharded.checkpoint.dcp_index import read_index
+from lightning_sharded.checkpoint.dcp_index import model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import ReadVerification, check_found
@@ -83,6 +83,11 @@ class OfflineReader:
 
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
+
+    def model_key(self) -> str:
+        """The top-level key of the model state (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`:
+        the one rule; a ``CheckpointError`` for neither key or both)."""
+        return model_key(top_level_keys(self.metadata), self.root)
 
     def what(self, fqn: str, relative_path: str | None = None) -> str:
         """An entry in words, for :func:`unpickling.refused`."""
@@ -289,15 +294,7 @@ def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
 def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -> dict[str, Any]:
     """DCP's top-level keys plus ``meta.pt`` to the dict of a full Lightning checkpoint."""
     checkpoint = dict(meta)
-    model_key = next((k for k in names.MODEL_KEYS if k in nested), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(root)!r} has no model state: none of the keys"
-            f" {list(names.MODEL_KEYS)}"
-            " among"
-            f" its top-level keys {sorted(nested)}. It was not written by a Lightning strategy."
-        )
-    checkpoint["state_dict"] = nested.pop(model_key)
+    checkpoint["state_dict"] = nested.pop(model_key(map(str, nested), root))
     optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
     if [i for i, _ in optimizers] != list(range(len(optimizers))):
         raise CheckpointError(

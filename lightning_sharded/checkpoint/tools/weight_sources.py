@@ -85,13 +85,7 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
                 listing.dtypes[key] = value.dtype
         return listing
     reader = open_sharded(found, False, weights_only)
-    tops = {reader.path_of(key)[0] for key in reader.tensors}
-    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(given)!r} has no model tensors (none of the keys"
-            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))})."
-        )
+    model_key = reader.model_key()
     listing = Listing("sharded", str(given), data=found.data, model_key=model_key, metadata=reader.metadata)
     for key, md in reader.tensors.items():
         where = reader.path_of(key)
