@@ -83,6 +83,7 @@ def commit_directory(
     frozen: FrozenPart | None = None,
     needed: int | None = None,
     check_space: bool = True,
+    alone: bool = False,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
@@ -111,6 +112,9 @@ def commit_directory(
             of a full disk, and compared with the free space before anything is written.
         check_space: Refuse the save, before anything is written, when the local filesystem has less
             free space than the estimates and their margin (:func:`~.space.required`).
+        alone: Write in this process only, whatever process group is up (an offline tool's directory:
+            the Hugging Face export). An error of ``write`` that no cause of the storage's is behind is
+            then raised as it is, as :func:`commit_file` does.
 
     Raises:
         StorageError: the storage failed (the message starts with the cause: ``No space left on device
@@ -125,7 +129,7 @@ def commit_directory(
     """
     target = _target(path)
     backend = backend or backend_for(target)
-    where = collective.ranks(group)
+    where = collective.ranks(group, alone=alone)
     rank = where.rank
     started = time.perf_counter()
 
@@ -242,6 +246,8 @@ def commit_directory(
         raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
     if interrupted is not None:
         raise interrupted
+    if alone and own_error is not None and not any(f.errno for f in report[1] or []):
+        raise own_error  # the write's own error (no cause of the storage's): its own words
     if outcome is not None:
         raise outcome from own_error
 
