@@ -39,7 +39,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, location
+from lightning_sharded.checkpoint.backends import (
+    Backend,
+    Location,
+    absolute,
+    backend_for,
+    local_path,
+    location,
+    parent,
+)
 from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, leftovers, resolve
 from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
 from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
@@ -69,8 +77,7 @@ WriteFn = Callable[[Any], "Mapping[str, tuple[int, str]] | None"]
 
 
 def _target(path: str | os.PathLike[str] | Location) -> Location:
-    loc = location(path) if not isinstance(path, Path) else path
-    return loc.absolute() if isinstance(loc, Path) else loc
+    return absolute(location(path))
 
 
 def commit_directory(
@@ -172,7 +179,7 @@ def commit_directory(
         own_error = err
     if isinstance(own_error, RanksLost):  # a collective inside write failed: the others know it too
         raise _lost_rank(target, "while writing", own_error, backend.place) from own_error
-    near = staging if isinstance(staging, Path) else None
+    near = local_path(staging)  # a local directory the writes were in, for a cause they hid
     report = (entries, None if own_error is None else failures_of(own_error, rank, near))
     try:
         # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
@@ -262,14 +269,13 @@ def _prepare(
         known = [n for n in needs or [] if n is not None]
         free = backend.free_space(target) if known else None
         if free is not None:
-            space = Space(sum(known), free, str(_parent(target)))
+            space = Space(sum(known), free, str(parent(target)))
             refused = refusal(target, space, known, backend.place) if check_space else None
             if refused is not None:
                 return None, None, refused, space
         return backend.stage(target, directory=True), previous, None, space
     except Exception as err:
-        near = _parent(target)
-        failure = Failure.of(err, 0, near if isinstance(near, Path) else None)
+        failure = Failure.of(err, 0, local_path(parent(target)))
         if failure.errno is None:  # a refusal (a directory of something else...): its message says it all
             return (
                 None,
@@ -281,10 +287,6 @@ def _prepare(
                 space,
             )
         return None, None, save_failed(target, [failure], stage="prepare", place=backend.place), space
-
-
-def _parent(target: Location) -> Location:
-    return target.parent if isinstance(target, Path) else target
 
 
 def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:
@@ -337,17 +339,18 @@ def commit_file(
         space: Space | None = None
         free = backend.free_space(target) if needed is not None else None
         if needed is not None and free is not None:
-            space = Space(needed, free, str(_parent(target)))
+            space = Space(needed, free, str(parent(target)))
             refused = refusal(target, space, [needed], backend.place) if check_space else None
             if refused is not None:
                 raise refused
-        staged = backend.stage(target, directory=False)
+        staging = backend.stage(target, directory=False)
     except OSError as err:
         if err.errno is None or isinstance(err, StorageError):  # a refusal: its message says it all
             raise
-        failure = Failure.of(err, 0, _parent(target) if isinstance(target, Path) else None)
+        failure = Failure.of(err, 0, local_path(parent(target)))
         raise save_failed(target, [failure], stage="prepare", place=backend.place) from err
-    assert isinstance(staged, Path)
+    staged = local_path(staging)  # a local file for every backend (an upload follows on object storage)
+    assert staged is not None
     stage = "write"
     try:
         write(staged)

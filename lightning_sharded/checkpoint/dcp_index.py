@@ -168,7 +168,7 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
 
     Args:
         path: the directory (where its files are).
-        backend: its storage; found from ``path`` when ``None``.
+        backend: its storage; ``None``: ``path`` is found by the detector (its backend, where its files are).
 
     Raises:
         CheckpointError: the index cannot be read, a shard file it names is missing or short, it holds
@@ -176,10 +176,13 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_sharded.checkpoint.backends import backend_for, location
+    if backend is None:
+        from lightning_sharded.checkpoint.detect import detect
 
-    data = location(path)
-    backend = backend or backend_for(data)
+        found = detect(path)
+        backend, data = found.backend, found.data
+    else:
+        data = path
     metadata = read_index(backend, data)
     problems = index_problems(backend, data, metadata)
     if problems:

@@ -33,7 +33,6 @@ from lightning_sharded.checkpoint.backends import (
     Location,
     backend_for,
     basename,
-    is_url,
     join,
     location,
     parent,
@@ -127,8 +126,8 @@ def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
         what = _PARTS[name]
     else:
         return None
-    if is_url(folder) and names.DATA_DIR.match(basename(folder)):
-        folder = parent(folder)  # a published version on object storage: its checkpoint is above it
+    if names.DATA_DIR.match(basename(folder)):  # a version (object storage's data-<token>):
+        folder = parent(folder)  # its checkpoint is above it
     return folder, what
 
 

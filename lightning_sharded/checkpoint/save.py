@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sharded.checkpoint import collective, names, space
+from lightning_sharded.checkpoint import collective, commit, names, space
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
@@ -216,6 +216,5 @@ def remove_checkpoint(path: Location | str | os.PathLike[str], *, rank: int) -> 
     """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
     if rank != 0:
         return
-    target = location(path)
     with contextlib.suppress(FileNotFoundError):
-        backend_for(target).remove(target.absolute() if not isinstance(target, str) else target)
+        commit.remove_checkpoint(path)

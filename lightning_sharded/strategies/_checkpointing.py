@@ -25,7 +25,7 @@ from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
-from lightning_sharded.checkpoint.backends import Location, location
+from lightning_sharded.checkpoint.backends import Location, basename, location
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
@@ -259,7 +259,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             )
         path = location(self.broadcast(filepath))
         start = time.perf_counter()
-        hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
+        hpc = basename(path).startswith(_HPC_PREFIX)
         with self._bounded():
             rank_files = self._add_rank_state(checkpoint)
         frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
