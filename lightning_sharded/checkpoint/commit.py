@@ -201,19 +201,12 @@ def commit_directory(
         assert reports is not None
         try:
             t_seal = time.perf_counter()
-            everything = backend.seal(
-                staging, [e for rank_entries, _ in reports for e in rank_entries], written
+            draft = Manifest(
+                files=[], world_size=where.world_size, metadata=dict(metadata or {}), frozen=frozen
             )
+            every = [e for rank_entries, _ in reports for e in rank_entries]
+            manifest = backend.seal(staging, every, written, draft)  # durable, the manifest written
             t_seal = time.perf_counter() - t_seal
-            fault(FaultPoint.BEFORE_MANIFEST, rank)
-            manifest = Manifest(
-                files=everything,
-                world_size=where.world_size,
-                metadata=dict(metadata or {}),
-                **backend.manifest_fields(staging),
-                frozen=frozen,
-            )
-            backend.write_manifest(staging, manifest)
             fault(FaultPoint.BEFORE_PUBLISH, rank)
             t_pub = time.perf_counter()
             publishing = True  # from here on the backend cleans up after its own failures
@@ -265,9 +258,8 @@ def _prepare(
     """Rank 0's step 1: ``(staging, previous version, None, space)``, or ``(None, None, error, space)``."""
     space: Space | None = None
     try:
-        previous = backend.prepare(target, directory=True)
         known = [n for n in needs or [] if n is not None]
-        free = backend.free_space(target) if known else None
+        previous, free = backend.prepare(target, directory=True, measure=bool(known))
         if free is not None:
             space = Space(sum(known), free, str(parent(target)))
             refused = refusal(target, space, known, backend.place) if check_space else None
@@ -335,9 +327,8 @@ def commit_file(
     target = _target(path)
     backend = backend or backend_for(target)
     try:
-        backend.prepare(target, directory=False)
+        _, free = backend.prepare(target, directory=False, measure=needed is not None)
         space: Space | None = None
-        free = backend.free_space(target) if needed is not None else None
         if needed is not None and free is not None:
             space = Space(needed, free, str(parent(target)))
             refused = refusal(target, space, [needed], backend.place) if check_space else None

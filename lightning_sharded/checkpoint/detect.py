@@ -240,7 +240,7 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
             )
         if not any(names.is_checkpoint_member(n) for n in files):
             _refuse_part(backend, data, shown)
-            unpublished = backend.unpublished(data)
+            unpublished = [d for d in dirs if names.DATA_DIR.match(d)]  # object storage's versions
             if unpublished:
                 raise CheckpointError(
                     f"The checkpoint {shown!r} is not published: it has no manifest {names.MANIFEST_NAME!r},"
