@@ -14,7 +14,7 @@ from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.backends import ChecksummingWriter
     from lightning_sharded.checkpoint.commit import commit_directory, commit_file, remove_checkpoint, resolve
     from lightning_sharded.checkpoint.detect import read_manifest
     from lightning_sharded.checkpoint.integrity import check_files

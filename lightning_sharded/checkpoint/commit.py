@@ -40,15 +40,17 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import (
+    NO_EXCHANGE_ENV,
     Backend,
     Location,
     absolute,
     backend_for,
+    leftovers,
     local_path,
     location,
     parent,
+    resolve,
 )
-from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, leftovers, resolve
 from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
 from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
 from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault

@@ -20,8 +20,15 @@ import os
 from pathlib import Path
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location, backend_for, basename, join, local_path, location
-from lightning_sharded.checkpoint.backends.local import resolve
+from lightning_sharded.checkpoint.backends import (
+    Location,
+    backend_for,
+    basename,
+    join,
+    local_path,
+    location,
+    resolve,
+)
 
 __all__ = ["output_file"]
 

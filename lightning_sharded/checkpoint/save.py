@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_sharded.checkpoint import collective, commit, names, space
-from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
+from lightning_sharded.checkpoint.backends import Location, backend_for, join, location, without_torch_crc32
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
-from lightning_sharded.checkpoint.errors import run_dcp
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.manifest import FrozenPart
 
 if TYPE_CHECKING:
@@ -83,8 +83,6 @@ def write_sharded_checkpoint(
             time); the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
-
-    from lightning_sharded.checkpoint.backends.dcp_writer import without_torch_crc32
 
     target = location(path)
     backend = backend_for(target)

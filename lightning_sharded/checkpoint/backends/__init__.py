@@ -15,7 +15,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, LocalBackend, leftovers, resolve
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 from lightning_sharded.checkpoint.backends.paths import (
     Location,
@@ -33,7 +34,9 @@ if TYPE_CHECKING:
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
+    "NO_EXCHANGE_ENV",
     "Backend",
+    "ChecksummingWriter",
     "LocalBackend",
     "Location",
     "ObjectStoreBackend",
@@ -42,9 +45,12 @@ __all__ = [
     "basename",
     "is_url",
     "join",
+    "leftovers",
     "local_path",
     "location",
     "parent",
+    "resolve",
+    "without_torch_crc32",
 ]
 
 

@@ -19,7 +19,8 @@ from lightning_sharded.checkpoint import collective, fsdp1, names
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
-from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.lightning_meta import read_meta

@@ -23,7 +23,8 @@ from torch.futures import Future
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends import Backend, Location, local_path, location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     SUFFIX,
