@@ -217,19 +217,19 @@ PHASES: list[Phase] = [
     Phase("lightning_sharded.checkpoint.load", "check_found", "ours: check_found (sizes/manifest)", METADATA),
     Phase("lightning_sharded.checkpoint.load", "restore_sharded", "ours: restore_sharded", METADATA),
     Phase(
-        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
+        "lightning_sharded.checkpoint.integrity.ReadVerification",
         "check_sizes",
         "ours: file sizes against the manifest",
         METADATA,
     ),
     Phase(
-        "lightning_sharded.checkpoint.verify",
+        "lightning_sharded.checkpoint.integrity",
         "_checksum_problems",
         "ours: verify checksums (a read)",
         CHECKSUMS,
     ),
     Phase(
-        "lightning_sharded.checkpoint.load.checksums.ReadVerification",
+        "lightning_sharded.checkpoint.integrity.ReadVerification",
         "check",
         "ours: verify checksums (after the reads)",
         CHECKSUMS,
@@ -238,7 +238,7 @@ PHASES: list[Phase] = [
     Phase(_SHARDED, "model_state_dict", "ours: load target model state dict", METADATA),
     Phase(_SHARDED, "check_keys", "ours: key check", METADATA),
     Phase(_SHARDED, "check_shapes", "ours: shape check", METADATA),
-    Phase(_SHARDED, "load_meta", "ours: meta.pt", METADATA),
+    Phase(_SHARDED, "read_meta", "ours: meta.pt", METADATA),
     Phase(_SHARDED, "_prepare_optimizer", "ours: optimizer template and checks", TEMPLATES),
     Phase(_SHARDED, "template_like", "ours: optimizer template from the index", TEMPLATES),
     Phase(

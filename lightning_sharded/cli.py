@@ -14,7 +14,6 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
@@ -109,7 +108,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from lightning_sharded.checkpoint.backends import backend_for
+    from lightning_sharded.checkpoint.detect import checkpoint_files, detect
+    from lightning_sharded.checkpoint.progress import format_files
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
     hf_only = {
@@ -145,11 +145,8 @@ def _consolidate(args: argparse.Namespace) -> int:
             else {}
         ),
     )
-    if isinstance(out, Path) and out.is_dir():  # --format safetensors
-        from lightning_sharded.checkpoint.detect import checkpoint_files, detect
-        from lightning_sharded.checkpoint.progress import format_files
-
-        files = checkpoint_files(detect(out, safetensors=True))
+    files = checkpoint_files(detect(out, safetensors=True))  # what was written, counted as everywhere
+    if args.format == "safetensors":
         weights = sum(name.endswith(".safetensors") for name in files)
         print(
             f"Wrote {out} ({weights} safetensors file{'s' if weights != 1 else ''}; {format_files(files)}):"
@@ -158,7 +155,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         )
         return EXIT_OK
     print(
-        f"Wrote {out} ({_size(backend_for(out).size(out))}): load it with torch.load, or resume from it with"
+        f"Wrote {out} ({_size(sum(files.values()))}): load it with torch.load, or resume from it with"
         " Lightning."
     )
     return EXIT_OK

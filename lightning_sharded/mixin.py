@@ -120,8 +120,15 @@ class ShardedStateMixin:
             return parent.load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
-        if not _is_sharded(checkpoint_path):
-            if _is_local_file(checkpoint_path) and _is_trainable_only(checkpoint_path, weights_only):
+        from lightning_sharded.checkpoint.backends import local_path
+        from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+
+        # What is at the path, by the detector (its errors name one file of a checkpoint directory,
+        # Hugging Face weights, nothing there); a full file on this machine is read memory-mapped below.
+        found = detect(checkpoint_path)
+        if found.kind is not CheckpointKind.SHARDED:
+            file = local_path(found.data)
+            if file is not None and _is_trainable_only(file, weights_only):
                 from lightning_sharded.checkpoint.tools import load_checkpoint
 
                 # Its frozen parameters are read from the source it names: the model gets every key.
@@ -130,11 +137,7 @@ class ShardedStateMixin:
                     return parent.load_from_checkpoint(
                         checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
                     )
-            if (
-                location is not None
-                and torch.device(location).type != "cpu"
-                and _is_local_file(checkpoint_path)
-            ):
+            if location is not None and torch.device(location).type != "cpu" and file is not None:
                 model_only = _model_state_to(checkpoint_path, location, weights_only)
                 with _preloaded(checkpoint_path, model_only):
                     return parent.load_from_checkpoint(
@@ -184,27 +187,6 @@ def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iter
         saving.pl_load = original  # type: ignore[attr-defined]
 
 
-def _is_sharded(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` (a local path or an fsspec URL) is a sharded checkpoint directory; a local file
-    that is no full checkpoint (one file of a checkpoint directory, Hugging Face weights, something
-    else) raises the detector's error, which names it."""
-    from lightning_sharded.checkpoint.backends import is_url, location
-    from lightning_sharded.checkpoint.detect import CheckpointKind, detect
-
-    if is_url(path):
-        return detect(path).kind is CheckpointKind.SHARDED  # its errors name the URL
-    from lightning_sharded.checkpoint.backends.local import resolve
-
-    loc = location(path)
-    if not isinstance(loc, os.PathLike):
-        return False
-    if resolve(loc).is_dir():
-        return True
-    if os.path.isfile(loc):
-        detect(path)  # one file of a checkpoint directory, weights, not a checkpoint: the detector's error
-    return False
-
-
 def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) -> bool:
     """Whether the full file at ``path`` is a trainable-only checkpoint (memory-mapped: no tensor is
     read). A file that cannot be read this way is left to Lightning's own load and its errors."""
@@ -215,12 +197,6 @@ def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) 
     except Exception:
         return False
     return isinstance(checkpoint, dict) and checkpoint.get(FROZEN_KEY) is not None
-
-
-def _is_local_file(path: str | os.PathLike[str]) -> bool:
-    from lightning_sharded.checkpoint.backends import is_url
-
-    return not is_url(path) and os.path.isfile(path)
 
 
 def _model_state_to(

@@ -21,9 +21,10 @@ import torch
 
 import lightning_sharded
 from lightning_sharded.checkpoint import read_manifest
-from lightning_sharded.checkpoint.async_save import AsyncSaver, StagingBuffers
+from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.staging import StagingBuffers
 from tests.distributed.launch import Rank, free_port, rank_env, run_ranks, start_rank
 
 SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"

@@ -100,44 +100,13 @@ def test_the_writer_experiment_writes_the_staged_bytes(tmp_path: Path, kind: str
         writer.close()
 
 
-def _benchmark_imports() -> dict[str, set[str]]:
-    """``{module: what it imports of benchmarks and tests}`` for every module of ``benchmarks``, read from
-    the source (imports inside functions included)."""
-    import ast
-
-    modules = {
-        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): path
-        for path in (REPO / "benchmarks").rglob("*.py")
-    }
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                found.add(node.module)
-                found.update(f"{node.module}.{alias.name}" for alias in node.names)
-        graph[name] = {m for m in found if m != name and (m in modules or m.split(".")[0] == "tests")}
-    return graph
-
-
 def test_the_benchmarks_import_nothing_from_the_tests_and_have_no_cycle() -> None:
-    graph = _benchmark_imports()
-    assert "benchmarks.ranks" in graph["benchmarks.run"]  # the graph is read
-    from_tests = {m: sorted(i for i in imports if i.split(".")[0] == "tests") for m, imports in graph.items()}
-    assert not {m: i for m, i in from_tests.items() if i}
-    done: set[str] = set()
+    from tests.imports import find_cycle, read_graph
 
-    def visit(module: str, path: list[str]) -> None:
-        assert module not in path, "import cycle: " + " -> ".join([*path[path.index(module) :], module])
-        if module not in done:
-            for imported in sorted(graph[module]):
-                visit(imported, [*path, module])
-            done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
+    graph = read_graph(REPO, "benchmarks")
+    assert "benchmarks.ranks" in graph.edges["benchmarks.run"]  # the graph is read
+    assert {m: "tests" for m, external in graph.external.items() if "tests" in external} == {}
+    assert find_cycle(graph.edges) is None, "import cycle: " + " -> ".join(find_cycle(graph.edges) or [])
 
 
 def test_the_one_timer_times_every_kind_of_function_and_always_restores() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_sharded.checkpoint.async_save import StagingBuffers, _on_cpu
+from lightning_sharded.checkpoint.staging import StagingBuffers, _on_cpu
 from lightning_sharded.tensors import sharded_tensor as sharded_tensor_module
 from lightning_sharded.tensors.sharded_tensor import rank_device
 from tests.distributed.launch import run_ranks

@@ -15,11 +15,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from lightning_sharded.checkpoint.backends.dcp_reader import (
     DirectReader,
-    ReadChecksums,
     _readinto,
     _storage_location,
 )
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.integrity import ReadChecksums
 from tests._pages import resident
 from tests.distributed.launch import run_ranks
 

@@ -334,7 +334,7 @@ def test_what_is_worth_another_try() -> None:
 def test_a_read_the_storage_fails_has_a_load_s_advice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lightning_sharded.checkpoint.load.sharded import load_meta
+    from lightning_sharded.checkpoint.lightning_meta import read_meta
 
     path = tmp_path / "ckpt"
     save(path, 1)
@@ -344,7 +344,7 @@ def test_a_read_the_storage_fails_has_a_load_s_advice(
 
     monkeypatch.setattr(LocalBackend, "torch_load", unreadable)
     with pytest.raises(StorageError) as raised:
-        load_meta(LocalBackend(), path / "meta.pt", True)
+        read_meta(LocalBackend(), path / "meta.pt", True)
     message = str(raised.value)
     assert message.startswith(
         f"Permission denied (EACCES): could not read the Lightning metadata '{path / 'meta.pt'}'"

@@ -204,18 +204,18 @@ def test_verify_checks_the_bytes_the_tools_read(
 ) -> None:
     """consolidate and load_checkpoint checksum the source as they read it (each byte read once, no
     checksum pass first), and a damaged file anywhere fails them, named, before anything is published."""
-    from lightning_sharded.checkpoint.backends import dcp_reader
-    from lightning_sharded.checkpoint.load import checksums
+    from lightning_sharded.checkpoint import integrity
+    from lightning_sharded.checkpoint.backends import dcp_reader, local
     from lightning_sharded.checkpoint.tools import reader
 
     covered: dict[str, int] = {}
-    real = checksums.ranges_checksum
+    real = local.ranges_checksum
 
     def recording(file: Path, size: int, known: list[tuple[int, int, int]]) -> tuple[int, str]:
         covered[Path(file).name] = sum(length for _, length, _ in known)
         return real(file, size, known)
 
-    real_check = checksums.check_found
+    real_check = integrity.check_found
 
     def sizes_only(found: object, *, verify: bool = False, **kwargs: object) -> None:
         assert not verify, "the tool checksummed the files before reading them"
@@ -224,8 +224,8 @@ def test_verify_checks_the_bytes_the_tools_read(
     monkeypatch.setattr(dcp_reader, "_DIRECT_FROM", 1)  # this checkpoint's tensors are small: read directly
     expected_weight = expected(1)["state_dict"]["layer.weight"]
     with monkeypatch.context() as whole:  # a whole checkpoint: no checksum pass before the reads
-        whole.setattr(checksums, "ranges_checksum", recording)
-        whole.setattr(checksums, "check_found", sizes_only)
+        whole.setattr(local, "ranges_checksum", recording)
+        whole.setattr(integrity, "check_found", sizes_only)
         whole.setattr(reader, "check_found", sizes_only)
         assert torch.equal(
             load_checkpoint(sharded_ckpt, verify=True)["state_dict"]["layer.weight"], expected_weight

@@ -14,9 +14,10 @@ from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.backends import ChecksummingWriter
     from lightning_sharded.checkpoint.commit import commit_directory, commit_file, remove_checkpoint, resolve
     from lightning_sharded.checkpoint.detect import read_manifest
+    from lightning_sharded.checkpoint.integrity import check_files
     from lightning_sharded.checkpoint.manifest import Manifest
     from lightning_sharded.checkpoint.names import MANIFEST_NAME
     from lightning_sharded.checkpoint.tools import (
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
         inspect_checkpoint,
         load_checkpoint,
     )
-    from lightning_sharded.checkpoint.verify import VerifyReport, check_files, verify_checkpoint
+    from lightning_sharded.checkpoint.verify import VerifyReport, verify_checkpoint
 
 _LAZY = {
     "MANIFEST_NAME": "lightning_sharded.checkpoint.names",
@@ -41,7 +42,7 @@ _LAZY = {
     "inspect_checkpoint": "lightning_sharded.checkpoint.tools",
     "load_checkpoint": "lightning_sharded.checkpoint.tools",
     "VerifyReport": "lightning_sharded.checkpoint.verify",
-    "check_files": "lightning_sharded.checkpoint.verify",
+    "check_files": "lightning_sharded.checkpoint.integrity",
     "verify_checkpoint": "lightning_sharded.checkpoint.verify",
 }
 

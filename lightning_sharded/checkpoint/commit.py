@@ -39,8 +39,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, location
-from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, leftovers, resolve
+from lightning_sharded.checkpoint.backends import (
+    NO_EXCHANGE_ENV,
+    Backend,
+    Location,
+    absolute,
+    backend_for,
+    leftovers,
+    local_path,
+    location,
+    parent,
+    resolve,
+)
 from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
 from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
 from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault
@@ -69,8 +79,7 @@ WriteFn = Callable[[Any], "Mapping[str, tuple[int, str]] | None"]
 
 
 def _target(path: str | os.PathLike[str] | Location) -> Location:
-    loc = location(path) if not isinstance(path, Path) else path
-    return loc.absolute() if isinstance(loc, Path) else loc
+    return absolute(location(path))
 
 
 def commit_directory(
@@ -83,6 +92,7 @@ def commit_directory(
     frozen: FrozenPart | None = None,
     needed: int | None = None,
     check_space: bool = True,
+    alone: bool = False,
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
@@ -111,6 +121,9 @@ def commit_directory(
             of a full disk, and compared with the free space before anything is written.
         check_space: Refuse the save, before anything is written, when the local filesystem has less
             free space than the estimates and their margin (:func:`~.space.required`).
+        alone: Write in this process only, whatever process group is up (an offline tool's directory:
+            the Hugging Face export). An error of ``write`` that no cause of the storage's is behind is
+            then raised as it is, as :func:`commit_file` does.
 
     Raises:
         StorageError: the storage failed (the message starts with the cause: ``No space left on device
@@ -125,7 +138,7 @@ def commit_directory(
     """
     target = _target(path)
     backend = backend or backend_for(target)
-    where = collective.ranks(group)
+    where = collective.ranks(group, alone=alone)
     rank = where.rank
     started = time.perf_counter()
 
@@ -168,7 +181,7 @@ def commit_directory(
         own_error = err
     if isinstance(own_error, RanksLost):  # a collective inside write failed: the others know it too
         raise _lost_rank(target, "while writing", own_error, backend.place) from own_error
-    near = staging if isinstance(staging, Path) else None
+    near = local_path(staging)  # a local directory the writes were in, for a cause they hid
     report = (entries, None if own_error is None else failures_of(own_error, rank, near))
     try:
         # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
@@ -190,19 +203,12 @@ def commit_directory(
         assert reports is not None
         try:
             t_seal = time.perf_counter()
-            everything = backend.seal(
-                staging, [e for rank_entries, _ in reports for e in rank_entries], written
+            draft = Manifest(
+                files=[], world_size=where.world_size, metadata=dict(metadata or {}), frozen=frozen
             )
+            every = [e for rank_entries, _ in reports for e in rank_entries]
+            manifest = backend.seal(staging, every, written, draft)  # durable, the manifest written
             t_seal = time.perf_counter() - t_seal
-            fault(FaultPoint.BEFORE_MANIFEST, rank)
-            manifest = Manifest(
-                files=everything,
-                world_size=where.world_size,
-                metadata=dict(metadata or {}),
-                **backend.manifest_fields(staging),
-                frozen=frozen,
-            )
-            backend.write_manifest(staging, manifest)
             fault(FaultPoint.BEFORE_PUBLISH, rank)
             t_pub = time.perf_counter()
             publishing = True  # from here on the backend cleans up after its own failures
@@ -242,6 +248,8 @@ def commit_directory(
         raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
     if interrupted is not None:
         raise interrupted
+    if alone and own_error is not None and not any(f.errno for f in report[1] or []):
+        raise own_error  # the write's own error (no cause of the storage's): its own words
     if outcome is not None:
         raise outcome from own_error
 
@@ -252,18 +260,16 @@ def _prepare(
     """Rank 0's step 1: ``(staging, previous version, None, space)``, or ``(None, None, error, space)``."""
     space: Space | None = None
     try:
-        previous = backend.prepare(target, directory=True)
         known = [n for n in needs or [] if n is not None]
-        free = backend.free_space(target) if known else None
+        previous, free = backend.prepare(target, directory=True, measure=bool(known))
         if free is not None:
-            space = Space(sum(known), free, str(_parent(target)))
+            space = Space(sum(known), free, str(parent(target)))
             refused = refusal(target, space, known, backend.place) if check_space else None
             if refused is not None:
                 return None, None, refused, space
         return backend.stage(target, directory=True), previous, None, space
     except Exception as err:
-        near = _parent(target)
-        failure = Failure.of(err, 0, near if isinstance(near, Path) else None)
+        failure = Failure.of(err, 0, local_path(parent(target)))
         if failure.errno is None:  # a refusal (a directory of something else...): its message says it all
             return (
                 None,
@@ -275,10 +281,6 @@ def _prepare(
                 space,
             )
         return None, None, save_failed(target, [failure], stage="prepare", place=backend.place), space
-
-
-def _parent(target: Location) -> Location:
-    return target.parent if isinstance(target, Path) else target
 
 
 def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:
@@ -327,21 +329,21 @@ def commit_file(
     target = _target(path)
     backend = backend or backend_for(target)
     try:
-        backend.prepare(target, directory=False)
+        _, free = backend.prepare(target, directory=False, measure=needed is not None)
         space: Space | None = None
-        free = backend.free_space(target) if needed is not None else None
         if needed is not None and free is not None:
-            space = Space(needed, free, str(_parent(target)))
+            space = Space(needed, free, str(parent(target)))
             refused = refusal(target, space, [needed], backend.place) if check_space else None
             if refused is not None:
                 raise refused
-        staged = backend.stage(target, directory=False)
+        staging = backend.stage(target, directory=False)
     except OSError as err:
         if err.errno is None or isinstance(err, StorageError):  # a refusal: its message says it all
             raise
-        failure = Failure.of(err, 0, _parent(target) if isinstance(target, Path) else None)
+        failure = Failure.of(err, 0, local_path(parent(target)))
         raise save_failed(target, [failure], stage="prepare", place=backend.place) from err
-    assert isinstance(staged, Path)
+    staged = local_path(staging)  # a local file for every backend (an upload follows on object storage)
+    assert staged is not None
     stage = "write"
     try:
         write(staged)

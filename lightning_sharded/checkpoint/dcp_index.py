@@ -2,12 +2,14 @@
 
 :func:`read_index` reads the index once; :func:`index_problems` is the one check of the shard files
 against it (each file it names present and long enough for the pieces it holds), used by loads of
-checkpoints without a manifest and by ``verify``; :func:`read_sharded_layout` finds the model key and
-the optimizers.
+checkpoints without a manifest and by ``verify``; :func:`model_key` is the one answer to where the
+model state is (for loads, the tools, the Hugging Face export and ``load_pretrained``'s sources);
+:func:`read_sharded_layout` finds it and the optimizers for a load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,14 @@ if TYPE_CHECKING:
 
     from lightning_sharded.checkpoint.backends import Backend
 
-__all__ = ["ShardedLayout", "index_problems", "read_index", "read_sharded_layout"]
+__all__ = [
+    "ShardedLayout",
+    "index_problems",
+    "model_key",
+    "read_index",
+    "read_sharded_layout",
+    "top_level_keys",
+]
 
 
 def read_index(backend: Backend, data: Location, *, weights_only: bool | None = False) -> Any:
@@ -88,6 +97,47 @@ def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Prob
     return problems
 
 
+def top_level_keys(metadata: Any) -> set[str]:
+    """The top-level keys of the state a DCP index describes (``"model"``, ``"optimizer_0"``...)."""
+    mapping = getattr(metadata, "planner_data", None) or {}
+    return {
+        str(mapping[key][0]) if key in mapping else key.split(".", 1)[0]
+        for key in metadata.state_dict_metadata
+    }
+
+
+def model_key(tops: Iterable[str], data: Location) -> str:
+    """The top-level key under which the sharded checkpoint at ``data`` keeps its model state.
+
+    The one rule, for every load, tool and export: the model state is under :data:`~.names.MODEL`
+    (``FSDPStrategy``'s key) or :data:`~.names.STATE_DICT` (``ModelParallelStrategy``'s), never both.
+
+    Args:
+        tops: The checkpoint's top-level keys (:func:`top_level_keys`).
+        data: Where its files are, for messages.
+
+    Raises:
+        CheckpointError: it has neither key, or both (no Lightning strategy writes both, so which one is
+            the model's is not known).
+    """
+    tops = set(tops)
+    found = sorted(k for k in names.MODEL_KEYS if k in tops)
+    if not found:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} has no model state: none of the keys"
+            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(tops)}, so it holds no model state"
+            f" a Lightning strategy wrote ({names.MODEL!r} is FSDPStrategy's key, {names.STATE_DICT!r}"
+            " ModelParallelStrategy's)."
+        )
+    if len(found) > 1:
+        raise CheckpointError(
+            f"The sharded checkpoint {str(data)!r} holds model state under both {names.MODEL!r} and"
+            f" {names.STATE_DICT!r}: no Lightning strategy writes both, so which one is the model's is not"
+            " known. Load it with the code that wrote it, or save it again under one of them."
+        )
+    return found[0]
+
+
 @dataclass(frozen=True)
 class ShardedLayout:
     """What a sharded directory's DCP index says it holds.
@@ -118,7 +168,7 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
 
     Args:
         path: the directory (where its files are).
-        backend: its storage; found from ``path`` when ``None``.
+        backend: its storage; ``None``: ``path`` is found by the detector (its backend, where its files are).
 
     Raises:
         CheckpointError: the index cannot be read, a shard file it names is missing or short, it holds
@@ -126,10 +176,13 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_sharded.checkpoint.backends import backend_for, location
+    if backend is None:
+        from lightning_sharded.checkpoint.detect import detect
 
-    data = location(path)
-    backend = backend or backend_for(data)
+        found = detect(path)
+        backend, data = found.backend, found.data
+    else:
+        data = path
     metadata = read_index(backend, data)
     problems = index_problems(backend, data, metadata)
     if problems:
@@ -150,20 +203,9 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
         if isinstance(item, TensorStorageMetadata):
             dtypes[key] = item.properties.dtype
 
-    tops = {key.split(".", 1)[0] for key in entries}
-    model_keys = sorted(k for k in names.MODEL_KEYS if k in tops)
-    if not model_keys:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(data)!r} holds no model state: expected the key {names.MODEL!r}"
-            f" (FSDPStrategy) or {names.STATE_DICT!r} (ModelParallelStrategy), found {sorted(tops)}."
-        )
-    if len(model_keys) > 1:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(data)!r} holds model state under both {names.MODEL!r} and"
-            f" {names.STATE_DICT!r}; it was not written by Lightning and cannot be resumed unambiguously."
-        )
-    model_key = model_keys[0]
-    prefix = model_key + "."
+    tops = top_level_keys(metadata)
+    key = model_key(tops, data)
+    prefix = key + "."
     model_entries = {key[len(prefix) :]: shape for key, shape in entries.items() if key.startswith(prefix)}
     indices = sorted(int(m.group(1)) for top in tops if (m := names.OPTIMIZER_KEY.match(top)))
     if indices != list(range(len(indices))):
@@ -171,4 +213,4 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
             f"The sharded checkpoint {str(data)!r} has optimizer keys"
             f" {[names.optimizer_key(i) for i in indices]} with gaps; expected optimizer_0 ... optimizer_N-1."
         )
-    return ShardedLayout(data, model_key, model_entries, len(indices), entries, dtypes, metadata)
+    return ShardedLayout(data, key, model_entries, len(indices), entries, dtypes, metadata)

@@ -20,8 +20,15 @@ import os
 from pathlib import Path
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location, backend_for, basename, join, location
-from lightning_sharded.checkpoint.backends.local import resolve
+from lightning_sharded.checkpoint.backends import (
+    Location,
+    backend_for,
+    basename,
+    join,
+    local_path,
+    location,
+    resolve,
+)
 
 __all__ = ["output_file"]
 
@@ -58,10 +65,11 @@ def output_file(
     out = location(text)
     if inside:
         out = join(out, basename(location(os.fspath(src))))
-    if isinstance(out, str):
-        _check_url(out, src, real_src, overwrite)
+    on_disk = local_path(out)
+    if on_disk is None:
+        _check_url(str(out), src, real_src, overwrite)
     else:
-        _check_local(out, Path(os.fspath(src)), real_src, overwrite)
+        _check_local(on_disk, Path(os.fspath(src)), real_src, overwrite)
     return out
 
 
@@ -73,7 +81,8 @@ def _same_or_nested(a: Path, b: Path) -> bool:
 
 def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> None:
     """``out``, ``src`` as the user spelled them (relative paths too); messages use those spellings."""
-    sources = {src, Path(real_src)} if isinstance(real_src, Path) else {src}
+    real = local_path(real_src)
+    sources = {src, real} if real is not None else {src}
     for source in sorted(sources, key=str):
         if _same_or_nested(out, source):
             raise ValueError(

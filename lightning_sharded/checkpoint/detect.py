@@ -33,7 +33,6 @@ from lightning_sharded.checkpoint.backends import (
     Location,
     backend_for,
     basename,
-    is_url,
     join,
     location,
     parent,
@@ -127,8 +126,8 @@ def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
         what = _PARTS[name]
     else:
         return None
-    if is_url(folder) and names.DATA_DIR.match(basename(folder)):
-        folder = parent(folder)  # a published version on object storage: its checkpoint is above it
+    if names.DATA_DIR.match(basename(folder)):  # a version (object storage's data-<token>):
+        folder = parent(folder)  # its checkpoint is above it
     return folder, what
 
 
@@ -241,7 +240,7 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
             )
         if not any(names.is_checkpoint_member(n) for n in files):
             _refuse_part(backend, data, shown)
-            unpublished = backend.unpublished(data)
+            unpublished = [d for d in dirs if names.DATA_DIR.match(d)]  # object storage's versions
             if unpublished:
                 raise CheckpointError(
                     f"The checkpoint {shown!r} is not published: it has no manifest {names.MANIFEST_NAME!r},"

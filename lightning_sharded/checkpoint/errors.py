@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CheckpointError", "StorageError", "run_dcp"]
+__all__ = ["CheckpointError", "RanksLost", "StorageError"]
 
 
 class CheckpointError(ValueError):
@@ -31,6 +30,8 @@ class StorageError(CheckpointError, OSError):
             throttling the requests (503 SlowDown)"``); a message that names this error's cause leads
             with it.
         summary: What happened without the advice, for a message that quotes this error.
+        advice: What to do, where the storage that raised it knows better than the errno (an object
+            store's retries); a message that names this error's cause ends with it.
     """
 
     def __init__(
@@ -41,6 +42,7 @@ class StorageError(CheckpointError, OSError):
         *,
         reason: str | None = None,
         summary: str | None = None,
+        advice: str | None = None,
     ) -> None:
         super().__init__(message)
         self.errno = errno
@@ -48,12 +50,21 @@ class StorageError(CheckpointError, OSError):
         self.filename = filename
         self.reason = reason
         self.summary = summary
+        self.advice = advice
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _storage_error, (type(self), str(self), self.errno, self.filename, self.reason, self.summary)
+        return _storage_error, (
+            type(self),
+            str(self),
+            self.errno,
+            self.filename,
+            self.reason,
+            self.summary,
+            self.advice,
+        )
 
 
 def _storage_error(
@@ -63,23 +74,22 @@ def _storage_error(
     filename: str | None,
     reason: str | None,
     summary: str | None,
+    advice: str | None,
 ) -> StorageError:
-    return cls(message, errno, filename, reason=reason, summary=summary)
+    return cls(message, errno, filename, reason=reason, summary=summary, advice=advice)
 
 
-def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
-    """Run a DCP call; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
+class RanksLost(CheckpointError):
+    """A collective of a save or a load failed because other ranks did not reach it (dead, hung, slow).
 
-    The message names every failing rank and its error; when a rank's error was caused by an
-    ``OSError`` (a full disk, a missing file), it starts with that cause and the error is a
-    :class:`StorageError`. ``saving`` picks the advice: a save's (space, permissions) or a load's
-    (files complete and readable).
+    Attributes:
+        ranks: The global ranks that did not reach it (empty when every rank did and the failure came
+            during the collective itself).
     """
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_sharded.checkpoint import failures
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.ranks = ranks
 
-    try:
-        return call()
-    except CheckpointException as ex:
-        raise failures.dcp_failed(ex, what, saving=saving) from None
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.ranks)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import errno as errnos
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
+from lightning_sharded.checkpoint.errors import CheckpointError, RanksLost, StorageError
 from lightning_sharded.checkpoint.progress import MIB, format_size
 
 __all__ = [
@@ -141,6 +142,7 @@ class Failure:
         free: Bytes free on ``filename``'s filesystem when it failed, if measured.
         inferred: Whether ``errno`` was inferred from the free space (torch hid the ``OSError``).
         reason: The cause in words where the errno's text would mislead (a throttling object store).
+        advice: What to do, where the storage knows (the cause's own :attr:`StorageError.advice`).
     """
 
     rank: int
@@ -151,6 +153,7 @@ class Failure:
     free: int | None = None
     inferred: bool = False
     reason: str | None = None
+    advice: str | None = None
 
     @property
     def cause(self) -> str:
@@ -180,6 +183,7 @@ class Failure:
                 _size(filename),
                 free_space(filename) if filename is not None and cause.errno == errnos.ENOSPC else None,
                 reason=getattr(cause, "reason", None),
+                advice=getattr(cause, "advice", None),
             )
         text = _text(err)
         if near is not None and any(marker in str(err) for marker in _TORCH_WRITE_FAILED):
@@ -228,11 +232,9 @@ def failures_of(err: BaseException, rank: int, near: str | os.PathLike[str] | No
     return [Failure.of(err, rank, near)]
 
 
-def _hint(number: int | None, saving: bool, reason: str | None = None) -> str:
-    if reason is not None and reason.startswith("The object store"):
-        from lightning_sharded.checkpoint.backends.retry import ADVICE
-
-        return ADVICE
+def _hint(number: int | None, saving: bool, advice: str | None = None) -> str:
+    if advice is not None:
+        return advice
     uid = getattr(os, "geteuid", lambda: None)()
     user = f" (user id {uid})" if uid is not None else ""
     if saving:
@@ -274,7 +276,7 @@ def _hint(number: int | None, saving: bool, reason: str | None = None) -> str:
 
 def _error(message: str, lead: Failure | None) -> CheckpointError:
     if lead is not None and lead.errno:
-        return StorageError(message, lead.errno, lead.filename, reason=lead.reason)
+        return StorageError(message, lead.errno, lead.filename, reason=lead.reason, advice=lead.advice)
     return CheckpointError(message)
 
 
@@ -326,7 +328,7 @@ def save_failed(
         f.text.startswith(("IsADirectoryError", "NotADirectoryError")) for f in ordered
     ):
         number = errnos.EISDIR  # a refusal of ours: something else put a directory at the path
-    hint = _hint(number, saving=True, reason=lead.reason if lead is not None else None)
+    hint = _hint(number, saving=True, advice=lead.advice if lead is not None else None)
     return _error(f"{head} ({details}).{figures} {hint} {after}", lead)
 
 
@@ -362,7 +364,7 @@ def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError
     if lead is not None and lead.errno:
         head = f"{lead.cause}: {head[0].lower()}{head[1:]}"
     details = "; ".join(f.detail() for f in failures) or repr(ex)
-    hint = _hint(lead.errno if lead else None, saving, lead.reason if lead else None)
+    hint = _hint(lead.errno if lead else None, saving, lead.advice if lead else None)
     error = _error(f"{head} ({details}). {hint}", lead)
     error.rank_failures = failures  # type: ignore[attr-defined]
     return error
@@ -371,13 +373,13 @@ def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError
 def background_failed(path: object, cause: BaseException, rank: int) -> CheckpointError:
     """The error of a background save of ``path`` that failed with ``cause`` on ``rank``: the commit's
     own error (it starts with the cause and names the ranks), said to come from the background."""
-    from lightning_sharded.checkpoint.presence import RanksLost
-
     where = f"The background save of the checkpoint {str(path)!r} failed"
     if isinstance(cause, RanksLost):
         return RanksLost(f"{cause} ({where}.)", cause.ranks)
     if isinstance(cause, StorageError):
-        return StorageError(f"{cause} ({where}.)", cause.errno, cause.filename, reason=cause.reason)
+        return StorageError(
+            f"{cause} ({where}.)", cause.errno, cause.filename, reason=cause.reason, advice=cause.advice
+        )
     if isinstance(cause, CheckpointError):
         return CheckpointError(f"{cause} ({where}.)")
     failure = Failure.of(cause, rank)
@@ -388,3 +390,19 @@ def background_failed(path: object, cause: BaseException, rank: int) -> Checkpoi
     if failure.errno:
         return StorageError(f"{label(failure.errno)}: {message}", failure.errno, failure.filename)
     return CheckpointError(message)
+
+
+def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
+    """Run a DCP call; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
+
+    The message names every failing rank and its error; when a rank's error was caused by an
+    ``OSError`` (a full disk, a missing file), it starts with that cause and the error is a
+    :class:`StorageError`. ``saving`` picks the advice: a save's (space, permissions) or a load's
+    (files complete and readable).
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return call()
+    except CheckpointException as ex:
+        raise dcp_failed(ex, what, saving=saving) from None

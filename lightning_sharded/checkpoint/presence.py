@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import RanksLost
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -41,22 +41,6 @@ GRACE_S = 1.0
 #: waiting as soon as every rank that came has given up.
 LINGER_S = 3.0
 _PREFIX = "lightning_sharded/reached"
-
-
-class RanksLost(CheckpointError):
-    """A collective of a save or a load failed because other ranks did not reach it (dead, hung, slow).
-
-    Attributes:
-        ranks: The global ranks that did not reach it (empty when every rank did and the failure came
-            during the collective itself).
-    """
-
-    def __init__(self, message: str, ranks: list[int]) -> None:
-        super().__init__(message)
-        self.ranks = ranks
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return type(self), (str(self), self.ranks)
 
 
 @dataclass

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from lightning_sharded.checkpoint import collective, names
-from lightning_sharded.checkpoint.backends import Location, backend_for, join
+from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 __all__ = [
@@ -193,8 +194,7 @@ class RankRestore:
     saved_world_size: int | None = None
 
 
-def _read(loc: Location, rank: int, weights_only: bool | None) -> dict[str, Any]:
-    backend = backend_for(loc)
+def _read(backend: Backend, loc: Location, rank: int, weights_only: bool | None) -> dict[str, Any]:
     try:
         state = backend.torch_load(loc, map_location="cpu", weights_only=weights_only)
     except Exception as ex:
@@ -281,7 +281,7 @@ def _shape(entry: Any) -> tuple[int, bool] | None:
 
 def restore(
     metadata: dict[str, Any],
-    data: Location,
+    found: Found,
     *,
     rank: int,
     world_size: int,
@@ -300,7 +300,8 @@ def restore(
 
     Args:
         metadata: The Lightning checkpoint without model and optimizer states (``Restored.metadata``).
-        data: Where the checkpoint's files are (``Restored.data``): a sharded directory or a full file.
+        found: The checkpoint loaded (``Restored.found``): a sharded directory's per-rank files are read
+            through its backend.
         rank: This process's global rank.
         world_size: The number of ranks now.
         weights_only: ``torch.load``'s, as ``fit()`` was given it, for the per-rank files.
@@ -310,6 +311,10 @@ def restore(
         CheckpointError: a per-rank file cannot be read, or holds another rank's state; on every rank.
     """
     entry = metadata.pop(names.RANK_STATE_KEY, None)
+
+    def file_of(r: int) -> Location:
+        return join(found.data, names.rank_state_file(r))
+
     shape = collective.decide(lambda: _shape(entry))
     if shape is None:
         return RankRestore()
@@ -321,7 +326,7 @@ def restore(
             # the next collective (every rank holds the same entries, so they normally agree anyway).
             own = collective.agree(lambda: _own_entry(states, rank, path))
         else:
-            own = collective.agree(lambda: _read(join(data, names.rank_state_file(rank)), rank, weights_only))
+            own = collective.agree(lambda: _read(found.backend, file_of(rank), rank, weights_only))
         set_loader_state(metadata, own.get(LOADER))
         return RankRestore(
             rng=own[RNG],
@@ -334,7 +339,7 @@ def restore(
     def every_rank() -> _Shared:  # a full file: rank 0's copy; a directory: rank 0 reads every file
         if full:
             return _shared([_own_entry(states, r, path) for r in range(saved)])
-        return _shared([_read(join(data, names.rank_state_file(r)), r, weights_only) for r in range(saved)])
+        return _shared([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
 
     shared = collective.decide(every_rank)
     what = (

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sharded.checkpoint import collective, names, space
-from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
+from lightning_sharded.checkpoint import collective, commit, names, space
+from lightning_sharded.checkpoint.backends import Location, backend_for, join, location, without_torch_crc32
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
-from lightning_sharded.checkpoint.errors import run_dcp
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.manifest import FrozenPart
 
 if TYPE_CHECKING:
@@ -83,8 +83,6 @@ def write_sharded_checkpoint(
             time); the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
-
-    from lightning_sharded.checkpoint.backends.dcp_writer import without_torch_crc32
 
     target = location(path)
     backend = backend_for(target)
@@ -216,6 +214,5 @@ def remove_checkpoint(path: Location | str | os.PathLike[str], *, rank: int) -> 
     """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
     if rank != 0:
         return
-    target = location(path)
     with contextlib.suppress(FileNotFoundError):
-        backend_for(target).remove(target.absolute() if not isinstance(target, str) else target)
+        commit.remove_checkpoint(path)

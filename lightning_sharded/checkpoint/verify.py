@@ -1,46 +1,31 @@
-"""Checks of checkpoint files: presence and sizes on every load, checksums on request.
+"""``verify_checkpoint``: everything that can be checked of a checkpoint, in one process.
 
-- :func:`check_found` (collective when a process group is up): a sharded checkpoint against its
-  manifest before a load; presence and sizes always (rank 0: one listing; every other rank: its own
-  files), checksums with ``verify=True``,
-  each file read by one rank only (the files are split across the ranks by size) and the findings
-  gathered, so every rank raises the same error or none does. Without a manifest, the shard files
-  are checked against the DCP index.
-- :func:`verify_checkpoint` (one process): everything that can be checked at a path, checksums
-  included; for a sharded directory without a manifest (stock Lightning), what can be checked
-  without one (``.metadata`` reads, every file it references is there and long enough); for a full
-  file, the CRC-32 that ``torch.save`` stores for every record of its zip archive. It also checks,
-  without unpickling anything, that every pickle of the checkpoint holds only what a safe load
-  allows (:mod:`~lightning_sharded.checkpoint.pickles`).
+For a sharded directory with a manifest, every file's presence, size and checksum
+(:func:`~lightning_sharded.checkpoint.integrity.find_problems`); without a manifest (stock Lightning),
+what can be checked without one (``.metadata`` reads, every file it references is there and long
+enough); for a full file, the CRC-32 that ``torch.save`` stores for every record of its zip archive;
+for Hugging Face weights, their headers and sizes. It also checks, without unpickling anything, that
+every pickle of the checkpoint holds only what a safe load allows
+(:mod:`~lightning_sharded.checkpoint.pickles`). The checks a load runs are in
+:mod:`~lightning_sharded.checkpoint.integrity`.
 
-Both raise :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
+It raises :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import os
 import time
 import zipfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from lightning_sharded.checkpoint import collective, hf_layout, names, unpickling
-from lightning_sharded.checkpoint.backends import (
-    Backend,
-    Location,
-    backend_for,
-    basename,
-    is_url,
-    join,
-    location,
-)
-from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
-from lightning_sharded.checkpoint.detect import CheckpointKind, Found, checkpoint_files, detect
+from lightning_sharded.checkpoint import hf_layout, names, unpickling
+from lightning_sharded.checkpoint.backends import Backend, Location, basename, local_path, location
+from lightning_sharded.checkpoint.dcp_index import index_problems, model_key, read_index, top_level_keys
+from lightning_sharded.checkpoint.detect import CheckpointKind, checkpoint_files, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.integrity import find_problems
 from lightning_sharded.checkpoint.pickles import check_pickles
 from lightning_sharded.checkpoint.problems import Problem, damaged
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
@@ -50,21 +35,7 @@ log = logging.getLogger(__name__)
 #: Bytes read at a time from a full file's records.
 _CHUNK = 8 << 20
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-__all__ = [
-    "Problem",
-    "VerifyReport",
-    "check_files",
-    "check_found",
-    "checksum_problem",
-    "find_problems",
-    "raise_agreed",
-    "size_problem",
-    "split_by_size",
-    "verify_checkpoint",
-]
+__all__ = ["VerifyReport", "verify_checkpoint"]
 
 
 @dataclass
@@ -87,219 +58,6 @@ class VerifyReport:
     bytes: int = 0
     has_manifest: bool = False
     notes: list[str] = field(default_factory=list)
-
-
-def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Problem | None:
-    """The problem of a file whose computed ``checksum`` differs from its manifest entry, or ``None``."""
-    if checksum == entry.checksum:
-        return None
-    return Problem(
-        entry.path,
-        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says {entry.checksum}",
-        entry.rank,
-    )
-
-
-def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
-    present = backend.list_files(data)
-    found = (
-        (
-            entry,
-            present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path),
-        )
-        for entry in manifest.files
-    )
-    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
-
-
-def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
-    """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
-    checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
-    files each (rank 0 checks every file with one listing)."""
-    found = (
-        (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
-    )
-    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
-
-
-def size_problem(entry: FileEntry, found: int | None) -> Problem | None:
-    """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
-    if found is None:
-        return Problem(entry.path, "is missing", entry.rank)
-    if found != entry.size:
-        how = "truncated" if found < entry.size else "longer than written"
-        return Problem(
-            entry.path,
-            f"is {how}: {found} bytes, the manifest says {entry.size}",
-            entry.rank,
-            found,
-            entry.size,
-        )
-    return None
-
-
-def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
-    try:
-        return backend.size(join(base, rel))
-    except FileNotFoundError:
-        return None
-
-
-def _checksum_problems(
-    backend: Backend,
-    data: Location,
-    manifest: Manifest,
-    entries: list[FileEntry],
-    on_bytes: Callable[[int], None] | None = None,
-) -> list[Problem]:
-    problems = []
-    for entry in entries:
-        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
-        if problem is not None:
-            problems.append(problem)
-        if on_bytes is not None:  # a progress bar, file by file
-            on_bytes(entry.size)
-    return problems
-
-
-def find_problems(
-    path: str | os.PathLike[str],
-    manifest: Manifest,
-    *,
-    checksums: bool,
-    on_bytes: Callable[[int], None] | None = None,
-) -> list[Problem]:
-    """Every file of ``manifest`` that is missing, has another size or (with ``checksums``) other bytes.
-
-    ``on_bytes`` is called with the size of each file once it is checksummed (a progress bar).
-    """
-    data = location(path)
-    backend = backend_for(data)
-    problems = _size_problems(backend, data, manifest)
-    if checksums:
-        bad = {p.path for p in problems}
-        problems += _checksum_problems(
-            backend, data, manifest, [e for e in manifest.files if e.path not in bad], on_bytes
-        )
-    return problems
-
-
-def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
-    """``entries`` in ``parts`` lists of about equal bytes (largest first to the least loaded); the same
-    split on every rank."""
-    split: list[list[FileEntry]] = [[] for _ in range(parts)]
-    loads = [(0, i) for i in range(parts)]  # a heap of (bytes so far, part): the least loaded first
-    for entry in sorted(entries, key=lambda e: (-e.size, e.path)):
-        load, least = heapq.heappop(loads)
-        split[least].append(entry)
-        heapq.heappush(loads, (load + entry.size, least))
-    return split
-
-
-def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
-    """Check a sharded directory against its manifest before loading it, in this process.
-
-    Args:
-        path: The sharded checkpoint directory (where its files are).
-        manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
-        verify: Also compare every file's checksum (reads every byte).
-
-    Raises:
-        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
-            names the first one, its rank and the others.
-    """
-    if manifest is None:
-        return
-    error = damaged(location(path), find_problems(path, manifest, checksums=verify))
-    if error is not None:
-        raise error
-
-
-def check_found(
-    found: Found,
-    *,
-    verify: bool = False,
-    group: ProcessGroup | None = None,
-    alone: bool = False,
-    weights_only: bool | None = False,
-) -> None:
-    """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
-
-    With a manifest: rank 0 checks presence and sizes of every file (one listing), every other rank
-    those of the files it wrote (one ``stat`` each), so no rank does work that grows with the number of
-    ranks; with ``verify`` each file's checksum is computed by one rank only. Without one: the shard
-    files against the DCP index (rank 0). The findings of all ranks are gathered, so every rank raises
-    the same error, or none does. With
-    ``alone`` it runs in this process only (the single-process tools), whatever process group is up.
-    ``weights_only`` is how a checkpoint without a manifest has its ``.metadata`` read
-    (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
-    resume reads it; ``True`` / ``None`` (the tools) safely.
-
-    Raises:
-        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
-            names the first one, its rank and the others.
-    """
-    where = collective.ranks(group, alone=alone)
-    backend, data, manifest = found.backend, found.data, found.manifest
-    try:
-        if manifest is None:
-            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
-            mine = index_problems(backend, data, index) if index is not None else []
-        elif where.rank == 0:
-            mine = _size_problems(backend, data, manifest)
-        else:
-            mine = _own_size_problems(backend, data, manifest, where.rank)
-        if manifest is not None and verify:
-            bad = {p.path for p in mine}
-            share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
-            mine += _checksum_problems(backend, data, manifest, share[where.rank])
-        report: tuple[list[Problem], str | None] = (mine, None)
-    except CheckpointError as err:
-        report = ([], str(err))
-    raise_agreed(report, where, data, manifest)
-
-
-def raise_agreed(
-    report: tuple[list[Problem], str | None],
-    where: collective.Ranks,
-    data: Location,
-    manifest: Manifest | None,
-    then: str = "",
-) -> None:
-    """Gather every rank's ``(problems, error message)`` about checkpoint ``data`` and raise the same
-    :class:`~lightning_sharded.CheckpointError` on every rank (the first error, else every problem
-    found, in manifest order, with ``then`` after the message), or return on every rank. Collective."""
-    reports = collective.all_gather(report, where)
-    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
-    if errors:
-        rank, message = errors[0]
-        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
-    order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
-    seen: dict[tuple[str, str], Problem] = {}
-    seen_by: dict[tuple[str, str], list[int]] = {}
-    for r, (problems, _) in enumerate(reports):
-        for problem in problems:
-            seen.setdefault((problem.path, problem.what), problem)
-            seen_by.setdefault((problem.path, problem.what), []).append(r)
-    merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
-    error = damaged(data, merged, then)
-    if error is None:
-        return
-    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
-    # one of them saw a problem.
-    writer = {e.path: e.rank for e in manifest.files} if manifest is not None else {}
-
-    def checkers(path: str) -> set[int]:
-        return {r for r in (0, writer.get(path, 0)) if r < where.world_size}
-
-    size_problems = {key: set(rs) for key, rs in seen_by.items() if "corrupted" not in key[1]}
-    partial = sorted({r for rs in size_problems.values() for r in rs})
-    if partial and any(not checkers(key[0]) <= rs for key, rs in size_problems.items()):
-        shown = ", ".join(map(str, partial))
-        raise CheckpointError(
-            f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
-        )
-    raise error
 
 
 def _full_file_problems(backend: Backend, file: Location, progress: bool | None) -> list[Problem]:
@@ -333,6 +91,17 @@ def _full_file_problems(backend: Backend, file: Location, progress: bool | None)
             )
         ]
     return []
+
+
+def _check_model_key(backend: Backend, data: Location) -> None:
+    """The model state under one of the model keys, as every load and tool needs it
+    (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`); read safely, so an index that holds a
+    refused type (noted by the pickle check, with the flag) is not checked."""
+    try:
+        index = read_index(backend, data, weights_only=True)
+    except unpickling.RefusedPickleError:
+        return
+    model_key(top_level_keys(index), data)
 
 
 def _raise(path: Location, problems: list[Problem]) -> None:
@@ -410,7 +179,7 @@ def verify_checkpoint(
         )
     else:
         with progress_bar(manifest.total_size, progress, f"verifying {basename(real)}") as tick:
-            problems = find_problems(real, manifest, checksums=True, on_bytes=tick)
+            problems = find_problems(backend, real, manifest, checksums=True, on_bytes=tick)
         if not weights and names.DCP_METADATA not in {e.path for e in manifest.files}:
             problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
         seen = {p.path for p in problems}
@@ -418,7 +187,8 @@ def verify_checkpoint(
         report.has_manifest = True
         if manifest.frozen is not None:
             source = manifest.frozen.source
-            gone = "" if is_url(source) or os.path.exists(source) else ", which does not exist"
+            on_disk = local_path(location(source))  # a URL is not looked up offline
+            gone = ", which does not exist" if on_disk is not None and not os.path.exists(on_disk) else ""
             report.notes.append(
                 f"trainable only: {len(manifest.frozen.keys)} frozen parameter(s) are not in this checkpoint;"
                 f" a load reads them from {source}{gone} (not checked here)"
@@ -427,6 +197,8 @@ def verify_checkpoint(
     report.files, report.bytes = len(files), sum(files.values())
     if not weights:  # safetensors holds no pickle
         report.notes += check_pickles(backend, real, found.kind, weights_only)
+    if found.kind is CheckpointKind.SHARDED:
+        _check_model_key(backend, real)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
         real,

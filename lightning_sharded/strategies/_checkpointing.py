@@ -25,8 +25,9 @@ from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
-from lightning_sharded.checkpoint.backends import Location, location
-from lightning_sharded.checkpoint.load.checksums import VerifyMode, verify_mode
+from lightning_sharded.checkpoint.backends import Location, basename, location
+from lightning_sharded.checkpoint.detect import Found
+from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
 from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._partial import PartialCheckpoints
@@ -258,7 +259,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             )
         path = location(self.broadcast(filepath))
         start = time.perf_counter()
-        hpc = not isinstance(path, str) and path.name.startswith(_HPC_PREFIX)
+        hpc = basename(path).startswith(_HPC_PREFIX)
         with self._bounded():
             rank_files = self._add_rank_state(checkpoint)
         frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
@@ -365,9 +366,8 @@ class ShardedCheckpointing(PartialCheckpoints):
         if not fitting or RANK_STATE in exclude:
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
-            assert restored.data is not None
             with self._bounded():
-                what += self._restore_rank_state(metadata, restored.data, weights_only, str(path))
+                what += self._restore_rank_state(metadata, restored.found, weights_only, str(path))
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
         if exclude:
             left_out = drop_parts(metadata, exclude, str(path))
@@ -375,7 +375,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         return metadata
 
     def _restore_rank_state(
-        self, metadata: dict[str, Any], data: Location, weights_only: bool | None, path: str
+        self, metadata: dict[str, Any], found: Found, weights_only: bool | None, path: str
     ) -> str:
         """The one entry point of a resume's per-rank state (collective): take it out of ``metadata``.
 
@@ -385,7 +385,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         """
         rank, world_size = self.global_rank, self.world_size
         outcome = rank_state.restore(
-            metadata, data, rank=rank, world_size=world_size, weights_only=weights_only, path=path
+            metadata, found, rank=rank, world_size=world_size, weights_only=weights_only, path=path
         )
         module = self.lightning_module
         assert module is not None

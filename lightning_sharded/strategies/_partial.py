@@ -20,10 +20,10 @@ from typing_extensions import override
 
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective, load
-from lightning_sharded.checkpoint.backends import Location, is_url, location
+from lightning_sharded.checkpoint.backends import Location, absolute, local_path, location
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
-from lightning_sharded.checkpoint.load.checksums import VerifyMode
 from lightning_sharded.checkpoint.load.parts import check_parts
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
@@ -41,8 +41,7 @@ def _as_location(path: PathLike | None) -> str | None:
     """A local path made absolute (so a checkpoint names it wherever it is read from), a URL as is."""
     if path is None:
         return None
-    loc = location(path)
-    return loc if isinstance(loc, str) else str(loc.absolute())
+    return str(absolute(location(path)))
 
 
 class PartialCheckpoints(ParallelStrategy):
@@ -220,7 +219,8 @@ def _check_source(frozen: FrozenPart, shapes: dict[str, tuple[int, ...] | None])
             f" `frozen_prefix={prefix!r}`, so they cannot come from {frozen.source!r}. Freeze only weights"
             " loaded from the frozen source, or set `frozen_prefix` to what their keys start with."
         )
-    if not is_url(frozen.source) and not os.path.exists(frozen.source):
+    on_disk = local_path(location(frozen.source))  # a URL is looked up by list_source below
+    if on_disk is not None and not on_disk.exists():
         raise FileNotFoundError(
             f"`save_trainable_only`: the frozen source {frozen.source!r} does not exist. Name the weights the"
             " frozen parameters were loaded from with `frozen_source=`."

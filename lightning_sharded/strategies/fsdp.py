@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.load.checksums import VerifyMode
+from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.strategies._checkpointing import (
     DEFAULT_CHECKPOINT_TIMEOUT,

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.load.checksums import VerifyMode
+from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
     DEFAULT_CHECKPOINT_TIMEOUT,

@@ -11,19 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_sharded.tensors.base import ShardedAdapter
+from lightning_sharded.tensors.base import ShardedAdapter, adapter_for, register
 from lightning_sharded.tensors.dtensor import DTensorAdapter
 from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter
 
-ADAPTERS: tuple[ShardedAdapter, ...] = (DTensorAdapter(), ShardedTensorAdapter())
-
-
-def adapter_for(value: Any) -> ShardedAdapter | None:
-    """The adapter whose kind ``value`` is, or ``None`` for anything that is not sharded."""
-    for adapter in ADAPTERS:
-        if adapter.is_sharded(value):
-            return adapter
-    return None
+ADAPTERS: tuple[ShardedAdapter, ...] = register(DTensorAdapter(), ShardedTensorAdapter())
 
 
 def is_sharded(value: Any) -> bool:

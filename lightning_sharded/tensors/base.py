@@ -65,10 +65,27 @@ class ShardedAdapter(Protocol):
         ...
 
 
+#: The adapters of every kind, in the order they are asked; the package registers them
+#: (``lightning_sharded.tensors.ADAPTERS``), so an adapter can find another kind's without importing it.
+KINDS: list[ShardedAdapter] = []
+
+
+def register(*adapters: ShardedAdapter) -> tuple[ShardedAdapter, ...]:
+    """Add ``adapters`` to :data:`KINDS` (once each); returns every registered adapter."""
+    KINDS.extend(a for a in adapters if a not in KINDS)
+    return tuple(KINDS)
+
+
+def adapter_for(value: Any) -> ShardedAdapter | None:
+    """The adapter whose kind ``value`` is, or ``None`` for anything that is not sharded."""
+    for adapter in KINDS:
+        if adapter.is_sharded(value):
+            return adapter
+    return None
+
+
 def full_if_sharded(source: Any) -> torch.Tensor:
     """``source`` as a global tensor: gathered if it is sharded (of any kind), as it is otherwise."""
-    from lightning_sharded.tensors import adapter_for
-
     adapter = adapter_for(source)
     if adapter is not None:
         return adapter.to_full(source)

@@ -127,21 +127,22 @@ def test_verify_checks_the_checksums_from_the_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: object
 ) -> None:
     """Both modes read each byte once on local files: no checksum pass before the load."""
-    from lightning_sharded.checkpoint.load import checksums
+    from lightning_sharded.checkpoint import integrity
+    from lightning_sharded.checkpoint.backends import local
 
     torch.manual_seed(0)
     model, optimizer = _wide()
     path = tmp_path / "ckpt"
     _save(path, model, optimizer, sharded=True)
     seen: dict[str, tuple[int, int]] = {}
-    real = checksums.ranges_checksum
+    real = local.ranges_checksum
 
     def recording(file: Path, size: int, known: list[tuple[int, int, int]]) -> tuple[int, str]:
         seen[Path(file).name] = (size, sum(length for _, length, _ in known))
         return real(file, size, known)
 
-    monkeypatch.setattr(checksums, "ranges_checksum", recording)
-    monkeypatch.setattr(checksums, "check_found", _no_checksums(checksums.check_found))
+    monkeypatch.setattr(local, "ranges_checksum", recording)
+    monkeypatch.setattr(integrity, "check_found", _no_checksums(integrity.check_found))
     monkeypatch.setattr(load, "check_found", _no_checksums(load.check_found))
     fresh, fresh_optimizer = _load_wide(path, mode)
     expected, actual = model.state_dict(), fresh.state_dict()

@@ -14,6 +14,13 @@ import torch
 
 from lightning_sharded import CheckpointError, ShardedFSDPStrategy, ShardedModelParallelStrategy
 from lightning_sharded.checkpoint import names, rank_state
+from lightning_sharded.checkpoint.backends import LocalBackend
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found
+
+
+def found_at(path: Path) -> Found:
+    """What a load found at ``path`` (a local directory or file), as ``Restored.found`` gives it."""
+    return Found(path, path, CheckpointKind.SHARDED, LocalBackend(), None)
 
 
 def draws() -> tuple[list[float], float, list[float]]:
@@ -61,7 +68,9 @@ def test_collect_takes_this_ranks_loader_state() -> None:
 def test_restore_at_the_same_world_size_gives_back_the_state() -> None:
     metadata = loop_checkpoint([{"pos": 0}])  # as Lightning wrote it: rank 0's
     metadata[names.RANK_STATE_KEY] = full_entry([[{"pos": 5}]])
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert names.RANK_STATE_KEY not in metadata
     assert rank_state.loader_state(metadata) == [{"pos": 5}]
     assert outcome.warning is None and outcome.saved_world_size == 1
@@ -71,7 +80,9 @@ def test_restore_at_the_same_world_size_gives_back_the_state() -> None:
 def test_restore_at_another_world_size_warns_and_keeps_a_loader_state_all_ranks_share() -> None:
     metadata = loop_checkpoint([{"pos": 4}])
     metadata[names.RANK_STATE_KEY] = full_entry([[{"pos": 4}], [{"pos": 4}]])
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert outcome.rng is None
     assert rank_state.loader_state(metadata) == [{"pos": 4}]
     assert outcome.warning == (
@@ -88,7 +99,9 @@ def test_restore_at_another_world_size_drops_loader_states_that_differ() -> None
     metadata[names.RANK_STATE_KEY] = full_entry(
         [[{"pos": 4, "perm": torch.tensor([1, 0])}], [{"pos": 4, "perm": torch.tensor([0, 1])}]]
     )
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert rank_state.loader_state(metadata) is None
     assert outcome.rng is None and outcome.warning is not None
     assert outcome.warning.endswith(
@@ -101,7 +114,9 @@ def test_restore_at_another_world_size_drops_loader_states_that_differ() -> None
 def test_a_checkpoint_without_rank_state_is_left_as_it_is() -> None:
     metadata = loop_checkpoint([{"pos": 2}])
     before = copy.deepcopy(metadata)
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=2, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=2, weights_only=True, path="x"
+    )
     assert outcome == rank_state.RankRestore() and metadata == before
 
 
@@ -109,7 +124,7 @@ def test_a_missing_rank_file_names_it(tmp_path: Path) -> None:
     metadata = loop_checkpoint(None)
     metadata[names.RANK_STATE_KEY] = rank_state.marker(1)
     with pytest.raises(CheckpointError) as err:
-        rank_state.restore(metadata, tmp_path, rank=0, world_size=1, weights_only=True, path="ckpt")
+        rank_state.restore(metadata, found_at(tmp_path), rank=0, world_size=1, weights_only=True, path="ckpt")
     where = str(tmp_path / "rank_state" / "rank-00000.pt")
     assert str(err.value).startswith(
         f"Could not read the per-rank state {where!r} of rank 0: FileNotFoundError"
@@ -122,7 +137,7 @@ def test_a_file_of_another_rank_is_refused(tmp_path: Path) -> None:
     (tmp_path / names.rank_state_file(0)).write_bytes(rank_state.to_bytes(state))
     metadata: dict[str, Any] = {names.RANK_STATE_KEY: rank_state.marker(1)}
     with pytest.raises(CheckpointError, match=r"is not rank 0's state written by lightning_sharded"):
-        rank_state.restore(metadata, tmp_path, rank=0, world_size=1, weights_only=True, path="ckpt")
+        rank_state.restore(metadata, found_at(tmp_path), rank=0, world_size=1, weights_only=True, path="ckpt")
 
 
 @pytest.mark.parametrize("cls", [ShardedFSDPStrategy, ShardedModelParallelStrategy])
@@ -161,7 +176,9 @@ def test_restore_at_the_same_world_size_gives_back_generators_and_registered_sta
     gen = [{"generator": torch.Generator().manual_seed(4).get_state()}]
     metadata = loop_checkpoint(None)
     metadata[names.RANK_STATE_KEY] = entries_with([None], [gen], [{"curriculum": {"level": 3}}])
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert outcome.registered == {"curriculum": {"level": 3}} and outcome.registered_saved == ("curriculum",)
     assert outcome.generators is not None and torch.equal(
         outcome.generators[0]["generator"], gen[0]["generator"]
@@ -177,7 +194,9 @@ def test_another_world_size_restores_what_every_saved_rank_had_alike_and_names_t
         [same_gen, same_gen],
         [{"mix": {"w": 0.5}, "rng": {"s": 1}}, {"mix": {"w": 0.5}, "rng": {"s": 2}}],
     )
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert outcome.rng is None and outcome.registered == {"mix": {"w": 0.5}}
     assert outcome.generators is not None and torch.equal(
         outcome.generators[0]["generator"], same_gen[0]["generator"]
@@ -195,7 +214,9 @@ def test_generators_that_differ_between_saved_ranks_drop_the_loader_state_at_ano
     gens = [[{"generator": torch.Generator().manual_seed(1000 + r).get_state()}] for r in range(2)]
     metadata = loop_checkpoint(None)  # a plain DataLoader: no loader state, only its generator
     metadata[names.RANK_STATE_KEY] = entries_with([None, None], gens, [{}, {}])
-    outcome = rank_state.restore(metadata, Path("x.ckpt"), rank=0, world_size=1, weights_only=True, path="x")
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=0, world_size=1, weights_only=True, path="x"
+    )
     assert outcome.generators is None and outcome.registered == {}
     assert (
         outcome.warning is not None

@@ -35,8 +35,8 @@ from torch import nn
 from lightning_sharded.checkpoint import load, names, rank_state, save
 from lightning_sharded.checkpoint.backends import local
 from lightning_sharded.checkpoint.detect import detect
+from lightning_sharded.checkpoint.integrity import check_found
 from lightning_sharded.checkpoint.load import sharded
-from lightning_sharded.checkpoint.verify import check_found
 
 
 def full_gathers() -> dict[str, list[Any]]:
@@ -72,7 +72,7 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from lightning_sharded.checkpoint.load import checksums
+    from lightning_sharded.checkpoint import integrity
 
     mesh = init_device_mesh("cpu", (2,))
 
@@ -87,7 +87,7 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
     save.write_sharded_checkpoint(ckpt, {"model": saved.state_dict()}, {"global_step": 4}, rank=rank)
     covered: dict[str, int] = {}
     completed: list[str] = []
-    real_check, real_ranges = checksums.ReadVerification.check, checksums.ranges_checksum
+    real_check, real_ranges = integrity.ReadVerification.check, local.ranges_checksum
 
     def recording_check(self: Any) -> None:
         covered.update(self.checksums.covered())
@@ -97,8 +97,8 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
         completed.append(Path(file).name)
         return real_ranges(file, size, known)
 
-    checksums.ReadVerification.check = recording_check  # type: ignore[method-assign]
-    checksums.ranges_checksum = recording_ranges  # type: ignore[assignment]
+    integrity.ReadVerification.check = recording_check  # type: ignore[method-assign]
+    local.ranges_checksum = recording_ranges  # type: ignore[assignment]
     for name in ("during", "during-damaged", "before-damaged"):
         if name == "during-damaged" and rank == 1:
             with open(ckpt / "__1_0.distcp", "r+b") as f:  # the middle of rank 1's shard: its tensor's bytes
@@ -123,8 +123,8 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
         results[name]["equal"] = bool(torch.equal(weight.to_local(), saved.weight.to_local()))  # type: ignore[union-attr]
         results[name]["unchanged"] = bool(torch.equal(weight.to_local(), module(1).weight.to_local()))  # type: ignore[union-attr]
         dist.barrier()
-    checksums.ReadVerification.check = real_check  # type: ignore[method-assign]
-    checksums.ranges_checksum = real_ranges  # type: ignore[assignment]
+    integrity.ReadVerification.check = real_check  # type: ignore[method-assign]
+    local.ranges_checksum = real_ranges  # type: ignore[assignment]
 
 
 def main(out: Path) -> None:
@@ -224,7 +224,9 @@ def main(out: Path) -> None:
     entries[1]["rank"] = 0  # rank 1's entry is not its own; rank 0's is fine
     metadata = {names.RANK_STATE_KEY: {"format": rank_state.FORMAT, "world_size": 2, "ranks": entries}}
     try:
-        rank_state.restore(metadata, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt")
+        rank_state.restore(
+            metadata, detect(full), rank=rank, world_size=2, weights_only=True, path="full.ckpt"
+        )
         results["rank-state"] = {"type": None}
     except Exception as err:
         results["rank-state"] = {"type": type(err).__name__, "message": str(err)}
@@ -234,7 +236,12 @@ def main(out: Path) -> None:
     seen = {"format": rank_state.FORMAT, "world_size": 2 if rank == 0 else 1, "ranks": entries}
     try:
         outcome = rank_state.restore(
-            {names.RANK_STATE_KEY: seen}, full, rank=rank, world_size=2, weights_only=True, path="full.ckpt"
+            {names.RANK_STATE_KEY: seen},
+            detect(full),
+            rank=rank,
+            world_size=2,
+            weights_only=True,
+            path="full.ckpt",
         )
         results["rank-state-world"] = {"warning": outcome.warning, "rng": outcome.rng is not None}
     except Exception as err:

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from lightning_sharded.checkpoint.async_save import StagingBuffers  # noqa: E402
+from lightning_sharded.checkpoint.staging import StagingBuffers  # noqa: E402
 from lightning_sharded.tensors import to_full  # noqa: E402
 from lightning_sharded.tensors.dtensor import DTensorAdapter, local_part  # noqa: E402
 from lightning_sharded.tensors.sharded_tensor import rank_device  # noqa: E402

@@ -1,44 +1,56 @@
 """Where checkpoint bytes live: one :class:`Backend` protocol, a local and an object-store implementation.
 
 :func:`backend_for` is the one place that tells a local path from an fsspec URL (``s3://bucket/key``,
-``memory://...``); everything above it asks the backend it returns. A *location* is either a
-:class:`pathlib.Path` (local) or a ``str`` URL; :func:`location` never turns a URL into a ``Path``
-(``Path("s3://b/k")`` is ``s3:/b/k``, the bug stock Lightning has for sharded checkpoints).
-
-The protocol's methods come in the order a load and a save use them: what is at a location and
-where the published version's files are (:meth:`Backend.locate`, with the recovery rules of an
-interrupted save), reading files, then the steps of a commit (:meth:`Backend.prepare`,
-:meth:`Backend.stage`, :meth:`Backend.dcp_writer`, :meth:`Backend.seal_own`, :meth:`Backend.seal`,
-:meth:`Backend.write_manifest`, :meth:`Backend.publish`, :meth:`Backend.discard`) and removal.
+``memory://...``); everything above it asks the backend it returns (a
+:class:`~lightning_sharded.checkpoint.detect.Found` carries it for every later read). A *location* is
+either a :class:`pathlib.Path` (local) or a ``str`` URL; :func:`location` never turns a URL into a
+``Path`` (``Path("s3://b/k")`` is ``s3:/b/k``, the bug stock Lightning has for sharded checkpoints).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, LocalBackend, leftovers, resolve
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
-from lightning_sharded.checkpoint.backends.paths import Location, basename, is_url, join, location, parent
+from lightning_sharded.checkpoint.backends.paths import (
+    Location,
+    absolute,
+    basename,
+    is_url,
+    join,
+    local_path,
+    location,
+    parent,
+)
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
+    "NO_EXCHANGE_ENV",
     "Backend",
+    "ChecksummingWriter",
     "LocalBackend",
     "Location",
     "ObjectStoreBackend",
+    "absolute",
     "backend_for",
     "basename",
     "is_url",
     "join",
+    "leftovers",
+    "local_path",
     "location",
     "parent",
+    "resolve",
+    "without_torch_crc32",
 ]
 
 
@@ -48,6 +60,35 @@ class Backend(Protocol):
     Implementations: :class:`~.local.LocalBackend` (POSIX paths; publish by rename) and
     :class:`~.objstore.ObjectStoreBackend` (fsspec URLs; publish by writing the manifest last).
     Stateless and picklable, so a decision about a location can travel between ranks.
+
+    Who calls what, in order (as DCP's ``StorageReader`` and ``StorageWriter`` document their steps):
+
+    A load, or an offline tool:
+
+    1. the detector (rank 0 of a load, its result shared): :meth:`locate` (the recovery rules of an
+       interrupted save, the published version), :meth:`manifest_is_stale`, then :meth:`exists`,
+       :meth:`is_file`, :meth:`list_files`, :meth:`list_dirs` and :meth:`open_file` (a file's first
+       bytes) to tell what is there; :meth:`manifest_at` for a manifest alone;
+    2. the checks before a read: :meth:`list_files` on rank 0 and :meth:`size` on the others (each its
+       own files), :meth:`checksum` of a share of the files with ``verify=True``;
+    3. the reads: :meth:`torch_load` (``meta.pt``, per-rank files), :meth:`open_file` and
+       :meth:`read_bytes` (``.metadata`` read safely, headers), :meth:`local_file` (a full file,
+       memory-mapped), :meth:`dcp_reader` (the shards, each rank its pieces);
+    4. after reads that recorded their checksums: :meth:`checksum` with the ``known`` ranges (each rank
+       the files it read most of).
+
+    A sharded save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`):
+
+    1. rank 0: :meth:`prepare` (the recovery rules for real, leftovers removed, refusals, the free
+       space), then :meth:`stage`;
+    2. every rank: the caller's write, into the staging location through :meth:`dcp_writer` and
+       :meth:`write_bytes`, then :meth:`seal_own`;
+    3. rank 0, with every rank's entries: :meth:`seal` (durable, the manifest made and put where the
+       publish needs it), then :meth:`publish`; :meth:`discard` instead after a failure before it.
+
+    A full file (:func:`~lightning_sharded.checkpoint.commit.commit_file`, one process): :meth:`prepare`,
+    :meth:`stage` (a local file name), the caller's write, then :meth:`publish_file` (or
+    :meth:`discard`). A removal: :meth:`remove`.
     """
 
     #: What a sharded checkpoint is called on this storage in messages: "directory" or "prefix".
@@ -77,10 +118,6 @@ class Backend(Protocol):
         """Whether a stock save wrote over the checkpoint after ``manifest`` (which is then stale)."""
         ...
 
-    def unpublished(self, target: Location) -> list[str]:
-        """Names of versions below ``target`` that a save staged but never published."""
-        ...
-
     # -- reading ---------------------------------------------------------------------------------
     def exists(self, loc: Location) -> bool:
         """Whether a file or directory (a key or a prefix) is at ``loc``."""
@@ -92,10 +129,6 @@ class Backend(Protocol):
 
     def size(self, loc: Location) -> int:
         """Size in bytes of the file at ``loc``; ``FileNotFoundError`` if there is none."""
-        ...
-
-    def mtime(self, loc: Location) -> float | None:
-        """Last modification time of the file at ``loc`` (seconds since the epoch), if known."""
         ...
 
     def list_files(self, loc: Location) -> dict[str, int]:
@@ -115,18 +148,24 @@ class Backend(Protocol):
         ...
 
     def torch_load(self, loc: Location, **kwargs: Any) -> Any:
-        """``torch.load`` of the file at ``loc`` (memory-mapping allowed where it is local)."""
+        """``torch.load`` of the file at ``loc``; ``mmap=True`` memory-maps it where it is local (else
+        the whole file is read)."""
         ...
 
     def local_file(self, loc: Location) -> AbstractContextManager[Path]:
         """A local path with the content of the file at ``loc`` (itself, or a temporary download)."""
         ...
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
-        """``(size, crc32 hex)`` of the file at ``loc``, read once."""
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        """``(size, crc32 hex)`` of the file at ``loc``, read once.
+
+        ``known``: ``(offset, length, crc32)`` of byte ranges already checksummed (what :meth:`dcp_reader`
+        recorded): only the bytes between them are read. Only where :attr:`reads_checksums` (else a
+        ``ValueError`` for any range).
+        """
         ...
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
 
         ``metadata``: the checkpoint's DCP ``Metadata`` already read (once, on rank 0, and shared); the
@@ -137,14 +176,13 @@ class Backend(Protocol):
         ...
 
     # -- the steps of a commit, in order ---------------------------------------------------------
-    def prepare(self, target: Location, *, directory: bool) -> str | None:
-        """Rank 0, first: recovery rules for real, leftovers of crashed saves removed, and a refusal of
-        what must not be replaced; returns the published version's name where versions are kept."""
-        ...
-
-    def free_space(self, target: Location) -> int | None:
-        """Bytes free for a save at ``target`` (its filesystem's, ``statvfs``), or ``None`` where there
-        is no such limit to check (object storage)."""
+    def prepare(
+        self, target: Location, *, directory: bool, measure: bool = False
+    ) -> tuple[str | None, int | None]:
+        """Rank 0, first: the recovery rules for real, leftovers of crashed saves removed, and a refusal
+        of what must not be replaced. Returns the published version's name where versions are kept
+        (else ``None``) and, with ``measure``, the bytes free for the save (``statvfs`` of the target's
+        filesystem; ``None`` where there is no such limit, or unmeasured)."""
         ...
 
     def stage(self, target: Location, *, directory: bool) -> Location:
@@ -166,23 +204,22 @@ class Backend(Protocol):
         ...
 
     def seal(
-        self, staging: Location, entries: list[FileEntry], written: Mapping[str, tuple[int, str]]
-    ) -> list[FileEntry]:
-        """Rank 0, with every rank's entries: check and complete them (rank 0's files); all entries."""
-        ...
-
-    def manifest_fields(self, staging: Location) -> dict[str, Any]:
-        """What this storage adds to the manifest of a version staged at ``staging``."""
-        ...
-
-    def write_manifest(self, staging: Location, manifest: Manifest) -> None:
-        """Rank 0: put the manifest where :meth:`publish` needs it (inside the staging directory)."""
+        self,
+        staging: Location,
+        entries: list[FileEntry],
+        written: Mapping[str, tuple[int, str]],
+        manifest: Manifest,
+    ) -> Manifest:
+        """Rank 0, with every rank's entries: check and complete them (rank 0's files), make the staged
+        version durable, and return ``manifest`` (the commit's: world size, metadata...) with every file
+        and this storage's own fields, put where :meth:`publish` needs it (locally: the staging
+        directory's manifest, written last)."""
         ...
 
     def publish(
         self, staging: Location, target: Location, manifest: Manifest, previous: str | None, *, rank: int
     ) -> None:
-        """Rank 0: make the staged, durable version visible at ``target``, then drop the previous one."""
+        """Rank 0: make the sealed version visible at ``target``, then drop the previous one."""
         ...
 
     def publish_file(self, staged: Path, target: Location) -> None:

@@ -39,7 +39,7 @@ import queue
 import struct
 import threading
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from lightning_sharded.checkpoint import libc
 from lightning_sharded.checkpoint.checksum import crc32
 
-__all__ = ["DirectReader", "GivenMetadata", "ReadChecksums", "SharedReads", "fsspec_reader"]
+__all__ = ["DirectReader", "GivenMetadata", "ReadRecorder", "SharedReads", "fsspec_reader"]
 
 # Smaller tensors are not worth the zip parsing: torch's path.
 _DIRECT_FROM = 1 << 20
@@ -160,23 +160,13 @@ class GivenMetadata:
         return metadata
 
 
-class ReadChecksums:
-    """The CRC-32 of the byte ranges a :class:`DirectReader` read straight into their targets, per file.
-
-    What ``verify=True`` uses instead of a second read of every byte
-    (:class:`~lightning_sharded.checkpoint.load.checksums.ReadVerification`): ``ranges`` maps a file's
-    path relative to the checkpoint to ``(offset, length, crc32)`` of each range read.
-    """
-
-    def __init__(self) -> None:
-        self.ranges: dict[str, list[tuple[int, int, int]]] = {}
+class ReadRecorder(Protocol):
+    """Where a reader records the CRC-32 of each byte range it read straight into a tensor (``verify=True``
+    without a second read): :class:`~lightning_sharded.checkpoint.integrity.ReadChecksums`."""
 
     def add(self, relative: str, offset: int, length: int, crc: int) -> None:
-        self.ranges.setdefault(relative, []).append((offset, length, crc))
-
-    def covered(self) -> dict[str, int]:
-        """Bytes read (and checksummed) of each file."""
-        return {path: sum(length for _, length, _ in ranges) for path, ranges in self.ranges.items()}
+        """Record the range ``[offset, offset + length)`` of the file ``relative`` (to the checkpoint)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -216,11 +206,11 @@ class DirectReader(GivenMetadata, FileSystemReader):
     doc); a plan this reader's :meth:`prepare_global_plan` did not mark keeps them all.
 
     ``metadata=`` (keyword): the checkpoint's DCP ``Metadata`` already read, see :class:`GivenMetadata`.
-    ``checksums=`` (keyword): a :class:`ReadChecksums` that gets the CRC-32 of every range read
+    ``checksums=`` (keyword): a :class:`ReadRecorder` that gets the CRC-32 of every range read
     directly, computed as the bytes arrive; ``None`` computes none.
     """
 
-    def __init__(self, *args: Any, checksums: ReadChecksums | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, checksums: ReadRecorder | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checksums = checksums
 

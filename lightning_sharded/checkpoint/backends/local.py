@@ -24,23 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import logging
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends.paths import Location
-from lightning_sharded.checkpoint.checksum import file_checksum
+from lightning_sharded.checkpoint.checksum import file_checksum, ranges_checksum
 from lightning_sharded.checkpoint.failures import free_space, named_os_error
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
 
 __all__ = ["NO_EXCHANGE_ENV", "LocalBackend", "leftovers", "resolve"]
 
@@ -259,9 +260,6 @@ class LocalBackend:
         except FileNotFoundError:
             return False
 
-    def unpublished(self, target: Location) -> list[str]:
-        return []  # staged versions are siblings, ignored until the next save removes them
-
     def exists(self, loc: Location) -> bool:
         return os.path.lexists(loc)
 
@@ -270,12 +268,6 @@ class LocalBackend:
 
     def size(self, loc: Location) -> int:
         return os.stat(loc).st_size
-
-    def mtime(self, loc: Location) -> float | None:
-        try:
-            return os.stat(loc).st_mtime
-        except FileNotFoundError:
-            return None
 
     def list_files(self, loc: Location) -> dict[str, int]:
         # One stat per file (the entry's type comes with the listing): on rank 0 only, see verify.
@@ -308,17 +300,21 @@ class LocalBackend:
     def local_file(self, loc: Location) -> Iterator[Path]:
         yield _path(loc)
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
-        return file_checksum(loc)
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        if known is None:
+            return file_checksum(loc)
+        return ranges_checksum(loc, os.stat(loc).st_size, known)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
         return DirectReader(data, metadata=metadata, checksums=checksums)
 
     # -------------------------------------------------------------------------------------- commit
 
-    def prepare(self, target: Location, *, directory: bool) -> str | None:
+    def prepare(
+        self, target: Location, *, directory: bool, measure: bool = False
+    ) -> tuple[str | None, int | None]:
         target = _path(target)
         make_dirs(target.parent)
         _refuse_foreign_directory(target)
@@ -332,9 +328,11 @@ class LocalBackend:
             if stale.exists():
                 log.info("Removing %s left by an interrupted save", stale)
                 _delete(stale)
-        return None
+        return None, self.free_space(target) if measure else None
 
     def free_space(self, target: Location) -> int | None:
+        """Bytes free for a save at ``target`` (its filesystem's, ``statvfs``): what :meth:`prepare`
+        measures (this backend's own; object storage has no such limit)."""
         return free_space(_path(target).parent, writable=True)
 
     def stage(self, target: Location, *, directory: bool) -> Location:
@@ -376,8 +374,12 @@ class LocalBackend:
         return [_entry(_path(staging), rel, rank, written) for rel in own]
 
     def seal(
-        self, staging: Location, entries: list[FileEntry], written: Mapping[str, tuple[int, str]]
-    ) -> list[FileEntry]:
+        self,
+        staging: Location,
+        entries: list[FileEntry],
+        written: Mapping[str, tuple[int, str]],
+        manifest: Manifest,
+    ) -> Manifest:
         staging = _path(staging)
         claimed = {e.path: e for e in entries}
         for rel in _walk(staging):
@@ -385,20 +387,17 @@ class LocalBackend:
                 claimed[rel] = _entry(staging, rel, 0, written)
         for dirpath, _, _ in os.walk(staging):
             fsync_dir(Path(dirpath))
-        return sorted(claimed.values(), key=lambda e: e.path)
-
-    def manifest_fields(self, staging: Location) -> dict[str, Any]:
-        return {}
-
-    def write_manifest(self, staging: Location, manifest: Manifest) -> None:
-        directory = _path(staging)
-        tmp = directory / f".{names.MANIFEST_NAME}.tmp"
+        manifest = dataclasses.replace(manifest, files=sorted(claimed.values(), key=lambda e: e.path))
+        fault(FaultPoint.BEFORE_MANIFEST, 0)
+        # Inside the staging directory, written last: a directory with a valid manifest is complete.
+        tmp = staging / f".{names.MANIFEST_NAME}.tmp"
         with _naming(tmp), open(tmp, "w", encoding="utf-8") as f:
             f.write(manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, directory / names.MANIFEST_NAME)
-        fsync_dir(directory)
+        os.replace(tmp, staging / names.MANIFEST_NAME)
+        fsync_dir(staging)
+        return manifest
 
     def publish(
         self,

@@ -27,13 +27,14 @@ Credentials and endpoints come from wherever the fsspec filesystem looks: for S3
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import OBJECT_STORE_FORMAT_VERSION, FileEntry, Manifest
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends.dcp_reader import ReadChecksums
+    from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
 
 __all__ = ["ObjectStoreBackend", "filesystem"]
 
@@ -174,11 +175,8 @@ class ObjectStoreBackend:
         if not manifest.data_dir:
             return False
         url = _url(target).rstrip("/")
-        index, ours = self.mtime(join(url, names.DCP_METADATA)), self.mtime(join(url, names.MANIFEST_NAME))
+        index, ours = self._mtime(join(url, names.DCP_METADATA)), self._mtime(join(url, names.MANIFEST_NAME))
         return index is not None and ours is not None and index >= ours
-
-    def unpublished(self, target: Location) -> list[str]:
-        return [d for d in self.list_dirs(target) if names.DATA_DIR.match(d)]
 
     # -------------------------------------------------------------------------------------- reading
 
@@ -194,7 +192,7 @@ class ObjectStoreBackend:
         fs, path = filesystem(_url(loc))
         return int(fs.info(path)["size"])
 
-    def mtime(self, loc: Location) -> float | None:
+    def _mtime(self, loc: Location) -> float | None:
         fs, path = filesystem(_url(loc))
         try:
             info = fs.info(path)
@@ -240,12 +238,14 @@ class ObjectStoreBackend:
             fs.get_file(path, os.fspath(local))
             yield local
 
-    def checksum(self, loc: Location) -> tuple[int, str]:
+    def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
+        if known:
+            raise ValueError("torch's fsspec reader records no checksums (reads_checksums is False)")
         fs, path = filesystem(_url(loc))
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadChecksums | None = None) -> Any:
+    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
         if checksums is not None:
@@ -254,7 +254,9 @@ class ObjectStoreBackend:
 
     # --------------------------------------------------------------------------------------- commit
 
-    def prepare(self, target: Location, *, directory: bool) -> str | None:
+    def prepare(
+        self, target: Location, *, directory: bool, measure: bool = False
+    ) -> tuple[str | None, int | None]:
         url = _url(target)
         manifest = self._manifest(url)
         if directory:
@@ -272,14 +274,11 @@ class ObjectStoreBackend:
             )
         current = manifest.data_dir if manifest is not None else None
         if directory:
-            for name in self.unpublished(url):
-                if name != current:
+            for name in self.list_dirs(url):
+                if names.DATA_DIR.match(name) and name != current:
                     log.info("Removing %s/%s left by an interrupted save", url, name)
                     self._remove_tree(join(url, name))
-        return current
-
-    def free_space(self, target: Location) -> int | None:
-        return None  # no filesystem to fill: object stores skip the space check
+        return current, None  # no filesystem to fill: object stores skip the space check
 
     def stage(self, target: Location, *, directory: bool) -> Location:
         if directory:  # object storage has no directories to create
@@ -309,8 +308,12 @@ class ObjectStoreBackend:
         return [FileEntry(name, size, checksum, rank) for name, (size, checksum) in sorted(written.items())]
 
     def seal(
-        self, staging: Location, entries: list[FileEntry], written: Mapping[str, tuple[int, str]]
-    ) -> list[FileEntry]:
+        self,
+        staging: Location,
+        entries: list[FileEntry],
+        written: Mapping[str, tuple[int, str]],
+        manifest: Manifest,
+    ) -> Manifest:
         present = self.list_files(staging)
         claimed: dict[str, FileEntry] = {}
         for entry in entries:
@@ -333,7 +336,14 @@ class ObjectStoreBackend:
                 f"{staging!r} holds files no rank reported writing: {unclaimed}. Another process writes to"
                 " this prefix; make sure only one job saves to a checkpoint URL at a time."
             )
-        return sorted(claimed.values(), key=lambda e: e.path)
+        fault(FaultPoint.BEFORE_MANIFEST, 0)
+        # The version's own fields: written by publish(), whose one PUT of it is the publish.
+        return dataclasses.replace(
+            manifest,
+            files=sorted(claimed.values(), key=lambda e: e.path),
+            format_version=max(manifest.format_version, OBJECT_STORE_FORMAT_VERSION),
+            data_dir=basename(staging),
+        )
 
     def _size_or_none(self, base: Location, rel: str) -> int | None:
         # A file in a folder of the version (the per-rank state): the flat listing does not show it.
@@ -341,12 +351,6 @@ class ObjectStoreBackend:
             return self.size(join(base, *rel.split("/")))
         except FileNotFoundError:
             return None
-
-    def manifest_fields(self, staging: Location) -> dict[str, Any]:
-        return {"format_version": OBJECT_STORE_FORMAT_VERSION, "data_dir": basename(staging)}
-
-    def write_manifest(self, staging: Location, manifest: Manifest) -> None:
-        return None  # the manifest is the publish: written by publish()
 
     def publish(
         self, staging: Location, target: Location, manifest: Manifest, previous: str | None, *, rank: int

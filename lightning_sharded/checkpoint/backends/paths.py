@@ -1,11 +1,16 @@
-"""Locations: a local :class:`~pathlib.Path`, or an fsspec URL kept as a string (standard library only)."""
+"""Locations: a local :class:`~pathlib.Path`, or an fsspec URL kept as a string (standard library only).
+
+:func:`is_url` is the one test of a string for a URL; it is asked by :func:`location` (which makes a
+user's path a location) and :func:`~lightning_sharded.checkpoint.backends.backend_for` only. Everything
+else asks the location's backend, or one of the helpers here, which work on either kind.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-__all__ = ["Location", "basename", "is_url", "join", "location", "parent"]
+__all__ = ["Location", "absolute", "basename", "is_url", "join", "local_path", "location", "parent"]
 
 #: A checkpoint location: a local path, or an fsspec URL kept as a string.
 Location = Path | str
@@ -45,3 +50,14 @@ def basename(loc: Location) -> str:
 def parent(loc: Location) -> Location:
     """The folder that holds ``loc`` (``/``-separated for URLs)."""
     return loc.parent if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[0]
+
+
+def absolute(loc: Location) -> Location:
+    """``loc`` with a local path made absolute (against the current directory); a URL as it is."""
+    return loc.absolute() if isinstance(loc, Path) else loc
+
+
+def local_path(loc: Location) -> Path | None:
+    """The file or directory ``loc`` is on this machine's filesystem, or ``None`` for a URL (for what
+    only local files allow: memory-mapping, ``os`` calls, ``safetensors``' ``safe_open``)."""
+    return loc if isinstance(loc, Path) else None

@@ -147,6 +147,7 @@ def call(request: Callable[[], T], what: str) -> T:
                     errno.EBUSY if reason.startswith("throttled") else errno.ECONNRESET,
                     reason=f"The object store {cause}",
                     summary=summary,
+                    advice=ADVICE,
                 ) from err
             wait = random.uniform(0, min(MAX_WAIT_S, backoff * 2**attempt))
             log.warning("Object store %s (%s); trying again in %.2f s: %s", what, reason, wait, err)

@@ -4,7 +4,7 @@
 sharded checkpoint through DCP (:mod:`.sharded`), a full file memory-mapped (:mod:`.full`). What is
 at the path is decided once (:func:`~lightning_sharded.checkpoint.detect.detect`, on rank 0, shared),
 the files are checked by every rank with the findings agreed
-(:func:`~lightning_sharded.checkpoint.verify.check_found`), so every rank takes the same branch or
+(:func:`~lightning_sharded.checkpoint.integrity.check_found`), so every rank takes the same branch or
 raises the same error. No load ever writes to the checkpoint.
 """
 
@@ -19,21 +19,21 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Location
-from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checks import KeyReport
-from lightning_sharded.checkpoint.load.checksums import (
+from lightning_sharded.checkpoint.integrity import (
     AFTER_READ,
     UNCHANGED,
     ReadVerification,
     VerifyMode,
+    check_found,
     verify_mode,
 )
+from lightning_sharded.checkpoint.load.checks import KeyReport
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.presence import RanksLost
-from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
 
@@ -45,12 +45,18 @@ class Restored(NamedTuple):
     metadata: dict[str, Any]
     #: Model keys compared with the checkpoint's (non-empty only for a non-strict load).
     keys: KeyReport
-    #: Where the checkpoint's files were read: the sharded directory (on object storage, its published
-    #: version) or the full file.
-    data: Location | None = None
+    #: The checkpoint as the detector found it (on rank 0, shared): its kind, manifest, backend and where
+    #: its files are. A later read of its files (each rank's own state) goes through ``found.backend``.
+    found: Found
     #: A trainable-only checkpoint: the model keys it left out that the model has, and where they are.
     #: They were not loaded: the caller reads them from the source (``load_pretrained``'s machinery).
     frozen: FrozenPart | None = None
+
+    @property
+    def data(self) -> Location:
+        """Where the checkpoint's files were read: the sharded directory (on object storage, its
+        published version) or the full file."""
+        return self.found.data
 
 
 def restore_checkpoint(
@@ -78,7 +84,7 @@ def restore_checkpoint(
         weights_only: passed to ``torch.load`` for the Lightning metadata.
         verify: also compare every file's checksum with the manifest (presence and sizes are always
             checked, before the first read). Local files are checked from the load's own reads (one
-            CRC-32 pass over the bytes in memory, no second read of every byte; :mod:`.checksums`).
+            CRC-32 pass over the bytes in memory, no second read of every byte; :mod:`~.integrity`).
             ``True`` or ``"before"``: nothing of a damaged checkpoint is loaded: the model's values are
             read into CPU buffers beside it and copied in once every file matched (one more copy of
             the rank's model shard in host memory meanwhile); on object storage every file is
@@ -145,8 +151,7 @@ def _restore(
             check_found(found, verify=mode is not None)
         partial = found.manifest.frozen if found.manifest is not None else None
         metadata, report, from_source = restore_sharded(
-            found.backend,
-            found.data,
+            found,
             model,
             optimizers,
             strict=strict,
@@ -157,7 +162,7 @@ def _restore(
             read_metadata=read_metadata,
         )
         frozen = FrozenPart(partial.source, tuple(from_source), partial.prefix) if partial else None
-        return Restored(metadata, report, found.data, frozen)
+        return Restored(metadata, report, found, frozen)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
     with found.backend.local_file(found.data) as local:
         try:
@@ -168,4 +173,4 @@ def _restore(
             if local == found.data:
                 raise
             raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
-    return Restored(metadata, report, found.data, frozen)
+    return Restored(metadata, report, found, frozen)

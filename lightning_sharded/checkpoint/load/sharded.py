@@ -8,7 +8,6 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import contextlib
-import pickle
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -16,12 +15,15 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, failures, fsdp1, names, unpickling
-from lightning_sharded.checkpoint.async_save import StagingBuffers
+from lightning_sharded.checkpoint import collective, fsdp1, names
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
-from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.detect import Found
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
+from lightning_sharded.checkpoint.integrity import ReadVerification
+from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     check_keys,
@@ -32,7 +34,7 @@ from lightning_sharded.checkpoint.load.checks import (
     set_optimizer_state,
     template_like,
 )
-from lightning_sharded.checkpoint.load.checksums import ReadVerification
+from lightning_sharded.checkpoint.staging import StagingBuffers
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
@@ -43,12 +45,11 @@ from lightning_sharded.checkpoint.state_dicts import (
 )
 from lightning_sharded.tensors import adapter_for
 
-__all__ = ["load_meta", "restore_sharded"]
+__all__ = ["restore_sharded"]
 
 
 def restore_sharded(
-    backend: Backend,
-    path: Location,
+    found: Found,
     model: nn.Module,
     optimizers: Sequence[Optimizer],
     *,
@@ -59,7 +60,8 @@ def restore_sharded(
     frozen: Collection[str] = (),
     read_metadata: bool = True,
 ) -> tuple[dict[str, Any], KeyReport, list[str]]:
-    """Load the sharded checkpoint whose files are at ``path`` into ``model`` and ``optimizers``.
+    """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
+    ``optimizers``.
 
     Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
     comparison of model keys, and the model keys to take from a trainable-only checkpoint's frozen
@@ -70,6 +72,7 @@ def restore_sharded(
     into the model only once the checksums matched, so a damaged checkpoint leaves the model as it was
     (the cost: one more copy of the rank's model shard in host memory while it loads).
     """
+    backend, path = found.backend, found.data
     reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
@@ -91,7 +94,7 @@ def restore_sharded(
     if read_metadata:
         with reading():
             metadata = collective.decide(
-                lambda: load_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only),
+                lambda: read_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only),
                 step="reading meta.pt",
             )
     # Every optimizer's template is built and checked before anything is read: an optimizer that does
@@ -261,36 +264,3 @@ def _dcp_load(
             ),
             f"Loading the sharded checkpoint {str(path)!r}",
         )
-
-
-def load_meta(backend: Backend, path: Location, weights_only: bool | None) -> dict[str, Any]:
-    """The Lightning metadata dict of a sharded checkpoint (``meta.pt`` at ``path``).
-
-    ``weights_only`` goes to ``torch.load`` as ``fit()`` was given it (Lightning's rule: the user
-    resumes their own run); a type torch refuses is named, with what to do.
-
-    Raises:
-        CheckpointError: it cannot be read, holds a type ``torch.load`` refuses, or is not a dict.
-    """
-    try:
-        metadata = backend.torch_load(path, map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as ex:  # Lightning's rule: torch.load's weights_only, as given to fit()
-        raise CheckpointError(
-            f"The Lightning metadata {str(path)!r} holds {unpickling.refused_name(ex)}, which torch.load"
-            f" refuses with weights_only={weights_only} (the default is torch's, True). If you trust the"
-            " checkpoint (your own run), resume with trainer.fit(..., weights_only=False), as with stock"
-            " Lightning."
-        ) from None
-    except Exception as ex:
-        storage = failures.read_failed(ex, f"the Lightning metadata {str(path)!r}")
-        if storage is not None:
-            raise storage from ex
-        raise CheckpointError(
-            f"Could not read the Lightning metadata {str(path)!r}: {ex!r}. The file is truncated or corrupt;"
-            " resume from an earlier checkpoint."
-        ) from ex
-    if not isinstance(metadata, dict):
-        raise CheckpointError(
-            f"The Lightning metadata {str(path)!r} is a {type(metadata).__name__}, not a dict."
-        )
-    return metadata

@@ -18,12 +18,13 @@ from typing import Any, cast
 import torch
 
 from lightning_sharded.checkpoint import libc, names, unpickling
-from lightning_sharded.checkpoint.backends import Location, basename
+from lightning_sharded.checkpoint.backends import Location, basename, join
 from lightning_sharded.checkpoint.checksum import crc32, crc32_combine
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
 from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import (
@@ -31,7 +32,6 @@ from lightning_sharded.checkpoint.tools.reader import (
     get_path,
     leaves,
     open_sharded,
-    read_meta,
     set_path,
     to_lightning,
 )
@@ -176,7 +176,7 @@ def consolidate_checkpoint(
         found, verify, weights_only, during=True, then=f"Nothing was written at {str(out)!r}."
     )
     with reader.reading():
-        meta = read_meta(found.backend, real, weights_only)
+        meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
     rank_state = meta.pop(names.RANK_STATE_KEY, None)
     if isinstance(rank_state, dict):
         log.info(

@@ -17,7 +17,6 @@ damage), then published by one rename.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -29,18 +28,17 @@ from typing import IO, Any
 
 import torch
 
-from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location, basename, is_url
-from lightning_sharded.checkpoint.backends.local import LocalBackend
+from lightning_sharded.checkpoint.backends import Location, basename, local_path, location
 from lightning_sharded.checkpoint.checksum import crc32
+from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import frozen_of
-from lightning_sharded.checkpoint.manifest import FrozenPart, Manifest
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
 from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
-from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
+from lightning_sharded.checkpoint.tools.reader import open_sharded
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     CONFIG_NAME,
     DTYPE_NAMES,
@@ -53,6 +51,7 @@ from lightning_sharded.checkpoint.tools.safetensors_format import (
     plan_files,
     storage_order,
 )
+from lightning_sharded.checkpoint.tools.weight_sources import full_weights
 
 __all__ = ["BATCH_BYTES", "export_safetensors"]
 
@@ -118,14 +117,7 @@ def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: 
 
 def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefix: str) -> _Source:
     reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
-    tops = {reader.path_of(key)[0] for key in reader.tensors} | {reader.path_of(k)[0] for k in reader.objects}
-    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(found.path)!r} has no model state (none of the keys"
-            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))}): there are no"
-            " weights to export."
-        )
+    model_key = reader.model_key()
     tensors = []
     for key, md in reader.tensors.items():
         path = reader.path_of(key)
@@ -145,27 +137,7 @@ def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefi
 
 
 def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:
-    # Memory-mapped where local: a tensor is read when it is copied out, one at a time.
-    mmap = {"mmap": True} if isinstance(found.data, Path) else {}
-    try:
-        checkpoint = safe_torch_load(
-            found.backend, found.data, "The checkpoint file", weights_only, map_location="cpu", **mmap
-        )
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(
-            f"The checkpoint file {str(found.data)!r} cannot be read ({first_line(err)}): it is truncated or"
-            " corrupt, or not a checkpoint."
-        ) from err
-    if not isinstance(checkpoint, dict):
-        checkpoint = {}
-    state = checkpoint.get(names.STATE_DICT, checkpoint)
-    if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(
-            f"The checkpoint file {str(found.path)!r} has no model weights: neither a 'state_dict' of"
-            " tensors (a Lightning checkpoint) nor a dict of tensors (a saved state_dict)."
-        )
+    checkpoint, state = full_weights(found.backend, found.data, weights_only)
     tensors = [
         _Tensor(key, key[len(prefix) :], tuple(value.shape), value.dtype)
         for key, value in state.items()
@@ -197,15 +169,15 @@ def export_safetensors(
     target_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     prefix = prefix or ""
-    if is_url(os.fspath(dst)):
+    if local_path(location(dst)) is None:  # safetensors files are written as local files
         raise ValueError(
             f"consolidate_checkpoint(format='safetensors') writes a local directory, not {os.fspath(dst)!r}:"
             " export to a local path, then upload the directory."
         )
     config_bytes = _read_config(config)
     found = detect(src)
-    out = output_file(src, found.data, dst, overwrite=overwrite)
-    assert isinstance(out, Path)
+    out = local_path(output_file(src, found.data, dst, overwrite=overwrite))
+    assert out is not None
     if found.kind is CheckpointKind.SHARDED:
         source = _sharded_source(found, verify, weights_only, prefix)
     else:
@@ -263,9 +235,8 @@ def export_safetensors(
             written[name] = f.figures()
         return written
 
-    _commit_directory_alone(
-        out, write, {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
-    )
+    metadata = {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
+    commit_directory(out, write, metadata=metadata, alone=True)
     log.info(
         "Exported %d tensors (%s) of %s into %s, %d file(s), in %.2fs",
         len(entries),
@@ -342,25 +313,3 @@ class _Checksummed:
 
     def figures(self) -> tuple[int, str]:
         return self.size, f"{self.crc & 0xFFFFFFFF:08x}"
-
-
-def _commit_directory_alone(
-    target: Path, write: Callable[[Path], dict[str, tuple[int, str]]], metadata: dict[str, Any]
-) -> None:
-    """Write a directory at ``target`` atomically, in this process alone (no collective, even inside a
-    job with a process group): staged beside it, sealed with a manifest, published by rename; the
-    steps of :func:`~lightning_sharded.checkpoint.commit.commit_directory` for one rank."""
-    backend = LocalBackend()
-    previous = backend.prepare(target, directory=True)
-    staging = backend.stage(target, directory=True)
-    assert isinstance(staging, Path)
-    try:
-        written = write(staging)
-        entries = backend.seal(staging, [], written)
-        manifest = Manifest(files=entries, world_size=1, metadata=metadata)
-        backend.write_manifest(staging, manifest)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            backend.discard(staging)
-        raise
-    backend.publish(staging, target, manifest, previous, rank=0)

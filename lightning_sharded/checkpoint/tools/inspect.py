@@ -21,17 +21,17 @@ from lightning_sharded.checkpoint.detect import (
     not_a_checkpoint,
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.integrity import check_found
+from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import (
     OfflineReader,
     leaves,
     load_full,
-    read_meta,
     safe_torch_load,
 )
 from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
-from lightning_sharded.checkpoint.verify import check_found
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 
@@ -159,6 +159,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     check_found(found, alone=True, weights_only=weights_only)  # presence and sizes: cheap, no data read
     files = checkpoint_files(found)
     reader = OfflineReader(backend, real, weights_only)
+    reader.model_key()  # the one rule: a checkpoint with neither model key, or both, is refused everywhere
     chunks: dict[str, int] = {}
     for index in reader.metadata.storage_data or {}:
         chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
@@ -203,7 +204,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and names.LIGHTNING_METADATA in files:
         try:
-            meta = read_meta(backend, real, weights_only)
+            meta = read_meta(backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
         except unpickling.RefusedPickleError:
             meta = unpickling.inert_load(
                 join(real, names.LIGHTNING_METADATA), load=backend.torch_load, map_location="cpu"

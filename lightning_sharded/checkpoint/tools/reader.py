@@ -27,11 +27,11 @@ import torch
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
-from lightning_sharded.checkpoint.dcp_index import read_index
+from lightning_sharded.checkpoint.dcp_index import model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checksums import ReadVerification
-from lightning_sharded.checkpoint.verify import check_found
+from lightning_sharded.checkpoint.integrity import ReadVerification, check_found
+from lightning_sharded.checkpoint.lightning_meta import VERIFY_HINT, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +44,10 @@ __all__ = [
     "map_tensors",
     "open_sharded",
     "read_checkpoint",
-    "read_meta",
     "safe_torch_load",
     "set_path",
     "to_lightning",
 ]
-
-VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
 
 
 # ------------------------------------------------------------------------------------ reading DCP
@@ -86,6 +83,11 @@ class OfflineReader:
 
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
+
+    def model_key(self) -> str:
+        """The top-level key of the model state (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`:
+        the one rule; a ``CheckpointError`` for neither key or both)."""
+        return model_key(top_level_keys(self.metadata), self.root)
 
     def what(self, fqn: str, relative_path: str | None = None) -> str:
         """An entry in words, for :func:`unpickling.refused`."""
@@ -248,30 +250,6 @@ def safe_torch_load(
     )
 
 
-def read_meta(backend: Backend, root: Location, weights_only: bool | None) -> dict[str, Any]:
-    """The Lightning metadata (``meta.pt``) of the sharded checkpoint at ``root``, as a dict.
-
-    Read safely unless ``weights_only`` is ``False``; a refused type raises
-    :class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`.
-    """
-    file = join(root, names.LIGHTNING_METADATA)
-    try:
-        meta = safe_torch_load(backend, file, "The Lightning metadata", weights_only, map_location="cpu")
-    except (FileNotFoundError, CheckpointError):
-        raise
-    except Exception as err:
-        raise CheckpointError(
-            f"The Lightning metadata {str(file)!r} (epoch, global step, loops, callbacks) cannot be read"
-            f" ({type(err).__name__}: {err}). {VERIFY_HINT.format(path=root)}"
-        ) from err
-    if not isinstance(meta, dict):
-        raise CheckpointError(
-            f"The Lightning metadata {str(file)!r} holds a {type(meta).__name__}, not a dict: this is not a"
-            " Lightning checkpoint."
-        )
-    return meta
-
-
 def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     node: Any = root
     for key, nxt in itertools.pairwise(path):
@@ -316,15 +294,7 @@ def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
 def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -> dict[str, Any]:
     """DCP's top-level keys plus ``meta.pt`` to the dict of a full Lightning checkpoint."""
     checkpoint = dict(meta)
-    model_key = next((k for k in names.MODEL_KEYS if k in nested), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(root)!r} has no model state: none of the keys"
-            f" {list(names.MODEL_KEYS)}"
-            " among"
-            f" its top-level keys {sorted(nested)}. It was not written by a Lightning strategy."
-        )
-    checkpoint["state_dict"] = nested.pop(model_key)
+    checkpoint["state_dict"] = nested.pop(model_key(map(str, nested), root))
     optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
     if [i for i, _ in optimizers] != list(range(len(optimizers))):
         raise CheckpointError(
@@ -387,7 +357,7 @@ def read_checkpoint(
         return load_full(found.backend, real, map_location, weights_only)
     reader = open_sharded(found, verify, weights_only, during=True)
     with reader.reading():
-        meta = read_meta(found.backend, real, weights_only)
+        meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
     if not optimizer_states:
         reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
     flat: dict[str, Any] = reader.read_objects()

@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Location, location
-from lightning_sharded.checkpoint.detect import CheckpointKind, detect
-from lightning_sharded.checkpoint.errors import CheckpointError, run_dcp
+from lightning_sharded.checkpoint.backends import Backend, Location, local_path, location
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     SUFFIX,
@@ -37,7 +38,7 @@ __all__ = [
     "Listing",
     "SafetensorsSlices",
     "SliceReader",
-    "full_state",
+    "full_weights",
     "list_source",
     "read_weights",
 ]
@@ -52,8 +53,9 @@ class Listing:
         shown: The source in words, for messages.
         shapes: Each key (as the source names it, without any model prefix) to its global shape.
         dtypes: Each key to its stored dtype.
-        files: ``"safetensors"``: each key's file; ``"full"``: the file, under the key ``""``.
-        data: ``"sharded"``: where its files are.
+        files: ``"safetensors"``: each key's file.
+        found: ``"full"`` and ``"sharded"``: the source as the detector found it; every read of its
+            files goes through ``found.backend``.
         model_key: ``"sharded"``: ``"model"`` or ``"state_dict"``.
         metadata: ``"sharded"``: the DCP index, read once, safely.
     """
@@ -63,7 +65,7 @@ class Listing:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
-    data: Location | None = None
+    found: Found | None = None
     model_key: str = ""
     metadata: Any = None
 
@@ -71,28 +73,23 @@ class Listing:
 def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> Listing:
     """Rank 0: what is at ``path`` and what it holds (keys, shapes, dtypes)."""
     given = location(path)
-    if isinstance(given, Path) and (
-        is_weights_dir(given) or (given.is_file() and given.name.endswith(SUFFIX))
+    on_disk = local_path(given)  # safetensors files are read with safetensors' own (local) reader
+    if on_disk is not None and (
+        is_weights_dir(on_disk) or (on_disk.is_file() and on_disk.name.endswith(SUFFIX))
     ):
-        return _list_safetensors(given)
+        return _list_safetensors(on_disk)
     found = detect(path)
     if found.kind is CheckpointKind.FULL:
-        state = full_state(found.backend, found.data, weights_only)
-        listing = Listing("full", str(given), files={"": str(found.data)})
+        _, state = full_weights(found.backend, found.data, weights_only)
+        listing = Listing("full", str(given), found=found)
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
                 listing.shapes[key] = tuple(value.shape)
                 listing.dtypes[key] = value.dtype
         return listing
     reader = open_sharded(found, False, weights_only)
-    tops = {reader.path_of(key)[0] for key in reader.tensors}
-    model_key = next((k for k in names.MODEL_KEYS if k in tops), None)
-    if model_key is None:
-        raise CheckpointError(
-            f"The sharded checkpoint {str(given)!r} has no model tensors (none of the keys"
-            f" {list(names.MODEL_KEYS)} among its top-level keys {sorted(map(str, tops))})."
-        )
-    listing = Listing("sharded", str(given), data=found.data, model_key=model_key, metadata=reader.metadata)
+    model_key = reader.model_key()
+    listing = Listing("sharded", str(given), found=found, model_key=model_key, metadata=reader.metadata)
     for key, md in reader.tensors.items():
         where = reader.path_of(key)
         if where[0] == model_key:
@@ -128,13 +125,19 @@ def _list_safetensors(path: Path) -> Listing:
     return listing
 
 
-def full_state(backend: Any, file: Location, weights_only: bool | None) -> dict[str, Any]:
-    """The ``state_dict`` of a full checkpoint file (or the file's dict of tensors), memory-mapped
-    where local, so a tensor is read when it is copied out."""
-    mmap = {"mmap": True} if isinstance(file, Path) else {}
+def full_weights(
+    backend: Backend, file: Location, weights_only: bool | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A full checkpoint file's dict and its model weights: its ``state_dict``, or the file's own dict of
+    tensors (a saved ``state_dict``). Memory-mapped where the backend can (local files), so a tensor is
+    read when it is copied out.
+
+    Raises:
+        CheckpointError: the file does not read, or holds no tensors.
+    """
     try:
         checkpoint = safe_torch_load(
-            backend, file, "The checkpoint file", weights_only, map_location="cpu", **mmap
+            backend, file, "The checkpoint file", weights_only, map_location="cpu", mmap=True
         )
     except CheckpointError:
         raise
@@ -143,13 +146,14 @@ def full_state(backend: Any, file: Location, weights_only: bool | None) -> dict[
             f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}): it is truncated or"
             " corrupt, or not a checkpoint."
         ) from err
-    state = checkpoint.get(names.STATE_DICT, checkpoint) if isinstance(checkpoint, dict) else None
+    checkpoint = checkpoint if isinstance(checkpoint, dict) else {}
+    state = checkpoint.get(names.STATE_DICT, checkpoint)
     if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
             f"The checkpoint file {str(file)!r} holds no weights: neither a 'state_dict' of tensors (a"
             " Lightning checkpoint) nor a dict of tensors (a saved state_dict)."
         )
-    return state
+    return checkpoint, state
 
 
 # -------------------------------------------------------------------------------------- reading
@@ -162,10 +166,8 @@ def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool |
 
     what = f"Loading the pretrained weights {listing.shown!r}"
     if listing.kind == "sharded":
-        from lightning_sharded.checkpoint.backends import backend_for
-
-        assert listing.data is not None
-        reader = backend_for(listing.data).dcp_reader(listing.data)
+        assert listing.found is not None
+        reader = listing.found.backend.dcp_reader(listing.found.data)
         reader.read_metadata = lambda *args, **kwargs: listing.metadata  # read once, safely, on rank 0
         state: dict[str, Any] = {listing.model_key: targets}
         run_dcp(
@@ -220,10 +222,9 @@ class FullSlices:
     """``get(key, slices)`` from a full checkpoint file, memory-mapped where local."""
 
     def __init__(self, listing: Listing, weights_only: bool | None) -> None:
-        from lightning_sharded.checkpoint.backends import backend_for
-
-        file = location(listing.files[""])
-        self.state: dict[str, Any] | None = full_state(backend_for(file), file, weights_only)
+        found = listing.found
+        assert found is not None
+        self.state: dict[str, Any] | None = full_weights(found.backend, found.data, weights_only)[1]
 
     def get(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         assert self.state is not None

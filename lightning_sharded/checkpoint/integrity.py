@@ -1,0 +1,400 @@
+"""Whether a checkpoint's files are whole: presence, sizes and checksums, agreed by every rank.
+
+Every check of a load and of the tools, over a :class:`~.detect.Found` (reads through its backend):
+
+- :func:`check_found` (collective), before a read: with a manifest, rank 0 checks every file's presence
+  and size (one listing), every other rank those of the files it wrote (a ``stat`` each), so no rank's
+  work grows with the number of ranks; ``verify=True`` adds every checksum, each file read by one rank
+  (:func:`split_by_size`). Without a manifest: the shard files against the DCP index (rank 0). The
+  findings are gathered (:func:`raise_agreed`): every rank raises the same error, or none does.
+- :class:`ReadVerification`: a sharded load's checksums from the bytes it reads. The backend's DCP
+  reader (local files) records the CRC-32 of each range it reads straight into a tensor, as the bytes
+  arrive (:class:`ReadChecksums`); after the read (:meth:`ReadVerification.check`, collective) each
+  file is completed by the rank that read most of it (only the bytes no range covered) and compared
+  with the manifest; files no rank read this way (``.metadata``, ``meta.pt``) are split by size and
+  read whole. On object storage both modes check before the first read instead.
+
+``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model and copies
+them in once :meth:`ReadVerification.check` passed, so a damaged checkpoint leaves the model as it was
+(the tools, ``alone=True``, publish or return nothing before). ``"during"`` reads into the model: a
+damaged file is found once its bytes are in the model's tensors, before the optimizers and the rest are
+set (:data:`AFTER_READ` says so). A read that fails is explained the same way: every file is then
+checksummed, and a damaged one named, in a :class:`~lightning_sharded.CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Literal
+
+from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
+from lightning_sharded.checkpoint.detect import Found, detect
+from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+from lightning_sharded.checkpoint.problems import Problem, damaged
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = [
+    "AFTER_READ",
+    "UNCHANGED",
+    "ReadChecksums",
+    "ReadVerification",
+    "VerifyMode",
+    "check_files",
+    "check_found",
+    "checksum_problem",
+    "find_problems",
+    "raise_agreed",
+    "size_problem",
+    "split_by_size",
+    "verify_mode",
+]
+
+# ---------------------------------------------------------------------------------- one file's problem
+
+
+def size_problem(entry: FileEntry, found: int | None) -> Problem | None:
+    """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
+    if found is None:
+        return Problem(entry.path, "is missing", entry.rank)
+    if found != entry.size:
+        how = "truncated" if found < entry.size else "longer than written"
+        what = f"is {how}: {found} bytes, the manifest says {entry.size}"
+        return Problem(entry.path, what, entry.rank, found, entry.size)
+    return None
+
+
+def checksum_problem(entry: FileEntry, manifest: Manifest, checksum: str) -> Problem | None:
+    """The problem of a file whose computed ``checksum`` differs from its manifest entry, or ``None``."""
+    if checksum == entry.checksum:
+        return None
+    what = (
+        f"is corrupted: its {manifest.checksum_algorithm} is {checksum}, the manifest says {entry.checksum}"
+    )
+    return Problem(entry.path, what, entry.rank)
+
+
+def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]:
+    """``entries`` in ``parts`` lists of about equal bytes (largest first to the least loaded); the same
+    split on every rank."""
+    split: list[list[FileEntry]] = [[] for _ in range(parts)]
+    loads = [(0, i) for i in range(parts)]  # a heap of (bytes so far, part): the least loaded first
+    for entry in sorted(entries, key=lambda e: (-e.size, e.path)):
+        load, least = heapq.heappop(loads)
+        split[least].append(entry)
+        heapq.heappush(loads, (load + entry.size, least))
+    return split
+
+
+# ------------------------------------------------------------------------------- a manifest's files
+
+
+def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
+    try:
+        return backend.size(join(base, rel))
+    except FileNotFoundError:
+        return None
+
+
+def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
+    present = backend.list_files(data)
+    found = (
+        (
+            entry,
+            present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path),
+        )
+        for entry in manifest.files
+    )
+    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
+
+
+def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
+    """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
+    checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
+    files each (rank 0 checks every file with one listing)."""
+    found = (
+        (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
+    )
+    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
+
+
+def _checksum_problems(
+    backend: Backend,
+    data: Location,
+    manifest: Manifest,
+    entries: list[FileEntry],
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    problems = []
+    for entry in entries:
+        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
+        if problem is not None:
+            problems.append(problem)
+        if on_bytes is not None:  # a progress bar, file by file
+            on_bytes(entry.size)
+    return problems
+
+
+def find_problems(
+    backend: Backend,
+    data: Location,
+    manifest: Manifest,
+    *,
+    checksums: bool,
+    on_bytes: Callable[[int], None] | None = None,
+) -> list[Problem]:
+    """Every file of ``manifest`` under ``data`` that is missing, has another size or (with ``checksums``)
+    other bytes, in this process. ``on_bytes`` is called with the size of each file once it is
+    checksummed (a progress bar)."""
+    problems = _size_problems(backend, data, manifest)
+    if checksums:
+        bad = {p.path for p in problems}
+        todo = [e for e in manifest.files if e.path not in bad]
+        problems += _checksum_problems(backend, data, manifest, todo, on_bytes)
+    return problems
+
+
+def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
+    """Check the sharded checkpoint at ``path`` against ``manifest`` before loading it, in this process.
+
+    Args:
+        path: The sharded checkpoint (found as :func:`~.detect.detect` finds it).
+        manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
+        verify: Also compare every file's checksum (reads every byte).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
+            names the first one, its rank and the others.
+    """
+    if manifest is None:
+        return
+    found = detect(path)
+    error = damaged(found.data, find_problems(found.backend, found.data, manifest, checksums=verify))
+    if error is not None:
+        raise error
+
+
+# ------------------------------------------------------------------------ before a read, agreed
+
+
+def check_found(
+    found: Found,
+    *,
+    verify: bool = False,
+    group: ProcessGroup | None = None,
+    alone: bool = False,
+    weights_only: bool | None = False,
+) -> None:
+    """Check a sharded checkpoint's files before a load; collective over ``group`` when one is up.
+
+    See the module doc. With ``alone`` it runs in this process only (the single-process tools), whatever
+    process group is up. ``weights_only`` is how a checkpoint without a manifest has its ``.metadata``
+    read (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
+    resume reads it; ``True`` / ``None`` (the tools) safely.
+
+    Raises:
+        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
+            names the first one, its rank and the others.
+    """
+    where = collective.ranks(group, alone=alone)
+    backend, data, manifest = found.backend, found.data, found.manifest
+    try:
+        if manifest is None:
+            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
+            mine = index_problems(backend, data, index) if index is not None else []
+        elif where.rank == 0:
+            mine = _size_problems(backend, data, manifest)
+        else:
+            mine = _own_size_problems(backend, data, manifest, where.rank)
+        if manifest is not None and verify:
+            bad = {p.path for p in mine}
+            share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
+            mine += _checksum_problems(backend, data, manifest, share[where.rank])
+        report: tuple[list[Problem], str | None] = (mine, None)
+    except CheckpointError as err:
+        report = ([], str(err))
+    raise_agreed(report, where, data, manifest)
+
+
+def raise_agreed(
+    report: tuple[list[Problem], str | None],
+    where: collective.Ranks,
+    data: Location,
+    manifest: Manifest | None,
+    then: str = "",
+) -> None:
+    """Gather every rank's ``(problems, error message)`` about checkpoint ``data`` and raise the same
+    :class:`~lightning_sharded.CheckpointError` on every rank (the first error, else every problem
+    found, in manifest order, with ``then`` after the message), or return on every rank. Collective."""
+    reports = collective.all_gather(report, where)
+    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
+    if errors:
+        rank, message = errors[0]
+        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
+    order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
+    seen: dict[tuple[str, str], Problem] = {}
+    seen_by: dict[tuple[str, str], list[int]] = {}
+    for r, (problems, _) in enumerate(reports):
+        for problem in problems:
+            seen.setdefault((problem.path, problem.what), problem)
+            seen_by.setdefault((problem.path, problem.what), []).append(r)
+    merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
+    error = damaged(data, merged, then)
+    if error is None:
+        return
+    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
+    # one of them saw a problem.
+    writer = {e.path: e.rank for e in manifest.files} if manifest is not None else {}
+
+    def checkers(path: str) -> set[int]:
+        return {r for r in (0, writer.get(path, 0)) if r < where.world_size}
+
+    size_problems = {key: set(rs) for key, rs in seen_by.items() if "corrupted" not in key[1]}
+    partial = sorted({r for rs in size_problems.values() for r in rs})
+    if partial and any(not checkers(key[0]) <= rs for key, rs in size_problems.items()):
+        shown = ", ".join(map(str, partial))
+        raise CheckpointError(
+            f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
+        )
+    raise error
+
+
+# ------------------------------------------------------------------------------- from the reads
+
+#: How a load checks checksums, besides ``False`` (not at all) and ``True`` (``"before"``).
+VerifyMode = Literal["before", "during"]
+
+#: What a checksum error found after a ``"during"`` read adds to its message.
+AFTER_READ = (
+    "The load had already read the model's tensors from it (the optimizers were not set): build the"
+    " model again, or restart, before you load another checkpoint."
+)
+#: What it adds after a ``"before"`` (``True``) read, whose values wait beside the model until checked.
+UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as they were."
+
+
+def verify_mode(verify: bool | str) -> VerifyMode | None:
+    """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` or ``"during"``.
+
+    Raises:
+        ValueError: anything else, with the values accepted.
+    """
+    if isinstance(verify, bool):
+        return "before" if verify else None
+    if verify == "before":
+        return "before"
+    if verify == "during":
+        return "during"
+    raise ValueError(
+        f"verify={verify!r} is not a way to check a checkpoint: pass False, True (or 'before': nothing is"
+        " loaded from a damaged checkpoint) or 'during' (the load's reads go straight into the model)."
+    )
+
+
+class ReadChecksums:
+    """The CRC-32 of the byte ranges a DCP reader read straight into their targets, per file: what the
+    backend's reader is given to record into (its ``checksums=``).
+
+    ``ranges`` maps a file's path relative to the checkpoint to ``(offset, length, crc32)`` of each range.
+    """
+
+    def __init__(self) -> None:
+        self.ranges: dict[str, list[tuple[int, int, int]]] = {}
+
+    def add(self, relative: str, offset: int, length: int, crc: int) -> None:
+        self.ranges.setdefault(relative, []).append((offset, length, crc))
+
+    def covered(self) -> dict[str, int]:
+        """Bytes read (and checksummed) of each file."""
+        return {path: sum(length for _, length, _ in ranges) for path, ranges in self.ranges.items()}
+
+
+class ReadVerification:
+    """The checksums of one sharded load, from what its reads saw (see the module doc).
+
+    Args:
+        found: The sharded checkpoint, with its manifest, on a backend whose reader records checksums.
+        alone: Check in this process only, whatever process group is up (the single-process tools);
+            otherwise :meth:`check` and :meth:`reading` are collective over the default group.
+        then: What a checksum error found after the read adds to its message (what the reader holds).
+    """
+
+    def __init__(self, found: Found, *, alone: bool = False, then: str = AFTER_READ) -> None:
+        if not self.applies(found):
+            raise ValueError("a ReadVerification needs a manifest and a backend that reads checksums")
+        self.found = found
+        self.alone = alone
+        self.then = then
+        #: Given to the DCP reader: the ranges it read and their CRC-32.
+        self.checksums = ReadChecksums()
+
+    @staticmethod
+    def applies(found: Found) -> bool:
+        """Whether ``found`` can be verified from its reads (a manifest, and a reader that records)."""
+        return found.manifest is not None and found.backend.reads_checksums
+
+    def check_sizes(self, weights_only: bool | None = False) -> None:
+        """Before the first read: every file present with its size (collective, unless ``alone``). If one
+        is not, every file's checksum is computed too, so the error names every damaged file, as a check
+        before the read would.
+
+        Raises:
+            CheckpointError: a file is missing or has another size (the same error on every rank).
+        """
+        try:
+            check_found(self.found, verify=False, alone=self.alone, weights_only=weights_only)
+        except CheckpointError:
+            check_found(self.found, verify=True, alone=self.alone, weights_only=weights_only)
+            raise
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around a read that every rank fails alike (a collective read): a ``CheckpointError`` raised in
+        it is replaced by the damage the files' checksums show, if any (collective, then)."""
+        try:
+            yield
+        except CheckpointError as err:
+            try:
+                check_found(self.found, verify=True, alone=self.alone)
+            except CheckpointError as damage:
+                raise damage from err
+            raise
+
+    def check(self) -> None:
+        """Compare every file's checksum with the manifest, after the read. Collective.
+
+        Raises:
+            CheckpointError: a file's bytes differ from what was written (the same error on every rank).
+        """
+        found, manifest = self.found, self.found.manifest
+        assert manifest is not None
+        where = collective.ranks(alone=self.alone)
+        covered = collective.all_gather(self.checksums.covered(), where)
+        owners: dict[str, int] = {}
+        for entry in manifest.files:
+            counts = [read.get(entry.path, 0) for read in covered]
+            if max(counts):
+                owners[entry.path] = counts.index(max(counts))  # the rank that read most of it (lowest)
+        unread = split_by_size([e for e in manifest.files if e.path not in owners], where.world_size)
+        mine = [e for e in manifest.files if owners.get(e.path) == where.rank] + unread[where.rank]
+        try:
+            problems = [p for entry in mine if (p := self._problem(entry)) is not None]
+            report: tuple[list[Problem], str | None] = (problems, None)
+        except OSError as err:
+            report = ([], f"Could not read {str(found.data)!r} to check its checksums: {err!r}")
+        raise_agreed(report, where, found.data, manifest, self.then)
+
+    def _problem(self, entry: FileEntry) -> Problem | None:
+        manifest = self.found.manifest
+        assert manifest is not None
+        known = self.checksums.ranges.get(entry.path, [])
+        size, checksum = self.found.backend.checksum(join(self.found.data, entry.path), known=known)
+        return size_problem(entry, size) or checksum_problem(entry, manifest, checksum)
