@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,48 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monk
     with pytest.raises(CheckpointError, match="copy failed"):
         saver.wait()
     assert not written and len(optimizer._optimizer_step_pre_hooks) == 1
+    saver.close()
+
+
+def test_a_watched_tensor_changed_in_place_before_its_copy_fails_the_save(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    model, optimizer = _trained_adam()
+    changed = threading.Event()
+    original = StagingBuffers.copy_deferred
+
+    def after_the_change(self: StagingBuffers) -> None:
+        changed.wait(5)  # the copy runs only once the parameter was changed
+        original(self)
+
+    monkeypatch.setattr(StagingBuffers, "copy_deferred", after_the_change)
+    saver = AsyncSaver()
+    saver.follow([optimizer])
+    params = list(model.parameters())
+    written: list[Any] = []
+
+    def save() -> None:
+        state = {"model": dict(model.state_dict()), "optimizer_0": optimizer.state_dict()}
+        saver.save(
+            tmp_path / "w",
+            state,
+            lambda *a: written.append(a),
+            defer=[("model",)],
+            optimizers=[optimizer],
+            watch=params,
+        )
+
+    save()
+    with torch.no_grad():
+        params[0].mul_(2)  # not in step(), before the copy
+    changed.set()
+    with pytest.raises(CheckpointError, match="changed in place"):
+        saver.wait()
+    assert not written
+    save()
+    _step(model, optimizer)  # a step waits for the copies: allowed
+    saver.wait()
+    assert written
     saver.close()
 
 
