@@ -119,6 +119,26 @@ def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
     assert not list(root.glob(".sync.staging-*")), "a failed save left its staging directory"
 
 
+@pytest.mark.slow
+@_STRATEGIES
+def test_a_registered_state_that_fails_on_one_rank_fails_the_next_save_on_every_rank(
+    main_run: tuple[str, Path, Any],
+) -> None:
+    strategy, root, _ = main_run
+    for rank in range(2):
+        result = torch.load(root / f"main.rank{rank}.pt", weights_only=False)
+        # The async save itself returned on both ranks: it took no collective in the training thread.
+        assert result["registered_save_error"] is None, result["registered_save_error"]
+        message = result["registered_next_error"]
+        assert message is not None, f"rank {rank}: the failed collection was never raised"
+        assert "'mix' could not be saved: its state_dict() raised ValueError: not now" in message, message
+        assert "(The background save of the checkpoint" in message, message
+    assert_whole(root / "sync")  # nothing of that save was written over the complete checkpoint
+    assert_equal(
+        torch.load(root / "main.rank0.pt", weights_only=False)["saved"], read_values(root / "sync", strategy)
+    )
+
+
 def _start_ranks(args: list[str]) -> list[Rank]:
     port = free_port()
     return [start_rank([str(SCENARIO), *args], rank_env(rank, 2, port)) for rank in range(2)]
