@@ -133,7 +133,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax in axes.flat[len(chosen) :]:
         ax.axis("off")
     for ax, (question, bars, target, better) in zip(axes.flat, chosen, strict=False):
-        labels = list(bars)
+        # A run of a few cases (--cases) has no figure for some bars: they are left out, not drawn as NaN.
+        labels = [k for k in bars if math.isfinite(bars[k])]
         values = [bars[k] for k in labels]
         colors = [
             "tab:gray"

@@ -20,8 +20,8 @@ from benchmarks import names
 
 #: The groups of the resume's profile, in the order shown.
 READING = "reading bytes (waiting for the read threads)"
-TORCH_READS = "torch's reader: items read, unpickled, copied in"
-LOCATING = "finding each item's bytes in its file (ours)"
+TORCH_READS = "torch's reader for the small items (while the read threads read the large ones)"
+LOCATING = "the reads set up: targets resolved, threads started (ours)"
 CHECKSUMS = "checksums after the reads"
 COPY = "copy into the sharded tensors"
 TEMPLATES = "state dicts to read into (the model's, optimizer templates)"
@@ -264,7 +264,7 @@ PHASES: list[Phase] = [
     Phase("lightning_sharded.checkpoint.collective", "gather", "ours: collective.gather", COLLECTIVES),
     Phase("lightning_sharded.checkpoint.collective", "broadcast", "ours: collective.broadcast", COLLECTIVES),
     Phase("lightning_sharded.checkpoint.rank_state", "restore", "ours: per-rank state", RANK_STATE),
-    Phase(f"{_READER}.DirectReader", "read_data", "ours: DirectReader.read_data (locating items)", LOCATING),
+    Phase(f"{_READER}.DirectReader", "read_data", "ours: DirectReader.read_data (set-up)", LOCATING),
     Phase(f"{_READER}.DirectReader", "_read_jobs", "ours: DirectReader reads (waiting)", READING),
     Phase(f"{_READER}.DirectReader", "prepare_global_plan", "ours: shared reads counted", PLANNING),
     Phase(_READER, "_readinto", "read threads: readinto (incl. CRC-32 and drops)", THREADS),

@@ -204,12 +204,18 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, Any]) -> dict[str, An
     async_rows: dict[str, dict[str, float]] = {}
     if "torch" in ok:
         async_rows[names.label("dcp-async")] = async_row("torch", "dcp save s")
-    for case in ("async-ours-mp", "async-ours-fsdp"):
-        if case in ok:
-            first = max(r[case]["first async stall s"][0] for r in per_rank)
-            async_rows[names.async_label(case.removeprefix("async-"))] = async_row(case, "sync s") | {
-                "first save stall s (allocates the buffers)": first
-            }
+    for prefix, size in (
+        ("async-", ""),
+        ("async-small-", ", 50 MB"),
+        ("async-mc-", ", 50 MB, ModelCheckpoint"),
+    ):
+        for strategy in ("ours-mp", "ours-fsdp"):
+            case = prefix + strategy
+            if case in ok:
+                first = max(r[case]["first async stall s"][0] for r in per_rank)
+                async_rows[names.async_label(strategy) + size] = async_row(case, "sync s") | {
+                    "first save stall s (allocates the buffers)": first
+                }
 
     memory_rows: dict[str, dict[str, float]] = {}
     for case in ("memory-stock-mp", "memory-ours-mp"):

@@ -76,6 +76,8 @@ def choose_cases(quick: bool, only: list[str] | None) -> list[str]:
     if "ours-mp" in ours:
         cases.append("memory-ours-mp")
     cases += [f"async-{case}" for case, has_async in ours.items() if has_async]
+    if not quick:  # the fixed costs of a save, on the model size users start with, as they save
+        cases += [f"async-{kind}-{case}" for kind in ("small", "mc") for case, has in ours.items() if has]
     if "ours-mp" in ours:
         cases.append("verify-ours-mp")
     # The resume's profile (benchmarks.phases): where a resume's seconds go, on each rank.

@@ -55,9 +55,9 @@ def table(report: dict[str, Any]) -> str:
         )
     for above in report["throughput"].get("above the bars", []):
         lines.append(f"ABOVE THE DISK'S BAR (investigate, not a result): {above}")
-    lines += ["", f"{'async save':<50}{'sync s':>8}{'stall s':>9}{'stall / sync':>14}"]
+    lines += ["", f"{'async save':<76}{'sync s':>8}{'stall s':>9}{'stall / sync':>14}"]
     for name, r in report["async"]["rows"].items():
-        lines.append(f"{name:<50}{r['sync save s']:>8.2f}{r['stall s']:>9.3f}{r['stall / sync save']:>14.3f}")
+        lines.append(f"{name:<76}{r['sync save s']:>8.3f}{r['stall s']:>9.4f}{r['stall / sync save']:>14.3f}")
     lines += [
         "",
         f"{'full-file load, peak RSS per rank':<38}{'peak GB':>8}{'shard GB':>10}{'/ shard':>9}"
@@ -195,8 +195,8 @@ def markdown(report: dict[str, Any]) -> str:
             [
                 [
                     name,
-                    f"{r['sync save s']:.2f}",
-                    f"{r['stall s']:.3f}",
+                    f"{r['sync save s']:.3f}",
+                    f"{r['stall s']:.4f}",
                     f"{r['stall / sync save']:.3f}",
                     f"{first:.2f}" if (first := r.get("first save stall s (allocates the buffers)")) else "-",
                 ]

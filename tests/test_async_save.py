@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,26 @@ def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
     assert_whole(root / "sync")
     assert_equal(result["saved"], read_values(root / "sync", strategy))
     assert not list(root.glob(".sync.staging-*")), "a failed save left its staging directory"
+
+
+@pytest.mark.slow
+@_STRATEGIES
+def test_a_registered_state_that_fails_on_one_rank_fails_the_next_save_on_every_rank(
+    main_run: tuple[str, Path, Any],
+) -> None:
+    strategy, root, _ = main_run
+    for rank in range(2):
+        result = torch.load(root / f"main.rank{rank}.pt", weights_only=False)
+        # The async save itself returned on both ranks: it took no collective in the training thread.
+        assert result["registered_save_error"] is None, result["registered_save_error"]
+        message = result["registered_next_error"]
+        assert message is not None, f"rank {rank}: the failed collection was never raised"
+        assert "'mix' could not be saved: its state_dict() raised ValueError: not now" in message, message
+        assert "(The background save of the checkpoint" in message, message
+    assert_whole(root / "sync")  # nothing of that save was written over the complete checkpoint
+    assert_equal(
+        torch.load(root / "main.rank0.pt", weights_only=False)["saved"], read_values(root / "sync", strategy)
+    )
 
 
 def _start_ranks(args: list[str]) -> list[Rank]:
@@ -304,6 +325,48 @@ def test_a_failed_deferred_copy_fails_the_save_not_the_step(tmp_path: Path, monk
     with pytest.raises(CheckpointError, match="copy failed"):
         saver.wait()
     assert not written and len(optimizer._optimizer_step_pre_hooks) == 1
+    saver.close()
+
+
+def test_a_watched_tensor_changed_in_place_before_its_copy_fails_the_save(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    model, optimizer = _trained_adam()
+    changed = threading.Event()
+    original = StagingBuffers.copy_deferred
+
+    def after_the_change(self: StagingBuffers) -> None:
+        changed.wait(5)  # the copy runs only once the parameter was changed
+        original(self)
+
+    monkeypatch.setattr(StagingBuffers, "copy_deferred", after_the_change)
+    saver = AsyncSaver()
+    saver.follow([optimizer])
+    params = list(model.parameters())
+    written: list[Any] = []
+
+    def save() -> None:
+        state = {"model": dict(model.state_dict()), "optimizer_0": optimizer.state_dict()}
+        saver.save(
+            tmp_path / "w",
+            state,
+            lambda *a: written.append(a),
+            defer=[("model",)],
+            optimizers=[optimizer],
+            watch=params,
+        )
+
+    save()
+    with torch.no_grad():
+        params[0].mul_(2)  # not in step(), before the copy
+    changed.set()
+    with pytest.raises(CheckpointError, match="changed in place"):
+        saver.wait()
+    assert not written
+    save()
+    _step(model, optimizer)  # a step waits for the copies: allowed
+    saver.wait()
+    assert written
     saver.close()
 
 

@@ -62,14 +62,15 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
         total = rows[case]["bytes"]
         assert 0.95 * total <= sum(rank_bytes) <= 1.05 * total, (case, rank_bytes, total)
         assert all(b >= 0.4 * total for b in rank_bytes), (case, rank_bytes, total)
+    from benchmarks.profile import READING, TORCH_READS
+
     profiles = report["profile"]
     assert not profiles["problems"], profiles["problems"]
     assert set(profiles["rows"]) == {"ShardedModelParallelStrategy", "ShardedFSDPStrategy"}
     for label, ranks in profiles["rows"].items():
         for profile in ranks:
             assert profile["sum s"] == pytest.approx(profile["wall s"], rel=0.01), label
-            reads = profile["groups"]["reading bytes (waiting for the read threads)"]
-            reads += profile["groups"]["torch's reader: items read, unpickled, copied in"]
+            reads = profile["groups"][READING] + profile["groups"][TORCH_READS]
             assert reads > 0, (label, profile["groups"])
     markdown = (out / "results.md").read_text()
     assert "**disk write** (the bar)" in markdown and "**sum of the phases**" in markdown

@@ -29,6 +29,9 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # The staged ShardedTensor of each position: (its source, the staged one), reused while the source
+        # is the same object over the same buffers (FSDP1's views are made once: see fsdp1.layout).
+        self._sharded: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self._used: set[tuple[Any, ...]] = set()
         self._devices: set[torch.device] = set()
         self._copy = True
@@ -69,6 +72,7 @@ class StagingBuffers:
             torch.cuda.synchronize(device)
         for stale in set(self._buffers) - self._used:
             del self._buffers[stale]
+        self._sharded = {key: made for key, made in self._sharded.items() if (*key, "shard", 0) in self._used}
         return staged
 
     def _buffer(self, key: tuple[Any, ...], source: torch.Tensor) -> torch.Tensor:
@@ -129,14 +133,26 @@ class StagingBuffers:
 
         # torch checks each local shard's device against its placement: the copies are on CPU, so
         # every placement says CPU (what ShardedTensor.cpu() does); offsets, sizes and ranks stay.
+        buffers = [
+            self._buffer((*key, "shard", i), shard.tensor) for i, shard in enumerate(obj.local_shards())
+        ]
+        known = self._sharded.get(key)
+        if known is not None and known[0] is obj:
+            staged = known[1]
+            if len(buffers) == len(staged.local_shards()) and all(
+                b is s.tensor for b, s in zip(buffers, staged.local_shards(), strict=True)
+            ):
+                return staged
         metadata = _on_cpu(obj.metadata())
         shards = [
-            Shard(self._buffer((*key, "shard", i), shard.tensor), _on_cpu(shard.metadata))
-            for i, shard in enumerate(obj.local_shards())
+            Shard(buffer, _on_cpu(shard.metadata))
+            for buffer, shard in zip(buffers, obj.local_shards(), strict=True)
         ]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
+        staged = ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, metadata, process_group=obj._process_group
         )
+        self._sharded[key] = (obj, staged)
+        return staged
 
 
 def _on_cpu(metadata: Any) -> Any:

@@ -8,7 +8,9 @@ Usage: ``python scenario_async.py PHASE --dir DIR --strategy {mp,fsdp}``; result
   from each of the two and records the restored values. Then checks errors: a background write that
   fails (``OSError(ENOSPC)`` raised by the shard writer on rank 1) over an existing checkpoint, raised
   in the training process by the next ``save_checkpoint``, and by the end of ``fit`` (teardown) when no
-  save follows; the previous checkpoint must stay.
+  save follows; the previous checkpoint must stay. Last, a registered per-rank object whose
+  ``state_dict()`` fails on rank 1 only: that ``save_checkpoint`` returns on both ranks (an async save
+  takes no collective in the training thread) and the next save raises the same error on both.
 - ``kill``: saves version 1 synchronously at step 1, records its values, then at step 2 starts an
   async save over it with ``LIGHTNING_SHARDED_FAULT=after_write@1``: rank 1 SIGKILLs itself in the
   background thread after writing its shards. The launcher kills what is left; the test then checks
@@ -36,7 +38,11 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
+from lightning_sharded import (  # noqa: E402
+    ShardedFSDPStrategy,
+    ShardedModelParallelStrategy,
+    register_rank_state,
+)
 from lightning_sharded.checkpoint import checksum as writer_module  # noqa: E402
 from lightning_sharded.checkpoint.commit import FAULT_ENV  # noqa: E402
 
@@ -183,6 +189,29 @@ def main_phase(args: argparse.Namespace) -> dict[str, Any]:
         result["teardown_error"] = f"{type(err).__name__}: {err}"
     else:
         result["teardown_error"] = None
+
+    # A registered object's state_dict() fails on rank 1 only: raised on both ranks by the next save.
+    class Mix:
+        def state_dict(self) -> dict[str, int]:
+            if dist.get_rank() == 1:
+                raise ValueError("not now")
+            return {"level": 0}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            pass
+
+    def registered_fails(t: L.Trainer) -> None:
+        register_rank_state(t.lightning_module, "mix", Mix())
+        for where, target in (("registered_save_error", "sync"), ("registered_next_error", "other")):
+            try:
+                t.save_checkpoint(d / target)
+            except Exception as err:
+                result[where] = f"{type(err).__name__}: {err}"
+            else:
+                result[where] = None
+
+    t = trainer(args.strategy, 2, [SaveAt(1, registered_fails)], async_save=True)
+    t.fit(Model(shard=args.strategy == "mp"))
     return result
 
 

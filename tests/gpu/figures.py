@@ -103,8 +103,9 @@ class Measure(L.Callback):
         strategy.wait_for_checkpoint()
         peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
 
-        staging_gbps = staged_bytes / staging_s / 1e9
-        copy_gbps = plain_copy_gbps(staged_bytes, device)
+        # On CPU a step's parameters are deferred too: then nothing is copied before the call returns.
+        staging_gbps = staged_bytes / staging_s / 1e9 if staged_bytes else None
+        copy_gbps = plain_copy_gbps(staged_bytes, device) if staged_bytes else None
         self.figures = {
             "sync_save_s": sync_s,
             "async_stall_s": stall_s,
@@ -114,7 +115,7 @@ class Measure(L.Callback):
             "staging_s": staging_s,
             "staging_gbps": staging_gbps,
             "pinned_copy_gbps": copy_gbps,
-            "staging_vs_pinned_copy": staging_gbps / copy_gbps,
+            "staging_vs_pinned_copy": staging_gbps / copy_gbps if staging_gbps and copy_gbps else None,
         }
         if device == "cuda":
             self.figures.update(

@@ -243,7 +243,21 @@ def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: i
     )
 
 
+#: Each handle's parameter views already made: index -> (where its memory is, the ``ShardedTensor``).
+_PARAM_VIEWS: weakref.WeakKeyDictionary[Any, dict[int, tuple[tuple[int, int], Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+#: Views of optimizer state tensors already made, by ``id`` of the state tensor (a tensor cannot be a
+#: weak key: its ``==`` is elementwise): (weak reference to it, where, layout, ``ShardedTensor``).
+_STATE_VIEWS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], ParamLayout, Any]] = {}
+
+
 def param_tensor(handle: Any, index: int) -> Any:
+    """The ``ShardedTensor`` of views of original parameter ``index`` of ``handle``'s flat shard.
+
+    Made once per memory: a save's state dict asks for it each time (building one takes about 0.2 ms of
+    Python, 16 of them 3-6 ms of an FSDP1 async save's stall); the views hold the memory they view, so
+    the same address means the same memory."""
     layout = layouts(handle)[index]
     flat = handle.flat_param.detach()
     if layout.local is None:
@@ -251,7 +265,25 @@ def param_tensor(handle: Any, index: int) -> Any:
     else:
         offset, numel, _ = layout.local
         local = flat[offset : offset + numel]
-    return sharded_tensor(local, layout, handle.process_group, handle.rank)
+    where = (local.data_ptr(), local.numel())
+    made = _PARAM_VIEWS.setdefault(handle, {})
+    known = made.get(index)
+    if known is None or known[0] != where:
+        known = made[index] = (where, sharded_tensor(local, layout, handle.process_group, handle.rank))
+    return known[1]
+
+
+def state_tensor(value: torch.Tensor, layout: ParamLayout, group: Any, rank: int) -> Any:
+    """:func:`sharded_tensor` of an optimizer state tensor (the piece of a parameter), made once per
+    tensor, memory and layout (see :func:`param_tensor`)."""
+    where = (value.data_ptr(), value.numel())
+    key = id(value)
+    known = _STATE_VIEWS.get(key)
+    if known is None or known[0]() is not value or known[1] != where or known[2] is not layout:
+        ref = weakref.ref(value, lambda _, key=key: _STATE_VIEWS.pop(key, None))  # type: ignore[misc]
+        known = (ref, where, layout, sharded_tensor(value.detach(), layout, group, rank))
+        _STATE_VIEWS[key] = known
+    return known[3]
 
 
 def copy_into_shard(target: Any, value: Any) -> None:

@@ -11,7 +11,13 @@ from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.fsdp1.layout import layouts, param_index, sharded_tensor, supported
+from lightning_sharded.checkpoint.fsdp1.layout import (
+    layouts,
+    param_index,
+    sharded_tensor,
+    state_tensor,
+    supported,
+)
 from lightning_sharded.tensors import adapter_for
 
 __all__ = ["loaded_optimizer_state", "optimizer_state_dict", "optimizer_template"]
@@ -69,7 +75,7 @@ def _state_views(
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 if value.dim() != 1 or value.numel() != numel or not value.is_contiguous():
                     return None
-                out[entry] = sharded_tensor(value.detach(), layout, handle.process_group, handle.rank)
+                out[entry] = state_tensor(value, layout, handle.process_group, handle.rank)
             else:
                 out[entry] = value
         state[name] = out
