@@ -395,3 +395,43 @@ def test_saver_close_waits_and_raises(tmp_path: Path) -> None:
     saver.save(tmp_path / "a", {"x": torch.zeros(3)}, slow)
     saver.close()
     assert written == [tmp_path / "a"]
+
+
+def test_a_removal_queued_after_a_save_runs_after_it_and_never_after_a_failed_one(tmp_path: Path) -> None:
+    # ModelCheckpoint(save_top_k=1) saves the new checkpoint, then removes the previous one: with
+    # async_save the removal is queued behind the save. It must see the save published, and a save that
+    # failed must leave the previous checkpoint in place (nothing valid destroyed by a failed save).
+    saver = AsyncSaver()
+    events: list[str] = []
+
+    def slow(path: Path, state: Any, group: Any) -> None:
+        time.sleep(0.1)
+        events.append(f"saved {path.name}")
+
+    def failing(path: Path, state: Any, group: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    saver.save(tmp_path / "new", {"x": torch.zeros(3)}, slow)
+    saver.later(lambda: events.append("removed old"), "removing 'old'")
+    saver.wait()
+    assert events == ["saved new", "removed old"]
+
+    saver.save(tmp_path / "newer", {"x": torch.zeros(3)}, failing)
+    saver.later(lambda: events.append("removed new"), "removing 'new'")
+    with pytest.raises(CheckpointError, match=r"newer.*No space left on device"):
+        saver.wait()
+    assert events == ["saved new", "removed old"]  # 'new' stays: the save meant to replace it failed
+
+    # A save after the failure queues and runs its removal again.
+    saver.save(tmp_path / "newest", {"x": torch.zeros(3)}, slow)
+    saver.later(lambda: events.append("removed new"), "removing 'new'")
+    saver.wait()
+    assert events[-2:] == ["saved newest", "removed new"]
+
+    def broken() -> None:
+        raise PermissionError(13, "Permission denied", "old")
+
+    saver.later(broken, "removing 'old'")
+    with pytest.raises(CheckpointError, match=r"In the background, removing 'old' failed.*Permission denied"):
+        saver.wait()
+    saver.close()

@@ -287,10 +287,17 @@ class AsyncSaver:
         """Run ``chore`` in the background thread once the save in flight (if any) is published, as
         ``ModelCheckpoint``'s removal of an older checkpoint: in the training thread, rank 0's removal of
         a 50 MB checkpoint (rename, delete, directory ``fsync``) took 0.02-0.05 s of every save here.
-        Its error is raised by the next :meth:`wait`, naming ``what``."""
+        Its error is raised by the next :meth:`wait`, naming ``what``. After a save that failed it does
+        not run: what the save was to replace stays (the save's own error is raised by :meth:`wait`)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
-        self._chores.append((what, self._executor.submit(chore)))
+        after = self._future  # one worker: done (published or failed) by the time the chore starts
+
+        def run() -> None:
+            if after is None or after.exception() is None:
+                chore()
+
+        self._chores.append((what, self._executor.submit(run)))
 
     def wait(self) -> None:
         """Block until the save in flight, if any, is written and published (and the chores queued
