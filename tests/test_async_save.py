@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import lightning_sharded
 from lightning_sharded.checkpoint import read_manifest
@@ -435,3 +436,19 @@ def test_a_removal_queued_after_a_save_runs_after_it_and_never_after_a_failed_on
     with pytest.raises(CheckpointError, match=r"In the background, removing 'old' failed.*Permission denied"):
         saver.wait()
     saver.close()
+
+
+def test_only_what_the_optimizers_update_is_deferred() -> None:
+    # The model-state entries an async save copies after it returns: the trainable parameters' memory
+    # (views of it too), never buffers, frozen parameters or tensors of their own.
+    from lightning_sharded.strategies._checkpointing import _updated_by
+
+    model = nn.Module()
+    model.trained = nn.Linear(4, 4)
+    model.frozen = nn.Linear(4, 4).requires_grad_(False)
+    model.register_buffer("running", torch.zeros(4))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = dict(model.state_dict())
+    state["view"] = model.trained.weight.detach()[1:3]  # a view of a trained parameter's memory
+    state["copy"] = model.trained.weight.detach().clone()  # equal values, its own memory
+    assert _updated_by(state, [optimizer]) == ["trained.bias", "trained.weight", "view"]
