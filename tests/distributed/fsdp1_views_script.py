@@ -9,6 +9,7 @@ after one step. Checks, on every rank, and writes ``DIR/ok`` from rank 0 when al
 1. the views' model and optimizer state dicts hold exactly torch's values (``get_model_state_dict`` /
    ``get_optimizer_state_dict``, which gather), same keys (the optimizer's: the union over ranks);
 2. a checkpoint written from the views restores into a fresh model exactly, and both continue alike;
+   the next save's state dicts are the same views (made once), holding the values after that step;
 3. a checkpoint written from torch's own state dicts (what stock ``FSDPStrategy`` writes) restores
    through the views exactly;
 4. so does a full file (gathered on rank 0), whose values are copied into the views.
@@ -135,6 +136,26 @@ def main() -> None:
     step(model, optimizer, 7)
     step(fresh, fresh_optimizer, 7)
     same(full_model(fresh), full_model(model), "model after one more step")
+
+    # 2b. the next save's state dicts reuse the views made for the first (made once per memory), and
+    # they show the values after that step
+    again = state_dicts.model_state_dict(model, full=False)
+    assert all(again[k] is views[k] for k in views if k != "buf"), "model views made again"
+    now = full_model(model)
+    for key in sorted(again):
+        assert torch.equal(to_full(again[key]), now[key]), key
+    optim_again = state_dicts.optimizer_state_dict(model, optimizer, full=False)["state"]
+    now_optim = full_optimizer(model, optimizer)
+    for name, entries in optim_again.items():
+        for entry, value in entries.items():
+            if type(value).__name__ == "ShardedTensor":
+                assert value is optim_views["state"][name][entry], (name, entry, "made again")
+                for shard in value.local_shards():
+                    m = shard.metadata
+                    index = tuple(
+                        slice(o, o + s) for o, s in zip(m.shard_offsets, m.shard_sizes, strict=True)
+                    )
+                    assert torch.equal(shard.tensor, now_optim[(name, entry)][index]), (name, entry)
 
     # 3. a checkpoint in torch's own chunking restores through the views
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sharded.tensors import adapter_for
 
@@ -247,9 +248,9 @@ def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: i
 _PARAM_VIEWS: weakref.WeakKeyDictionary[Any, dict[int, tuple[tuple[int, int], Any]]] = (
     weakref.WeakKeyDictionary()
 )
-#: Views of optimizer state tensors already made, by ``id`` of the state tensor (a tensor cannot be a
-#: weak key: its ``==`` is elementwise): (weak reference to it, where, layout, ``ShardedTensor``).
-_STATE_VIEWS: dict[int, tuple[weakref.ref[torch.Tensor], tuple[int, int], ParamLayout, Any]] = {}
+#: Views of optimizer state tensors already made, keyed by the state tensor (by identity: a tensor's
+#: ``==`` is elementwise), dropped with it: (where its memory is, layout, ``ShardedTensor``).
+_STATE_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def param_tensor(handle: Any, index: int) -> Any:
@@ -277,13 +278,10 @@ def state_tensor(value: torch.Tensor, layout: ParamLayout, group: Any, rank: int
     """:func:`sharded_tensor` of an optimizer state tensor (the piece of a parameter), made once per
     tensor, memory and layout (see :func:`param_tensor`)."""
     where = (value.data_ptr(), value.numel())
-    key = id(value)
-    known = _STATE_VIEWS.get(key)
-    if known is None or known[0]() is not value or known[1] != where or known[2] is not layout:
-        ref = weakref.ref(value, lambda _, key=key: _STATE_VIEWS.pop(key, None))  # type: ignore[misc]
-        known = (ref, where, layout, sharded_tensor(value.detach(), layout, group, rank))
-        _STATE_VIEWS[key] = known
-    return known[3]
+    known = _STATE_VIEWS.get(value)
+    if known is None or known[0] != where or known[1] is not layout:
+        known = _STATE_VIEWS[value] = (where, layout, sharded_tensor(value.detach(), layout, group, rank))
+    return known[2]
 
 
 def copy_into_shard(target: Any, value: Any) -> None:
