@@ -135,6 +135,8 @@ def test_a_registered_state_that_fails_on_one_rank_fails_the_next_save_on_every_
         assert "'mix' could not be saved: its state_dict() raised ValueError: not now" in message, message
         assert "(The background save of the checkpoint" in message, message
     assert_whole(root / "sync")  # nothing of that save was written over the complete checkpoint
+    assert not torch.load(root / "main.rank0.pt", weights_only=False)["other before"]
+    assert_whole(root / "other")  # written by the save after the object was mended
     assert_equal(
         torch.load(root / "main.rank0.pt", weights_only=False)["saved"], read_values(root / "sync", strategy)
     )

@@ -10,7 +10,8 @@ Usage: ``python scenario_async.py PHASE --dir DIR --strategy {mp,fsdp}``; result
   in the training process by the next ``save_checkpoint``, and by the end of ``fit`` (teardown) when no
   save follows; the previous checkpoint must stay. Last, a registered per-rank object whose
   ``state_dict()`` fails on rank 1 only: that ``save_checkpoint`` returns on both ranks (an async save
-  takes no collective in the training thread) and the next save raises the same error on both.
+  takes no collective in the training thread) and the next save raises the same error on both; once
+  the object is mended, the save after goes through.
 - ``kill``: saves version 1 synchronously at step 1, records its values, then at step 2 starts an
   async save over it with ``LIGHTNING_SHARDED_FAULT=after_write@1``: rank 1 SIGKILLs itself in the
   background thread after writing its shards. The launcher kills what is left; the test then checks
@@ -200,6 +201,10 @@ def main_phase(args: argparse.Namespace) -> dict[str, Any]:
         def load_state_dict(self, state: dict[str, int]) -> None:
             pass
 
+    class Mended(Mix):
+        def state_dict(self) -> dict[str, int]:
+            return {"level": 1}
+
     def registered_fails(t: L.Trainer) -> None:
         register_rank_state(t.lightning_module, "mix", Mix())
         for where, target in (("registered_save_error", "sync"), ("registered_next_error", "other")):
@@ -209,6 +214,11 @@ def main_phase(args: argparse.Namespace) -> dict[str, Any]:
                 result[where] = f"{type(err).__name__}: {err}"
             else:
                 result[where] = None
+        # Past the failure: with the object mended, the next save goes through on every rank.
+        register_rank_state(t.lightning_module, "mix", Mended(), replace=True)
+        result["other before"] = (d / "other").exists()
+        t.save_checkpoint(d / "other")
+        t.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
 
     t = trainer(args.strategy, 2, [SaveAt(1, registered_fails)], async_save=True)
     t.fit(Model(shard=args.strategy == "mp"))
