@@ -180,14 +180,11 @@ class AsyncSaver:
         if not self._may_defer(optimizers):
             defer = ()
         staged = self.buffers.stage(state, defer=defer)
-        versions = [tensor._version for tensor in watch] if self.buffers.deferred else []
-        staging = self._copy_deferred(optimizers, list(watch), versions) if self.buffers.deferred else None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
+        staging = self._copy_deferred(optimizers, watch) if self.buffers.deferred else None
         with self._lock:
             self._path = path
             self._staging = staging
-            self._future = self._executor.submit(self._run, write, path, staged, group, staging)
+            self._future = self._worker().submit(self._run, write, path, staged, group, staging)
         self.last_stall_s = time.perf_counter() - start
         log.info(
             "Staged checkpoint %s in %.2f s (%.2f GB, %.2f GB newly allocated, %.2f GB of optimizer state"
@@ -227,11 +224,13 @@ class AsyncSaver:
         self._tracking += [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
 
     def _copy_deferred(
-        self, optimizers: Sequence[torch.optim.Optimizer], watch: list[torch.Tensor], versions: list[int]
+        self, optimizers: Sequence[torch.optim.Optimizer], watch: Sequence[torch.Tensor]
     ) -> Future[None]:
         """Start the deferred copies in a new thread (which has the caller's priority, not the writer's);
         every optimizer's next ``step()`` waits until they are done. A ``watch`` tensor changed in place
-        since ``versions`` were read fails them."""
+        from now (the state was just staged) until they are done fails them."""
+        watch = list(watch)
+        versions = [tensor._version for tensor in watch]
         done: Future[None] = Future()
         done.set_running_or_notify_cancel()
 
@@ -283,21 +282,25 @@ class AsyncSaver:
             raise _BackgroundError(err) from err
         log.info("Background save of %s finished in %.2f s", path, time.perf_counter() - start)
 
+    def _worker(self) -> ThreadPoolExecutor:
+        """The one background thread: saves and the chores queued after them run in order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
+        return self._executor
+
     def later(self, chore: Callable[[], None], what: str) -> None:
         """Run ``chore`` in the background thread once the save in flight (if any) is published, as
         ``ModelCheckpoint``'s removal of an older checkpoint: in the training thread, rank 0's removal of
         a 50 MB checkpoint (rename, delete, directory ``fsync``) took 0.02-0.05 s of every save here.
         Its error is raised by the next :meth:`wait`, naming ``what``. After a save that failed it does
         not run: what the save was to replace stays (the save's own error is raised by :meth:`wait`)."""
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-save")
         after = self._future  # one worker: done (published or failed) by the time the chore starts
 
         def run() -> None:
             if after is None or after.exception() is None:
                 chore()
 
-        self._chores.append((what, self._executor.submit(run)))
+        self._chores.append((what, self._worker().submit(run)))
 
     def wait(self) -> None:
         """Block until the save in flight, if any, is written and published (and the chores queued
