@@ -32,6 +32,7 @@ from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
 from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._partial import PartialCheckpoints
+from lightning_sharded.tensors import adapter_for
 
 StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
@@ -46,13 +47,10 @@ DEFAULT_CHECKPOINT_TIMEOUT = 300.0
 
 
 def _local_tensors(value: Any) -> list[Tensor]:
-    """A state-dict value's local tensors (a ``DTensor``'s, a ``ShardedTensor``'s shards); none else."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        return [value._local_tensor]
-    if type(value).__name__ == "ShardedTensor":  # not imported: it warns of its deprecation
-        return [shard.tensor for shard in value.local_shards()]
+    """A state-dict value's local tensors (a sharded value's, by its kind's adapter); none else."""
+    adapter = adapter_for(value)
+    if adapter is not None:
+        return adapter.local_tensors(value)
     return [value] if isinstance(value, Tensor) else []
 
 

@@ -57,6 +57,10 @@ class ShardedAdapter(Protocol):
         """Gather the whole tensor on every rank (collective for distributed values)."""
         ...
 
+    def local_tensors(self, value: Any) -> list[torch.Tensor]:
+        """The tensors holding this rank's part of ``value`` (its memory; not copies)."""
+        ...
+
     def groups(self, value: Any) -> list[Any]:
         """Process groups whose all-reduces, one after the other, reach every rank that holds ``value``.
 

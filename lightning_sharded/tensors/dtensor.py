@@ -63,6 +63,9 @@ class DTensorAdapter:
     def to_full(self, value: Any) -> torch.Tensor:
         return value.full_tensor()  # type: ignore[no-any-return]
 
+    def local_tensors(self, value: Any) -> list[torch.Tensor]:
+        return [value._local_tensor]
+
     def groups(self, value: Any) -> list[Any]:
         mesh = value.device_mesh
         # Reducing along each mesh dimension in turn reaches the whole mesh.

@@ -63,6 +63,9 @@ class ShardedTensorAdapter:
                 index = _index(shard.metadata)
                 shard.tensor.copy_(source[index].to(device=shard.tensor.device))
 
+    def local_tensors(self, value: Any) -> list[torch.Tensor]:
+        return [shard.tensor for shard in value.local_shards()]
+
     def to_full(self, value: Any) -> torch.Tensor:
         meta = value.metadata()
         full = torch.zeros(value.size(), dtype=meta.tensor_properties.dtype, device=rank_device(value))
