@@ -45,14 +45,20 @@ PARTS = {
     f"ckpt/{MANIFEST_NAME}": "its manifest",
     "ckpt/rank_state/rank-00001.pt": "the per-rank state of rank 1",
     "ckpt/rank_state": "its folder of per-rank state files",
+    "ckpt/index/rank-00001.json": "the per-rank index of rank 1",
+    "ckpt/index/layout.json": "its index layout",
+    "ckpt/index": "its per-rank index folder",
 }
 
 
 @pytest.fixture
 def here(sharded_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The current directory, holding ``ckpt`` (2 ranks, with a ``rank_state`` folder)."""
+    """The current directory, holding ``ckpt`` (2 ranks, with a ``rank_state`` and an ``index`` folder)."""
     (sharded_ckpt / "rank_state").mkdir()
     shutil.copy(sharded_ckpt / "meta.pt", sharded_ckpt / "rank_state" / "rank-00001.pt")
+    (sharded_ckpt / "index").mkdir()  # the per-rank index's files, as this library's saves write them
+    (sharded_ckpt / "index" / "layout.json").write_text("{}")
+    (sharded_ckpt / "index" / "rank-00001.json").write_text("{}")
     monkeypatch.chdir(sharded_ckpt.parent)
     return sharded_ckpt.parent
 
@@ -61,7 +67,7 @@ def here(sharded_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_part_of_a_checkpoint_names_its_directory_everywhere(
     here: Path, part: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    noun = "directory" if part.endswith("rank_state") else "file"
+    noun = "directory" if part.endswith(("rank_state", "index")) else "file"
     expected = f"The {noun} {part!r} is one part of the sharded checkpoint 'ckpt' ({PARTS[part]}"
     messages = set()
     for name, read in READERS.items():

@@ -47,7 +47,13 @@ LAYERS: Layers = [
     (
         2,
         "format",
-        ("checkpoint.detect", "checkpoint.hf_layout", "checkpoint.dcp_index", "checkpoint.lightning_meta"),
+        (
+            "checkpoint.detect",
+            "checkpoint.hf_layout",
+            "checkpoint.dcp_index",
+            "checkpoint.rank_index",
+            "checkpoint.lightning_meta",
+        ),
     ),
     (2, "staging", ("checkpoint.staging",)),
     (

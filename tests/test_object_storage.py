@@ -228,7 +228,7 @@ def test_verify_catches_a_corrupted_object(
     fitted["mp-sharded"]
     copy(fs, src, url)
     code, out, _ = run_cli(capsys, "verify", url)
-    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 7 files," in out, out
+    assert code == 0 and out.startswith(f"OK: {url}/data-") and "(sharded, 10 files," in out, out
     version = detect(url).data
     shard = f"{version}/__1_0.distcp"
     data = bytearray(fs.cat_file(shard))
@@ -260,7 +260,7 @@ def test_inspect_an_s3_checkpoint(fitted: Results, s3: S3Server, capsys: pytest.
     assert f"path:        {url}/data-" in out
     code, out, _ = run_cli(capsys, "inspect", url, "--json")
     data = json.loads(out)
-    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 7
+    assert data["world_size"] == 2 and data["has_manifest"] and data["files"] == 10
     assert data["rank_state_ranks"] == 2  # rank_state/rank-0000{0,1}.pt, nested under the version
     assert any(e["key"].startswith("model.layer1") and e["shards"] == 2 for e in data["entries"])
     code, out, _ = run_cli(capsys, "inspect", s3.url("fits/fsdp-full"))

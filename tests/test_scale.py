@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_FILES = (".metadata", "meta.pt", "manifest")
+SMALL_FILES = (".metadata", "meta.pt", "manifest", "index layout")
+#: The per-rank index files: a rank's own, and the others'.
+INDEXES = ("own index", "other indexes")
 SHARED = (*SMALL_FILES, "directory")
 
 
@@ -93,24 +95,43 @@ def test_per_rank_operations_on_shared_files_do_not_grow_with_n(report: dict[str
     for phase, rank, small, large in runs(report, backend):
         # Rank 0 lists the checkpoint once (one stat per file, linear there by design); every other
         # count of ours, on every rank, is the same at 8 and at 64 ranks.
-        classes = SHARED if rank == "0" else (*SHARED, "own shard", "other shards")
+        classes = SHARED if rank == "0" else (*SHARED, "own shard", "other shards", *INDEXES)
         at_8, at_64 = ops(small, section, ("ours",), classes), ops(large, section, ("ours",), classes)
         assert at_8 == at_64, (phase, rank, at_8, at_64)
         if rank == "last":
-            assert ops(large, section, ("ours",), ("other shards",)) == {}, (phase, large[section])
+            # Loading at the world size it was saved at, a rank reads its own index file, no other.
+            assert ops(large, section, ("ours",), ("other shards", "other indexes")) == {}, (
+                phase,
+                large[section],
+            )
         assert {k: n for k, (n, _) in small["collectives"].get("ours", {}).items()} == {
             k: n for k, (n, _) in large["collectives"].get("ours", {}).items()
         }, (phase, rank)
 
 
 def test_our_s3_requests_per_rank_other_than_0(report: dict[str, Any]) -> None:
-    every = (".metadata", "meta.pt", "manifest", "directory", "own shard", "other shards")
+    every = (
+        ".metadata",
+        "meta.pt",
+        "manifest",
+        "index layout",
+        "directory",
+        "own shard",
+        "other shards",
+        *INDEXES,
+    )
     for phase, rank, _, large in runs(report, "s3"):
         if rank != "last":
             continue
         ours = ops(large, "s3", ("ours",), every)
-        # A save: none (DCP puts the shard); a load: the size of its own shard, one HEAD.
-        assert ours == ({} if phase == "save" else {"ours HEAD own shard": 1}), (phase, ours)
+        # A save: its own index file (DCP puts the shard). A load: the sizes of its own shard and index
+        # file (HEADs: the index file's size is asked for twice), and its own index file (one GET).
+        expected = (
+            {"ours PUT own index": 1}
+            if phase == "save"
+            else {"ours HEAD own shard": 1, "ours HEAD own index": 2, "ours GET own index": 1}
+        )
+        assert ours == expected, (phase, ours)
 
 
 def test_rank_0_gathers_the_manifest_entries_alone(report: dict[str, Any]) -> None:
@@ -123,9 +144,10 @@ def test_rank_0_gathers_the_manifest_entries_alone(report: dict[str, Any]) -> No
 
 
 def test_manifest_grows_linearly_with_a_small_constant(report: dict[str, Any]) -> None:
+    # Each rank adds two entries: its shard file and its per-rank index file.
     small, large = (report["local"][n]["ours"]["manifest_bytes"] for n in ("8", "64"))
-    per_file = (large - small) / (64 - 8)
-    assert 0 < per_file < 120, per_file
+    per_rank = (large - small) / (64 - 8)
+    assert 0 < per_rank < 2 * 120, per_rank
 
 
 def test_a_reader_given_the_index_never_reads_metadata(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from benchmarks.scale.report import markdown, plot
 from benchmarks.scale.runs import ROWS, RUNS, fake_world, spy_writers
 from benchmarks.scale.simworld import SimWorld
 from benchmarks.scale.stores import S3, Local, Store
+from lightning_sharded.checkpoint import names
 
 SIZES = (8, 64, 512, 4096)
 QUICK_SIZES = (8, 64)
@@ -101,6 +102,10 @@ def run_size(
             if count:
                 out[impl]["manifest_bytes"] = store.size(store.manifest(target)) if impl == "ours" else 0
                 out[impl]["metadata_bytes"] = store.size(store.index(target))
+                if impl == "ours":  # the per-rank index: what rank N-1 reads of it
+                    out[impl]["layout_bytes"] = store.size(store.index(target, names.INDEX_LAYOUT))
+                    last = names.rank_index_file(other)
+                    out[impl]["rank_index_bytes"] = store.size(store.index(target, last))
     return out
 
 
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         [int(n) for n in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     )
     times = not args.no_times
-    impls = ("ours",) if args.no_stock else ("ours", "stock")
+    impls = ("ours",) if args.no_stock else ("ours", "ours-whole", "stock")
+    s3_impls = tuple(i for i in impls if i != "ours-whole")  # without the index: local runs only
     report: dict[str, Any] = {"sizes": sizes, "rows_per_rank": ROWS}
     with tempfile.TemporaryDirectory(prefix="scale-", dir=args.dir) as tmp:
         store: Store = Local(Path(tmp))
@@ -150,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 s3_sizes = [int(n) for n in args.s3_sizes.split(",")] if args.s3_sizes else sizes
                 for n in s3_sizes:
                     started = time.perf_counter()
-                    report["s3"][str(n)] = run_size(store, n, times=times, impls=impls)
+                    report["s3"][str(n)] = run_size(store, n, times=times, impls=s3_impls)
                     print(f"s3 N={n}: {time.perf_counter() - started:.1f}s", flush=True)
                     save(report, args.out)
     save(report, args.out)

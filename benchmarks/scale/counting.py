@@ -31,6 +31,7 @@ from benchmarks.scale.simworld import SimWorld
 from benchmarks.timing import patched
 
 _SHARD = re.compile(r"__(\d+)_\d+\.distcp$")
+_RANK_INDEX = re.compile(r"^rank-(\d+)\.json$")
 _DCP_ENTRY = (
     os.sep + os.path.join("torch", "distributed", "checkpoint", "state_dict_saver.py"),
     os.sep + os.path.join("torch", "distributed", "checkpoint", "state_dict_loader.py"),
@@ -47,6 +48,11 @@ def file_class(path: str, rank: int) -> str:
         return "meta.pt"
     if name.endswith("lightning_sharded.json") or name.endswith("lightning_sharded.json.tmp"):
         return "manifest"
+    if name == "layout.json":
+        return "index layout"
+    m = _RANK_INDEX.search(name)
+    if m:
+        return "own index" if int(m.group(1)) == rank else "other indexes"
     m = _SHARD.search(name)
     if m:
         return "own shard" if int(m.group(1)) == rank else "other shards"
@@ -296,11 +302,12 @@ def instrument(tally: Tally, world: SimWorld | None, *, files: bool = True) -> I
             if world is None:
                 tally.collective(name, 0)
                 return real(*args, **kwargs)
-            cpu, wall = time.process_time(), time.perf_counter()
+            cpu, wall, own = time.process_time(), time.perf_counter(), world.own_cpu
             with tally.paused():
                 nbytes = getattr(world, name)(*args, **kwargs)
-            world.cpu += time.process_time() - cpu
-            world.wall += time.perf_counter() - wall
+            # the simulation's own time, less the pickling a real rank does itself (SimWorld.own_cpu)
+            world.cpu += time.process_time() - cpu - (world.own_cpu - own)
+            world.wall += time.perf_counter() - wall - (world.own_cpu - own)
             tally.collective(name, nbytes)
             return None
 

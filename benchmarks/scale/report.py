@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 #: The files every rank needs (and the directories): a rank's operations on them must not grow with N.
-SHARED = (".metadata", "meta.pt", "manifest", "directory")
+SHARED = (".metadata", "meta.pt", "manifest", "index layout", "directory")
+#: The per-rank index files (``index/rank-<k>.json``): a rank's own and the others'.
+INDEXES = ("own index", "other indexes")
 
 
 def total(
@@ -71,7 +73,9 @@ PER_RANK: list[tuple[str, Callable[[Of, str], float]]] = [
     ),
     (
         "ours, all ops",
-        lambda of, section: total(of("ours"), section, classes=(*SHARED, "own shard", "other shards")),
+        lambda of, section: total(
+            of("ours"), section, classes=(*SHARED, "own shard", "other shards", *INDEXES)
+        ),
     ),
     ("ours, collectives", lambda of, section: collectives(of("ours"))[0]),
     ("ours, collective bytes", lambda of, section: collectives(of("ours"))[1]),
@@ -79,6 +83,20 @@ PER_RANK: list[tuple[str, Callable[[Of, str], float]]] = [
     ("ours, Python peak bytes", lambda of, section: of("ours")["peak_python_bytes"]),
     ("ours, CPU s", lambda of, section: of("ours")["cpu_s"]),
     ("stock, CPU s", lambda of, section: of("stock")["cpu_s"]),
+]
+
+
+#: The load of a checkpoint without the per-rank index (``ours-whole``), beside ours.
+PER_RANK_WHOLE: list[tuple[str, Callable[[Of, str], float]]] = [
+    (
+        "ours without the per-rank index, collective bytes",
+        lambda of, section: collectives(of("ours-whole"))[1],
+    ),
+    (
+        "ours without the per-rank index, Python peak bytes",
+        lambda of, section: of("ours-whole")["peak_python_bytes"],
+    ),
+    ("ours without the per-rank index, CPU s", lambda of, section: of("ours-whole")["cpu_s"]),
 ]
 
 
@@ -105,6 +123,23 @@ def rows(report: dict[str, Any], backend: str) -> list[tuple[str, list[float]]]:
         for rank_label, last in (("rank 0", False), ("rank N-1", True)):
             for name, value in PER_RANK:
                 add(f"{phase} {rank_label}: {name}", per_rank(value, phase, last))
+    # The index a loading rank gets: ours, its part (the layout, broadcast by rank 0, and its own
+    # file); without the per-rank index (a checkpoint of an earlier version), DCP's whole `.metadata`
+    # broadcast; stock, `.metadata` read from storage by each of its two dcp.load calls.
+    add(
+        "load rank N-1: ours, index bytes (layout + its own index file)",
+        lambda at_n: float(at_n["ours"]["layout_bytes"] + at_n["ours"]["rank_index_bytes"]),
+    )
+    add(
+        "load rank N-1: ours without the per-rank index, index bytes (.metadata)",
+        lambda at_n: float(at_n["ours"]["metadata_bytes"]),
+    )
+    add(
+        "load rank N-1: stock, index bytes (.metadata, read twice)",
+        lambda at_n: float(2 * at_n["stock"]["metadata_bytes"]),
+    )
+    for name, value in PER_RANK_WHOLE:
+        add(f"load rank N-1: {name}", per_rank(value, "load", True))
     add("manifest bytes", lambda at_n: float(at_n["ours"]["manifest_bytes"]))
     add(".metadata bytes", lambda at_n: float(at_n["ours"]["metadata_bytes"]))
     return out

@@ -1,7 +1,9 @@
 """What each simulated rank runs: the tiny model, and the save and load of each implementation.
 
 - ``ours``: ``write_sharded_checkpoint`` then ``restore_checkpoint`` (manifest, commit, checks,
-  decisions, DCP underneath);
+  decisions, DCP underneath; each loading rank reads its part of the per-rank index);
+- ``ours-whole``: the same without the per-rank index (a checkpoint of an earlier version): rank 0
+  reads DCP's whole ``.metadata`` and broadcasts it;
 - ``stock``: what stock Lightning does: ``dcp.save`` plus ``meta.pt`` from rank 0; ``dcp.load`` of the
   model and the optimizer and ``torch.load`` of ``meta.pt`` on every rank.
 
@@ -32,11 +34,25 @@ def fake_world(rank: int, world_size: int) -> Iterator[Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    _forget_sharding_cache()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        _forget_sharding_cache()
+
+
+def _forget_sharding_cache() -> None:
+    """DTensor's sharding propagation caches its output specs by the inputs' (meshes compare equal across
+    worlds of the same shape), and a cached spec keeps the mesh it was made with: a rank played after
+    another would see DTensors on the earlier rank's mesh (its coordinate), and read that rank's shards."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's own cache
 
 
 def build(mesh: Any, seed: int, *, step: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -74,19 +90,33 @@ def spy_writers(world: SimWorld, store: Store) -> Iterator[None]:
     from lightning_sharded.checkpoint.backends.local import LocalBackend
     from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 
+    moved: dict[str, str] = {}  # on S3: the staged version -> where a replayed rank writes instead
+
     def spy(real: Any) -> Any:
         def dcp_writer(self: Any, staging: Any, **kwargs: Any) -> Any:
             if world.rank == 0:
                 world.replicate = store.replicate(staging)
             elif isinstance(staging, str):  # on S3 the staged version is the published one: not over it
-                staging = f"{staging}-rank{world.rank}"
+                moved[staging] = f"{staging}-rank{world.rank}"
+                staging = moved[staging]
             return real(self, staging, **kwargs)
 
         return dcp_writer
 
+    def beside(real: Any) -> Any:
+        def write_bytes(self: Any, loc: Any, data: bytes) -> None:  # a replayed rank's own small files
+            for staged, instead in moved.items():
+                if isinstance(loc, str) and loc.startswith(staged + "/"):
+                    loc = instead + loc[len(staged) :]
+            real(self, loc, data)
+
+        return write_bytes
+
     with contextlib.ExitStack() as stack:
         for cls in (LocalBackend, ObjectStoreBackend):
             stack.enter_context(patched(cls, "dcp_writer", spy(cls.dcp_writer)))
+        real_write = ObjectStoreBackend.write_bytes
+        stack.enter_context(patched(ObjectStoreBackend, "write_bytes", beside(real_write)))
         yield
 
 
@@ -100,6 +130,15 @@ def save_ours(target: Any, mesh: Any, rank: int, world: SimWorld, store: Store) 
         "optimizer_0": optimizer_state_dict(model, optimizer, full=False),
     }
     write_sharded_checkpoint(target, state, dict(LIGHTNING_REST), rank=rank)
+
+
+def save_ours_whole(target: Any, mesh: Any, rank: int, world: SimWorld, store: Store) -> None:
+    """Our save, then the per-rank index taken out (as a checkpoint of a version before it): its load
+    is the whole-index path, rank 0 reading ``.metadata`` and broadcasting it (not counted: rank 0
+    rewrites the manifest after the save)."""
+    save_ours(target, mesh, rank, world, store)
+    if rank == 0:
+        store.drop_index(target)
 
 
 def load_ours(target: Any, mesh: Any, rank: int, world: SimWorld, store: Store) -> None:
@@ -156,6 +195,8 @@ Run = Callable[[Any, Any, int, SimWorld, Store], None]
 RUNS: dict[tuple[str, str], Run] = {
     ("ours", "save"): save_ours,
     ("ours", "load"): load_ours,
+    ("ours-whole", "save"): save_ours_whole,
+    ("ours-whole", "load"): load_ours,
     ("stock", "save"): save_stock,
     ("stock", "load"): load_stock,
 }

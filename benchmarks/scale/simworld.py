@@ -53,6 +53,10 @@ class SimWorld:
         self._last_gathered: Any = None
         self.cpu = 0.0  # seconds spent in the simulation itself (not the rank's own work)
         self.wall = 0.0
+        #: Seconds of the collectives' pickling that are the rank's own work in a real world (its
+        #: ``pickle.dumps`` of what it sends, ``pickle.loads`` of what it receives), measured inside the
+        #: simulated collectives: :func:`~benchmarks.scale.counting.instrument` keeps them in the rank's time.
+        self.own_cpu = 0.0
 
     # -- what the other ranks would send ----------------------------------------------------------
 
@@ -147,9 +151,63 @@ class SimWorld:
         entries = [
             FileEntry(path.replace(own, theirs, 1), size, crc, k) for path, size, crc in self._shard_files
         ]
+        index = self._rank_index_as(k)
+        if index is not None:
+            entries.append(index)
         return entries, None
 
+    def _rank_index_as(self, k: int) -> Any:
+        """Rank ``k``'s per-rank index file, made from this rank's (its shard pieces moved to rank
+        ``k``'s rows and file) and put in place; its manifest entry. ``None`` without such a file."""
+        import json
+
+        from lightning_sharded.checkpoint import names
+        from lightning_sharded.checkpoint.manifest import FileEntry
+
+        put = getattr(self.replicate, "put", None)
+        read = getattr(self.replicate, "read", None)
+        if put is None or read is None:
+            return None
+        mine = read(names.rank_index_file(self.rank))
+        if mine is None:
+            return None
+        raw = json.loads(mine)
+        own, theirs = f"__{self.rank}_", f"__{k}_"
+        items = []
+        for fqn, offsets, sizes, relative, offset, length in raw["items"]:
+            rows = self._shard_rows_of(fqn, offsets)
+            if rows is None:
+                continue  # not a shard: rank 0 alone wrote it
+            moved = list(self._shift(offsets, rows, k))
+            items.append([fqn, moved, sizes, relative.replace(own, theirs, 1), offset, length])
+        data = json.dumps({**raw, "rank": k, "items": sorted(items)}, separators=(",", ":"), sort_keys=True)
+        rel = names.rank_index_file(k)
+        size, crc = put(rel, data.encode())
+        return FileEntry(rel, size, crc, k)
+
+    def _shard_rows_of(self, fqn: str, offsets: list[int]) -> int | None:
+        for known, rows in self._shard_rows.items():
+            if known.fqn == fqn and list(known.offset) == list(offsets):
+                return rows
+        return None
+
     # -- the object collectives --------------------------------------------------------------------
+
+    def _own(self, sent: Any = None, received: Any = None, times: int = 1) -> None:
+        """Time the rank's own pickling: ``sent`` pickled once, ``received`` unpickled ``times`` times
+        (what the other ranks send is as large as what this rank sends: one unpickle of it, times N - 1)."""
+        import time
+
+        start = time.process_time()
+        if sent is not None:
+            data = pickle.dumps(sent)
+            if received is True:  # unpickle what is like what this rank sent
+                once = time.process_time()
+                pickle.loads(data)
+                self.own_cpu += (time.process_time() - once) * (times - 1)
+        elif received is not None:
+            pickle.loads(received if isinstance(received, bytes) else pickle.dumps(received))
+        self.own_cpu += time.process_time() - start
 
     def _record_or_replay(self, value: Any, src_is_me: bool) -> Any:
         if src_is_me:
@@ -162,12 +220,17 @@ class SimWorld:
         return value
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, **_: Any) -> int:
+        if self.rank != src and self.cursor < len(self.tape):
+            self._own(received=self.tape[self.cursor])
         value = self._record_or_replay(list(object_list), self.rank == src)
+        if self.rank == src:
+            self._own(sent=value)
         object_list[:] = value
         return _nbytes(value)
 
     def all_gather_object(self, object_list: list[Any], obj: Any, **_: Any) -> int:
         self._last_gathered = obj
+        self._own(sent=obj, received=True, times=self.world_size)
         for k in range(self.world_size):
             object_list[k] = self._as_rank(obj, k)
         return _nbytes(obj) * self.world_size
@@ -177,7 +240,9 @@ class SimWorld:
     ) -> int:
         self._last_gathered = obj
         if self.rank != dst or object_gather_list is None:
+            self._own(sent=obj)
             return _nbytes(obj)
+        self._own(sent=obj, received=True, times=self.world_size)
         for k in range(self.world_size):
             object_gather_list[k] = self._as_rank(obj, k)
         flush = getattr(self.replicate, "flush", None)
@@ -197,6 +262,7 @@ class SimWorld:
         if self.rank == src:
             assert scatter_object_input_list is not None
             self._record_or_replay(list(scatter_object_input_list), True)
+            self._own(sent=list(scatter_object_input_list))
             scatter_object_output_list[0] = scatter_object_input_list[src]
         else:
             plans = self._record_or_replay(None, False)
@@ -204,4 +270,5 @@ class SimWorld:
             if isinstance(self._last_gathered, LoadPlan):
                 mine = self._last_gathered  # DCP's global load plan is each rank's own (it changes nothing)
             scatter_object_output_list[0] = mine
+            self._own(received=mine)  # its own piece only, not the whole list replayed
         return _nbytes(scatter_object_output_list[0])

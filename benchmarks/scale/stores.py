@@ -7,6 +7,7 @@ manifest and of ``.metadata``. A new backend is one class here and its branch in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,6 +32,16 @@ def copy_local(root: Path) -> Callable[[str, str], tuple[int, str]]:
             figures[mine] = file_checksum(root / mine)
         return figures[mine]
 
+    def put(rel: str, data: bytes) -> tuple[int, str]:  # another rank's own small file (its index)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+        return len(data), f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+    def read(rel: str) -> bytes | None:
+        return (root / rel).read_bytes() if (root / rel).exists() else None
+
+    replicate.put = put  # type: ignore[attr-defined]  # SimWorld writes the other ranks' index files
+    replicate.read = read  # type: ignore[attr-defined]
     return replicate
 
 
@@ -45,6 +56,9 @@ class Store(Protocol):
     def replicate(self, staging: Any) -> Callable[[str, str], tuple[int, str]]:
         """A copier of rank 0's shard files (relative paths) to other ranks' inside ``staging``."""
 
+    def drop_index(self, target: Any) -> None:
+        """Take the per-rank index out of the checkpoint at ``target`` (its files, manifest entries)."""
+
     def cleanup_strays(self, target: Any) -> None:
         """Remove what a replayed rank's save left beside ``target``."""
 
@@ -54,8 +68,17 @@ class Store(Protocol):
     def manifest(self, target: Any) -> Any:
         """Where the manifest of the checkpoint at ``target`` is."""
 
-    def index(self, target: Any) -> Any:
-        """Where the ``.metadata`` of the checkpoint at ``target`` is."""
+    def index(self, target: Any, name: str = ".metadata") -> Any:
+        """Where the ``.metadata`` (or another file ``name``) of the checkpoint at ``target`` is."""
+
+
+def _without_index(manifest_text: str) -> str:
+    from lightning_sharded.checkpoint import names
+    from lightning_sharded.checkpoint.manifest import Manifest
+
+    manifest = Manifest.from_json(manifest_text)
+    kept = [e for e in manifest.files if not e.path.startswith(names.INDEX_DIR + "/")]
+    return dataclasses.replace(manifest, files=kept).to_json()
 
 
 class Local:
@@ -72,6 +95,14 @@ class Local:
     def replicate(self, staging: Any) -> Callable[[str, str], tuple[int, str]]:
         return copy_local(Path(staging))
 
+    def drop_index(self, target: Any) -> None:
+        """The per-rank index out of the checkpoint at ``target`` (its files and manifest entries)."""
+        from lightning_sharded.checkpoint import names
+
+        shutil.rmtree(Path(target) / names.INDEX_DIR)
+        manifest = Path(target) / names.MANIFEST_NAME
+        manifest.write_text(_without_index(manifest.read_text()))
+
     def cleanup_strays(self, target: Any) -> None:
         from lightning_sharded.checkpoint.backends.local import leftovers
 
@@ -84,8 +115,8 @@ class Local:
     def manifest(self, target: Any) -> Any:
         return Path(target) / "lightning_sharded.json"
 
-    def index(self, target: Any) -> Any:
-        return Path(target) / ".metadata"
+    def index(self, target: Any, name: str = ".metadata") -> Any:
+        return Path(target) / name
 
 
 class S3:
@@ -124,8 +155,21 @@ class S3:
                 fs.copy([a for a, _ in pending], [b for _, b in pending])
                 pending.clear()
 
+        def put(rel: str, data: bytes) -> tuple[int, str]:
+            fs.pipe_file(f"{root}/{rel}", data)
+            return len(data), f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+        def read(rel: str) -> bytes | None:
+            path = f"{root}/{rel}"
+            return bytes(fs.cat_file(path)) if fs.exists(path) else None
+
         copy.flush = flush  # type: ignore[attr-defined]  # SimWorld calls it after a gather
+        copy.put = put  # type: ignore[attr-defined]  # the other ranks' index files
+        copy.read = read  # type: ignore[attr-defined]
         return copy
+
+    def drop_index(self, target: Any) -> None:
+        raise NotImplementedError("the runs without the per-rank index (ours-whole) are local only")
 
     def cleanup_strays(self, target: Any) -> None:
         return None  # a replayed rank's writes go beside the published version (data-<token>-rank<r>)
@@ -139,12 +183,13 @@ class S3:
     def manifest(self, target: Any) -> Any:
         return f"{target}/lightning_sharded.json"
 
-    def index(self, target: Any) -> Any:
-        """Where the ``.metadata`` of the checkpoint at ``target`` is (ours: in the published version)."""
+    def index(self, target: Any, name: str = ".metadata") -> Any:
+        """Where the ``.metadata`` (or another file ``name``) of the checkpoint at ``target`` is (ours: in
+        the published version)."""
         fs = self._fs()
         path = str(self.manifest(target)).removeprefix("s3://")
         if fs.exists(path):
             data_dir = json.loads(fs.cat_file(path)).get("data_dir")
             if data_dir:
-                return f"{target}/{data_dir}/.metadata"
-        return f"{target}/.metadata"
+                return f"{target}/{data_dir}/{name}"
+        return f"{target}/{name}"

@@ -4,7 +4,8 @@
 against it (each file it names present and long enough for the pieces it holds), used by loads of
 checkpoints without a manifest and by ``verify``; :func:`model_key` is the one answer to where the
 model state is (for loads, the tools, the Hugging Face export and ``load_pretrained``'s sources);
-:func:`read_sharded_layout` finds it and the optimizers for a load.
+:func:`read_sharded_layout` finds it and the optimizers for a load (:func:`read_indexed_layout` from the
+per-rank index's layout, for checkpoints that have one).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lightning_sharded.checkpoint import names, unpickling
+from lightning_sharded.checkpoint import names, rank_index, unpickling
 from lightning_sharded.checkpoint.backends import Location, join
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.problems import Problem
@@ -28,6 +29,7 @@ __all__ = [
     "index_problems",
     "model_key",
     "read_index",
+    "read_indexed_layout",
     "read_sharded_layout",
     "top_level_keys",
 ]
@@ -151,7 +153,9 @@ class ShardedLayout:
         entries: every flattened DCP key to its global shape, or ``None`` for bytes entries.
         dtypes: every flattened DCP key of a tensor to its element type.
         metadata: the DCP ``Metadata`` itself (read once, shared with every rank by a load, and given
-            to the DCP readers so that they do not read ``.metadata`` again).
+            to the DCP readers so that they do not read ``.metadata`` again); ``None`` when read from
+            the per-rank index's layout.
+        index: the per-rank index's layout (:func:`read_indexed_layout`), else ``None``.
     """
 
     path: Location
@@ -161,6 +165,7 @@ class ShardedLayout:
     entries: dict[str, tuple[int, ...] | None] = field(repr=False)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict, repr=False)
     metadata: Any = field(default=None, repr=False, compare=False)
+    index: rank_index.IndexLayout | None = field(default=None, repr=False, compare=False)
 
 
 def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLayout:
@@ -202,8 +207,45 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
         entries[key] = tuple(item.size) if isinstance(item, TensorStorageMetadata) else None
         if isinstance(item, TensorStorageMetadata):
             dtypes[key] = item.properties.dtype
+    return _layout(data, entries, dtypes, top_level_keys(metadata), metadata=metadata)
 
-    tops = top_level_keys(metadata)
+
+def read_indexed_layout(backend: Backend, data: Location) -> ShardedLayout:
+    """What a sharded checkpoint with a per-rank index holds, from its layout file alone (no ``.metadata``).
+
+    The layout's :attr:`ShardedLayout.index` is what each loading rank then reads its part of the index
+    with (:func:`~.rank_index.ranks_to_read`); :attr:`ShardedLayout.metadata` is ``None``. The shard
+    files are checked against the manifest, not here.
+
+    Raises:
+        CheckpointError: the layout cannot be read, it holds no model state under ``"model"`` or
+            ``"state_dict"``, or its optimizer keys have gaps.
+    """
+    file = join(data, names.INDEX_LAYOUT)
+    try:
+        raw = backend.read_bytes(file)
+    except OSError as ex:
+        raise CheckpointError(
+            f"Could not read the index layout {str(file)!r} of the sharded checkpoint {str(data)!r}"
+            f" ({type(ex).__name__}: {ex}); restore the directory from a copy, or load an earlier checkpoint."
+        ) from ex
+    index = rank_index.parse_layout(raw, str(file))
+    entries: dict[str, tuple[int, ...] | None] = {k: size for k, (_, size, _) in index.tensors.items()}
+    entries.update(dict.fromkeys(index.byte_items))
+    dtypes = {k: dtype for k, (dtype, _, _) in index.tensors.items()}
+    tops = {str(index.planner_data[k][0]) if k in index.planner_data else k.split(".", 1)[0] for k in entries}
+    return _layout(data, entries, dtypes, tops, index=index)
+
+
+def _layout(
+    data: Location,
+    entries: dict[str, tuple[int, ...] | None],
+    dtypes: dict[str, torch.dtype],
+    tops: set[str],
+    *,
+    metadata: Any = None,
+    index: rank_index.IndexLayout | None = None,
+) -> ShardedLayout:
     key = model_key(tops, data)
     prefix = key + "."
     model_entries = {key[len(prefix) :]: shape for key, shape in entries.items() if key.startswith(prefix)}
@@ -213,4 +255,4 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
             f"The sharded checkpoint {str(data)!r} has optimizer keys"
             f" {[names.optimizer_key(i) for i in indices]} with gaps; expected optimizer_0 ... optimizer_N-1."
         )
-    return ShardedLayout(data, key, model_entries, len(indices), entries, dtypes, metadata)
+    return ShardedLayout(data, key, model_entries, len(indices), entries, dtypes, metadata, index)

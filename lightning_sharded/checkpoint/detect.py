@@ -98,6 +98,7 @@ _PARTS = {
     names.MANIFEST_NAME: "its manifest: every file's size and checksum",
     names.LIGHTNING_METADATA: "its Lightning metadata: epoch, global step, loops, callbacks",
     names.RANK_STATE_DIR: "its folder of per-rank state files",
+    names.INDEX_DIR: "its per-rank index folder",
 }
 
 
@@ -111,17 +112,21 @@ def _beside_checkpoint_files(backend: Backend, folder: Location, name: str) -> b
 
 def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
     """``(the checkpoint directory, what loc is in it)`` when ``loc`` is one part of a checkpoint
-    directory; ``None`` otherwise. A shard file, ``.metadata``, the manifest and a per-rank state file
-    are parts by their names; ``meta.pt`` and ``rank_state/`` when their folder holds a checkpoint's
-    other files (a lone ``meta.pt`` is read as the file it is)."""
+    directory; ``None`` otherwise. A shard file, ``.metadata``, the manifest, a per-rank state file and
+    the per-rank index's files are parts by their names; ``meta.pt``, ``rank_state/`` and ``index/``
+    when their folder holds a checkpoint's other files (a lone ``meta.pt`` is read as the file it is)."""
     name, folder = basename(loc), parent(loc)
     rank = names.shard_rank(name)
     state = names.RANK_STATE_FILE.match(f"{basename(folder)}/{name}")
+    index = names.RANK_INDEX_FILE.match(f"{basename(folder)}/{name}")
     if rank is not None:
         what = f"the shard file of rank {rank}, torch.distributed.checkpoint's data"
     elif state is not None:
         folder = parent(folder)
         what = f"the per-rank state of rank {int(state.group(1))}: RNG, train dataloader"
+    elif index is not None or f"{basename(folder)}/{name}" == names.INDEX_LAYOUT:
+        folder = parent(folder)
+        what = f"the per-rank index of rank {int(index.group(1))}" if index else "its index layout"
     elif name in _PARTS and (name in _PARTS_BY_NAME or _beside_checkpoint_files(backend, folder, name)):
         what = _PARTS[name]
     else:

@@ -33,6 +33,8 @@ __all__ = [
     "DATA_PREFIX",
     "DCP_METADATA",
     "FROZEN_KEY",
+    "INDEX_DIR",
+    "INDEX_LAYOUT",
     "LIGHTNING_METADATA",
     "MANIFEST_NAME",
     "MODEL",
@@ -40,6 +42,7 @@ __all__ = [
     "OLD",
     "OPTIMIZER_KEY",
     "OPTIMIZER_STATES",
+    "RANK_INDEX_FILE",
     "RANK_STATE_DIR",
     "RANK_STATE_FILE",
     "RANK_STATE_KEY",
@@ -55,6 +58,7 @@ __all__ = [
     "is_checkpoint_member",
     "optimizer_key",
     "owner_name",
+    "rank_index_file",
     "rank_state_file",
     "shard_rank",
     "sibling_name",
@@ -91,6 +95,14 @@ RANK_STATE_FILE = re.compile(rf"^{RANK_STATE_DIR}/rank-(\d{{5}})\.pt$")
 #: in a sharded directory's ``meta.pt`` only which ranks wrote a :data:`RANK_STATE_DIR` file.
 RANK_STATE_KEY = "lightning_sharded_rank_state"
 
+#: Folder of a sharded directory with the per-rank index (:mod:`~lightning_sharded.checkpoint.rank_index`):
+#: the layout that rank 0 writes, and one file per rank saying where the pieces it wrote are.
+INDEX_DIR = "index"
+#: The index layout: every key's dtype, shape and which rank wrote which piece.
+INDEX_LAYOUT = f"{INDEX_DIR}/layout.json"
+#: One rank's index file in :data:`INDEX_DIR`, with the rank that wrote it.
+RANK_INDEX_FILE = re.compile(rf"^{INDEX_DIR}/rank-(\d{{5}})\.json$")
+
 #: Top-level key of a trainable-only full checkpoint file: its frozen part (``FrozenPart.to_dict()``:
 #: the model keys it does not hold and where they are read from). A sharded directory keeps it in its
 #: manifest (``Manifest.frozen``).
@@ -116,6 +128,11 @@ def optimizer_key(index: int) -> str:
 def rank_state_file(rank: int) -> str:
     """The path, relative to a sharded directory, of the per-rank state file of ``rank``."""
     return f"{RANK_STATE_DIR}/rank-{rank:05d}.pt"
+
+
+def rank_index_file(rank: int) -> str:
+    """The path, relative to a sharded directory, of the index file of ``rank``."""
+    return f"{INDEX_DIR}/rank-{rank:05d}.json"
 
 
 def shard_rank(name: str) -> int | None:

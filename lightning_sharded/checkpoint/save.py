@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sharded.checkpoint import collective, commit, names, space
+from lightning_sharded.checkpoint import collective, commit, names, rank_index, space
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location, without_torch_crc32
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
@@ -96,14 +96,23 @@ def write_sharded_checkpoint(
 
     def write(staging: Location) -> dict[str, tuple[int, str]]:
         writer = backend.dcp_writer(staging, thread_count=WRITER_THREADS)
+        recorder = rank_index.RankIndexRecorder(writer)
         collective.after(writer, "write_data", where, "DCP save: shards written")
         with without_torch_crc32(), collective.watched(where, "DCP save: planning"):
-            run_dcp(
+            index = run_dcp(
                 lambda: save(state, storage_writer=writer, process_group=where.group),
                 f"Saving the sharded checkpoint to {str(target)!r}",
                 saving=True,
             )
         checksums: dict[str, tuple[int, str]] = dict(writer.checksums)
+        # The per-rank index: rank 0's layout from the global index it holds anyway, each rank's own
+        # file from its own write results (no collective). Without a layout (an index the grids cannot
+        # describe), no rank's file is needed: the checkpoint loads from `.metadata` alone.
+        layout = rank_index.layout_bytes(index) if rank == 0 else None
+        if layout is not None:
+            own[names.INDEX_LAYOUT] = layout
+        if rank != 0 or layout is not None:
+            own[names.rank_index_file(rank)] = recorder.rank_bytes(rank)
         for rel, data in sorted(own.items()):
             backend.write_bytes(join(staging, *rel.split("/")), data)
             checksums[rel] = bytes_checksum(data)

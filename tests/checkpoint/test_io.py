@@ -152,7 +152,8 @@ def test_verify_checks_the_checksums_from_the_reads(
         fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
     )
     shard = next(path.glob("__0_*.distcp")).name
-    assert set(seen) == {shard, ".metadata", "meta.pt"}  # every file, each once
+    # every file, each once (the per-rank index's layout and rank 0's file included)
+    assert set(seen) == {shard, ".metadata", "meta.pt", "layout.json", "rank-00000.json"}
     size, covered = seen[shard]
     # The weight and its two Adam states were read (and checksummed) as they were loaded: only the
     # small entries and the archives' headers were read again.

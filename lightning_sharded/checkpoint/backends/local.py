@@ -355,17 +355,17 @@ class LocalBackend:
         self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
     ) -> list[FileEntry]:
         # A rank other than 0 claims the shard files DCP names after it (``__<rank>_*``) and its per-rank
-        # state file, on its own node; rank 0 takes everything else in :meth:`seal`.
+        # state and index files, on its own node; rank 0 takes everything else in :meth:`seal`.
         # With ``written`` (DCP's writer reports the files it wrote) those are this rank's files: no
         # listing of the staging directory, which holds N ranks' files (N ranks listing N files each
         # is a metadata storm); a file it did not report is claimed and checksummed by rank 0.
         if rank == 0:
             return []
         prefix = f"__{rank}_"
-        mine = names.rank_state_file(rank)
+        mine = (names.rank_state_file(rank), names.rank_index_file(rank))
 
         def own_file(rel: str) -> bool:
-            return ("/" not in rel and rel.startswith(prefix)) or rel == mine
+            return ("/" not in rel and rel.startswith(prefix)) or rel in mine
 
         if written:
             own = sorted(rel for rel in written if own_file(rel))

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names
+from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index
 from lightning_sharded.checkpoint.backends import Backend, Location, join
-from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_sharded_layout
+from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import run_dcp
@@ -77,8 +77,12 @@ def restore_sharded(
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
     # requests on S3 (see docs/benchmarks.md, "Scale").
+    indexed = found.manifest is not None and any(e.path == names.INDEX_LAYOUT for e in found.manifest.files)
     with reading():
-        layout = collective.decide(lambda: read_sharded_layout(path, backend), step="reading the index")
+        layout = collective.decide(
+            lambda: read_indexed_layout(backend, path) if indexed else read_sharded_layout(path, backend),
+            step="reading the index",
+        )
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
@@ -107,9 +111,17 @@ def restore_sharded(
         _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
         for index, optimizer in enumerate(optimizers)
     ]
+    index = layout.metadata
+    if layout.index is not None:
+        # Each rank reads the index files of the ranks that wrote what it loads, and nothing else. A
+        # file that cannot be read fails the load on every rank with the same error.
+        with reading():
+            index = collective.agree(
+                lambda: _rank_metadata(backend, path, layout, state), step="reading the per-rank index"
+            )
     fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
     with reading():
-        _dcp_load(backend, state, path, layout.metadata, verification)
+        _dcp_load(backend, state, path, index, verification)
     if verification is not None:
         verification.check()
     if into is not to_load:
@@ -237,6 +249,27 @@ def _stored_optimizer_entries(
             name, _, entry = flat_key[len(prefix) :].rpartition(".")
             stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
     return stored
+
+
+def _rank_metadata(backend: Backend, path: Location, layout: ShardedLayout, state: dict[str, Any]) -> Any:
+    """The DCP ``Metadata`` this rank plans its reads with, from the index files of the ranks it needs."""
+    assert layout.index is not None
+    wanted = rank_index.ranks_to_read(layout.index, rank_index.flat_tensors(state))
+    pieces = []
+    for rank in sorted(wanted):
+        file = join(path, names.rank_index_file(rank))
+        try:
+            raw = backend.read_bytes(file)
+        except OSError as ex:
+            raise CheckpointError(
+                f"Could not read the index file {str(file)!r} of rank {rank} ({type(ex).__name__}: {ex});"
+                " restore the checkpoint directory from a copy, or load an earlier checkpoint."
+            ) from ex
+        pieces += rank_index.parse_rank_file(raw, str(file), rank)
+    read = ", ".join(repr(names.rank_index_file(r)) for r in sorted(wanted)) or "(none)"
+    return rank_index.partial_metadata(
+        layout.index, pieces, (piece for needed in wanted.values() for piece in needed), read
+    )
 
 
 def _dcp_load(
