@@ -32,6 +32,7 @@ LAYERS: Layers = [
             "checkpoint.libc",
             "checkpoint.faults",
             "checkpoint.checksum",
+            "checkpoint.flat_ranges",
             "checkpoint.writeback",
             "checkpoint.unpickling.*",
             "tensors.*",

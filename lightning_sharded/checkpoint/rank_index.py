@@ -8,8 +8,10 @@ written, for stock readers and the tools), a checkpoint of this library holds:
   key its dtype, global shape and *grid*, which says which rank wrote which piece without listing where
   the bytes are. An even dim-0 split (the common case: FSDP1, FSDP2, a ``Shard(0)`` attribute) is
   ``["even", rows, n]``, three numbers whatever N; a key stored whole (a replicated or plain tensor,
-  Adam's ``step``) is ``["whole", relative path, offset, length]``, its bytes' place itself; anything
-  else (2-D meshes) lists its pieces' offsets, sizes and ranks. The byte items (param groups) are
+  Adam's ``step``) is ``["whole", relative path, offset, length]``, its bytes' place itself; a tensor
+  kept as a range of a flat buffer cut every ``every`` elements, piece k on rank k (FSDP1's flat
+  parameters, cut inside rows), is ``["flat", at, every]``; anything else (2-D meshes) lists its
+  pieces' offsets, sizes and ranks. The byte items (param groups) are
   there too, with their place. JSON: read without unpickling anything.
 - :func:`~.names.rank_index_file` ``(k)``, written by rank k from its own write results (no
   collective): where each piece it wrote is (its file, offset, length).
@@ -30,12 +32,14 @@ names its files otherwise, storage transforms): that checkpoint then has no layo
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.flat_ranges import boxes as range_boxes
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +59,7 @@ __all__ = [
 #: Version of the layout and per-rank files (their ``"format"`` field).
 FORMAT = 1
 
-EVEN, WHOLE, CHUNKS = "even", "whole", "chunks"
+EVEN, WHOLE, FLAT, CHUNKS = "even", "whole", "flat", "chunks"
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
@@ -126,6 +130,48 @@ def _even_grid(size: tuple[int, ...], boxes: list[_Box], ranks: list[int]) -> li
     return [EVEN, rows, len(boxes)]
 
 
+def _flat_start(offsets: tuple[int, ...], size: tuple[int, ...]) -> int:
+    start, stride = 0, 1
+    for o, n in zip(reversed(offsets), reversed(size), strict=True):
+        start += o * stride
+        stride *= n
+    return start
+
+
+def _flat_boxes(size: tuple[int, ...], at: int, every: int, rank: int) -> list[_Box]:
+    """Rank ``rank``'s boxes of a tensor kept as a flat range: its flattening starts at element ``at``
+    of a flat buffer cut every ``every`` elements, piece k to rank k (FSDP1's flat parameter)."""
+    numel = math.prod(size)
+    start, stop = max(0, rank * every - at), min(numel, (rank + 1) * every - at)
+    return [(o, s) for o, s, _ in range_boxes(start, stop, size)]
+
+
+def _flat_grid(size: tuple[int, ...], boxes_: list[_Box], ranks: list[int]) -> list[Any] | None:
+    """``["flat", at, every]`` when the pieces are those of a flat range cut every ``every`` elements,
+    piece k written by rank k (FSDP1's flat parameters, whose cuts fall inside rows); else ``None``."""
+    numel = math.prod(size)
+    if numel == 0 or not ranks:
+        return None
+    ends: dict[int, int] = {}
+    for (offsets, sizes), rank in zip(boxes_, ranks, strict=True):
+        end = _flat_start(offsets, size) + math.prod(sizes)
+        ends[rank] = max(ends.get(rank, 0), end)
+    first, last = min(ends), max(ends)
+    if first == last:
+        return None
+    # every piece but the last one ends at a cut: `every` apart
+    every = ends[first + 1] - ends[first] if last - first >= 2 else max(ends[first], numel - ends[first])
+    if every <= 0:
+        return None
+    at = (first + 1) * every - ends[first]
+    expected = sorted(
+        (box, rank) for rank in range(first, last + 1) for box in _flat_boxes(size, at, every, rank)
+    )
+    if expected != sorted(zip(boxes_, ranks, strict=True)):
+        return None
+    return [FLAT, at, every]
+
+
 def layout_bytes(metadata: Any) -> bytes | None:
     """The layout file of a save, from the global DCP ``Metadata`` its ``save`` returned (rank 0).
 
@@ -164,12 +210,16 @@ def layout_bytes(metadata: Any) -> bytes | None:
         if len(boxes) == 1 and boxes[0] == ((0,) * len(size), size):
             grid = [WHOLE, *stored[0]]  # type: ignore[misc]
         else:
-            grid = _even_grid(size, boxes, ranks) or [  # type: ignore[arg-type]
-                CHUNKS,
-                [list(o) for o, _ in boxes],
-                [list(s) for _, s in boxes],
-                ranks,
-            ]
+            grid = (
+                _even_grid(size, boxes, ranks)  # type: ignore[arg-type]
+                or _flat_grid(size, boxes, ranks)  # type: ignore[arg-type]
+                or [
+                    CHUNKS,
+                    [list(o) for o, _ in boxes],
+                    [list(s) for _, s in boxes],
+                    ranks,
+                ]
+            )
         tensors[fqn] = [dtype, list(size), grid]
     planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
     return _dumps({"format": FORMAT, "tensors": tensors, "bytes": byte_items, "planner_data": planner_data})
@@ -202,6 +252,13 @@ class IndexLayout:
                 (((k * rows,) + (0,) * len(rest), (min(rows, size[0] - k * rows), *rest)), k)
                 for k in range(n)
             ]
+        if grid[0] == FLAT:
+            at, every, numel = grid[1], grid[2], math.prod(size)
+            return [
+                (box, k)
+                for k in range(at // every, (at + numel - 1) // every + 1)
+                for box in _flat_boxes(size, at, every, k)
+            ]
         if grid[0] == CHUNKS:
             return [((tuple(o), tuple(s)), int(r)) for o, s, r in zip(grid[1], grid[2], grid[3], strict=True)]
         return []
@@ -225,7 +282,7 @@ def parse_layout(data: bytes, where: str) -> IndexLayout:
             dtype = getattr(torch, str(dtype_name), None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"key {fqn!r} has an unknown dtype {dtype_name!r}")
-            if not isinstance(grid, list) or not grid or grid[0] not in (EVEN, WHOLE, CHUNKS):
+            if not isinstance(grid, list) or not grid or grid[0] not in (EVEN, WHOLE, FLAT, CHUNKS):
                 raise ValueError(f"key {fqn!r} has an unknown grid {grid!r:.80}")
             tensors[str(fqn)] = (dtype, tuple(int(s) for s in size), grid)
         byte_items = {str(k): (str(p), int(o), int(n)) for k, (p, o, n) in raw["bytes"].items()}
@@ -283,6 +340,19 @@ def ranks_to_read(
                     continue
                 for k in range(offsets[0] // rows, min(n - 1, (offsets[0] + sizes[0] - 1) // rows) + 1):
                     wanted.setdefault(k, set()).add((fqn, (k * rows,) + (0,) * rest))
+            continue
+        size = entry[1]
+        if grid[0] == FLAT:  # the ranks whose flat ranges meet the flat extent of a local box
+            at, every = grid[1], grid[2]
+            for box in mine:
+                if any(n <= 0 for n in box[1]):
+                    continue
+                lo = _flat_start(box[0], size)
+                hi = _flat_start(tuple(o + n - 1 for o, n in zip(*box, strict=True)), size) + 1
+                for k in range((lo + at) // every, (hi - 1 + at) // every + 1):
+                    for piece in _flat_boxes(size, at, every, k):
+                        if _overlap(piece, box):
+                            wanted.setdefault(k, set()).add((fqn, piece[0]))
             continue
         for box, rank in layout.boxes(fqn):
             if any(_overlap(box, m) for m in mine):

@@ -245,3 +245,89 @@ def test_a_checkpoint_without_the_index_loads_from_metadata(own: tuple[Path, Any
     kept = [e for e in manifest.files if not e.path.startswith(names.INDEX_DIR + "/")]
     (target / names.MANIFEST_NAME).write_text(dataclasses.replace(manifest, files=kept).to_json())
     _load_last_rank(target, store)
+
+
+def _flat_metadata(shape: tuple[int, ...], at: int, every: int, world: int) -> tuple[Any, list[Any]]:
+    """The index of a tensor kept as FSDP1 keeps a parameter: elements ``[at, at + numel)`` of a flat
+    buffer cut every ``every`` elements, piece k on rank k; and its pieces ((offsets, sizes), rank)."""
+    import math
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from lightning_sharded.checkpoint.flat_ranges import boxes
+
+    numel = math.prod(shape)
+    pieces = [
+        ((o, s), k)
+        for k in range(world)
+        for o, s, _ in boxes(max(0, k * every - at), min(numel, (k + 1) * every - at), shape)
+    ]
+    md = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(shape),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for (o, s), _ in pieces],
+    )
+    storage = {
+        MetadataIndex("w", torch.Size(o)): _StorageInfo(f"__{k}_0.distcp", 100 * i, 100)
+        for i, ((o, _), k) in enumerate(pieces)
+    }
+    return Metadata({"w": md}, storage_data=storage), pieces
+
+
+@pytest.mark.parametrize(
+    ("shape", "at", "every", "world"),
+    [
+        ((8, 32), 0, 72, 4),  # cuts inside rows (FSDP1's usual case), the last rank's piece shorter
+        ((8, 32), 100, 90, 4),  # the parameter starts inside rank 1's shard
+        ((8, 32), 4, 160, 2),  # two ranks: one cut only
+        ((3, 5, 7), 11, 23, 8),  # 3-D, cuts inside rows and planes
+    ],
+)
+def test_a_flat_parameters_pieces_are_three_numbers(
+    shape: tuple[int, ...], at: int, every: int, world: int
+) -> None:
+    metadata, pieces = _flat_metadata(shape, at, every, world)
+    layout = rank_index.parse_layout(rank_index.layout_bytes(metadata) or b"", "layout")
+    grid = layout.tensors["w"][2]
+    # With two ranks only one cut is known: other numbers may describe the same pieces.
+    assert grid == ["flat", at, every] if world > 2 else grid[0] == "flat"
+    assert sorted(layout.boxes("w")) == sorted(pieces)
+    # A rank loading its rows reads the ranks whose pieces it overlaps, found from the three numbers as
+    # from the list of pieces.
+    from torch.distributed.tensor import DTensor, Shard
+
+    from benchmarks.scale.runs import fake_world
+    from lightning_sharded.checkpoint.rank_index import _local_boxes, _overlap
+
+    for loading in (1, 2, 3):
+        for rank in range(loading):
+            with fake_world(rank, loading) as mesh:
+                value = DTensor.from_local(
+                    torch.zeros(0),
+                    mesh,
+                    [Shard(0)],
+                    run_check=False,
+                    shape=torch.Size(shape),
+                    stride=torch.empty(shape).stride(),
+                )
+                (box,) = _local_boxes(value)
+                expected = sorted({k for piece, k in pieces if _overlap(piece, box)})
+                assert sorted(rank_index.ranks_to_read(layout, {"w": value})) == expected, (loading, rank)
+
+
+def test_pieces_that_are_not_a_flat_range_are_listed() -> None:
+    metadata, pieces = _flat_metadata((8, 32), 0, 72, 4)
+    for index, info in list(metadata.storage_data.items()):  # ranks 1 and 2 swapped
+        swapped = {"__1_0": "__2_0", "__2_0": "__1_0"}.get(info.relative_path[:5])
+        if swapped:
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=f"{swapped}.distcp")
+    layout = rank_index.parse_layout(rank_index.layout_bytes(metadata) or b"", "layout")
+    assert layout.tensors["w"][2][0] == "chunks"
+    assert sorted(layout.boxes("w")) == sorted((p, {1: 2, 2: 1}.get(k, k)) for p, k in pieces)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_sharded.checkpoint.flat_ranges import Box, boxes
 from lightning_sharded.tensors import adapter_for
 
 __all__ = [
@@ -30,48 +30,6 @@ __all__ = [
     "supported",
     "torch_hooks",
 ]
-
-Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start)
-
-
-def boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
-    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
-
-    Each box is ``(offsets, sizes, flat start)`` and covers a contiguous flat range; together they cover
-    the range exactly once. A scalar (``shape == ()``) is one box when the range holds its element.
-    """
-    shape = tuple(shape)
-    if start >= stop:
-        return []
-    if not shape:
-        return [((), (), start)]
-    inner = math.prod(shape[1:])
-    if inner == 0:
-        return []
-    first_full = -(-start // inner)  # first row that starts inside the range
-    last_full = stop // inner  # rows [first_full, last_full) are whole
-    if first_full > last_full:  # inside one row
-        row = start // inner
-        return [
-            ((row, *o), (1, *s), row * inner + f)
-            for o, s, f in boxes(start - row * inner, stop - row * inner, shape[1:])
-        ]
-    out: list[Box] = []
-    if start < first_full * inner:
-        row = first_full - 1
-        out += [
-            ((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(start - row * inner, inner, shape[1:])
-        ]
-    if first_full < last_full:
-        out.append(
-            ((first_full, *(0,) * (len(shape) - 1)), (last_full - first_full, *shape[1:]), first_full * inner)
-        )
-    if last_full * inner < stop:
-        out += [
-            ((last_full, *o), (1, *s), last_full * inner + f)
-            for o, s, f in boxes(0, stop - last_full * inner, shape[1:])
-        ]
-    return out
 
 
 @dataclass(frozen=True)

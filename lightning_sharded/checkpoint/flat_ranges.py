@@ -1,0 +1,57 @@
+"""A contiguous range of a row-major tensor's flattening, as boxes (standard library only).
+
+FSDP1 keeps each original parameter as a flat range of its rank's flat shard: its piece on a rank is
+``[start, stop)`` of the parameter's row-major flattening, which :func:`boxes` cuts into at most a few
+boxes (a partial first row, whole rows, a partial last row, recursively). The FSDP1 views
+(:mod:`~lightning_sharded.checkpoint.fsdp1.layout`) and the per-rank index's ``flat`` grid
+(:mod:`~lightning_sharded.checkpoint.rank_index`) cut the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["Box", "boxes"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat start)
+
+
+def boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
+    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
+
+    Each box is ``(offsets, sizes, flat start)`` and covers a contiguous flat range; together they cover
+    the range exactly once. A scalar (``shape == ()``) is one box when the range holds its element.
+    """
+    shape = tuple(shape)
+    if start >= stop:
+        return []
+    if not shape:
+        return [((), (), start)]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    first_full = -(-start // inner)  # first row that starts inside the range
+    last_full = stop // inner  # rows [first_full, last_full) are whole
+    if first_full > last_full:  # inside one row
+        row = start // inner
+        return [
+            ((row, *o), (1, *s), row * inner + f)
+            for o, s, f in boxes(start - row * inner, stop - row * inner, shape[1:])
+        ]
+    out: list[Box] = []
+    if start < first_full * inner:
+        row = first_full - 1
+        out += [
+            ((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(start - row * inner, inner, shape[1:])
+        ]
+    if first_full < last_full:
+        out.append(
+            ((first_full, *(0,) * (len(shape) - 1)), (last_full - first_full, *shape[1:]), first_full * inner)
+        )
+    if last_full * inner < stop:
+        out += [
+            ((last_full, *o), (1, *s), last_full * inner + f)
+            for o, s, f in boxes(0, stop - last_full * inner, shape[1:])
+        ]
+    return out
