@@ -23,6 +23,10 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+#: The per-rank index's files (by name: the checksummed files are named without their folder).
+INDEX = ("layout.json", "rank-00000.json", "rank-00001.json")
+
+
 def test_meta_unreadable_on_rank_0_fails_every_rank_alike(reports: list[dict]) -> None:
     first, second = (r["meta"] for r in reports)
     # a StorageError (a CheckpointError) that leads with the cause, as decide() shares it
@@ -33,9 +37,18 @@ def test_meta_unreadable_on_rank_0_fails_every_rank_alike(reports: list[dict]) -
 
 
 def test_meta_is_read_once_on_rank_0(reports: list[dict]) -> None:
-    assert [r["meta-other"] for r in reports] == [
+    assert [{k: v for k, v in r["meta-other"].items() if k != "files"} for r in reports] == [
         {"type": None, "step": 3, "seconds": r["meta-other"]["seconds"]} for r in reports
     ]
+
+
+def test_a_load_sends_each_rank_its_share_of_the_manifest(reports: list[dict]) -> None:
+    every, share = (r["meta-other"]["files"] for r in reports)
+    # Rank 0 checks every file; rank 1 its own (and needs to know whether there is a per-rank index).
+    assert every == sorted(
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", *(f"index/{n}" for n in INDEX)]
+    )
+    assert share == ["__1_0.distcp", "index/layout.json", "index/rank-00001.json"]
 
 
 def test_a_shard_missing_on_one_rank_fails_every_rank_alike(reports: list[dict]) -> None:
@@ -51,7 +64,7 @@ def test_verify_reads_each_file_once_across_ranks(reports: list[dict]) -> None:
     assert first["message"] == second["message"]
     assert "'__0_0.distcp' (written by rank 0) is corrupted: its crc32 is" in first["message"]
     done = [name for r in reports for name in r["checksummed"]]
-    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"})
+    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", *INDEX})
     assert all(r["checksummed"] for r in reports)  # both ranks took a share
 
 
@@ -62,7 +75,7 @@ def test_verify_during_checksums_each_rank_s_reads_and_each_file_once(reports: l
     assert [w["covered"] for w in whole] == [{f"__{r}_0.distcp": 2 << 20} for r in range(2)]
     assert [f"__{r}_0.distcp" in w["completed"] for r, w in enumerate(whole)] == [True, True]
     done = [name for w in whole for name in w["completed"]]
-    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"})
+    assert sorted(done) == sorted({".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt", *INDEX})
 
 
 def test_verify_during_fails_every_rank_alike_on_a_damaged_shard(reports: list[dict]) -> None:

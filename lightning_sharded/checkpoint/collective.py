@@ -250,6 +250,38 @@ def decide(check: Callable[[], T], group: ProcessGroup | None = None, step: str 
     return value  # type: ignore[no-any-return]
 
 
+def decide_each(
+    check: Callable[[int], list[T]], group: ProcessGroup | None = None, step: str = "decision"
+) -> T:
+    """Run ``check(world_size)`` on rank 0, which returns one value per rank, and give each rank its own;
+    or raise rank 0's error on every rank (as :func:`decide`).
+
+    Collective over ``group`` (a scatter): a rank receives its value only, where :func:`decide` would
+    send every rank all of them (what rank 0 knows of every rank's files).
+    """
+    where = ranks(group)
+    if where.world_size == 1:
+        return check(1)[0]
+    import torch.distributed as dist
+
+    outcomes: list[tuple[bool, Any]] | None = None
+    if where.rank == 0:
+        try:
+            values = check(where.world_size)
+            if len(values) != where.world_size:
+                raise ValueError(f"{len(values)} values for {where.world_size} ranks")
+            outcomes = [(True, value) for value in values]
+        except Exception as err:
+            outcomes = [(False, _pack(err))] * where.world_size
+    box: list[Any] = [None]
+    with watched(where, step):
+        dist.scatter_object_list(box, outcomes, src=where.src, group=where.group)
+    ok, value = box[0]
+    if not ok:
+        raise _unpack(value)
+    return value  # type: ignore[no-any-return]
+
+
 def agree(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "agreement") -> T:
     """Run ``check`` on every rank; if it failed on any, raise the lowest failing rank's error everywhere.
 

@@ -239,20 +239,21 @@ def raise_agreed(
     if errors:
         rank, message = errors[0]
         raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
-    order = {e.path: i for i, e in enumerate(manifest.files)} if manifest is not None else {}
+    # Manifests list their files by path, so path order is manifest order; the writers are the problems'
+    # own: a rank other than 0 may hold only its share of the manifest, and every rank must say the same.
     seen: dict[tuple[str, str], Problem] = {}
     seen_by: dict[tuple[str, str], list[int]] = {}
     for r, (problems, _) in enumerate(reports):
         for problem in problems:
             seen.setdefault((problem.path, problem.what), problem)
             seen_by.setdefault((problem.path, problem.what), []).append(r)
-    merged = sorted(seen.values(), key=lambda p: (order.get(p.path, len(order)), p.path))
+    merged = sorted(seen.values(), key=lambda p: p.path)
     error = damaged(data, merged, then)
     if error is None:
         return
     # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
     # one of them saw a problem.
-    writer = {e.path: e.rank for e in manifest.files} if manifest is not None else {}
+    writer = {p.path: p.rank for p in merged if p.rank is not None} if manifest is not None else {}
 
     def checkers(path: str) -> set[int]:
         return {r for r in (0, writer.get(path, 0)) if r < where.world_size}

@@ -15,8 +15,9 @@ Cases (one checkpoint of a plain module, saved by both ranks), each a load on bo
 - ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is).
 
 Each rank writes ``OUT/rank{R}.json``: per case the error type and message (or None), the seconds it
-took, for ``verify`` the files this rank checksummed, for ``during`` the bytes of each file this rank
-read with checksums and whether the values came back, for ``during-damaged`` the files it completed.
+took, the manifest entries it was sent (a load that succeeded), for ``verify`` the files this rank
+checksummed, for ``during`` the bytes of each file this rank read with checksums and whether the
+values came back, for ``during-damaged`` the files it completed.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
         try:
             restored = load.restore_checkpoint(ckpt, loaded, verify=mode)
             results[name] = {"type": None, "step": restored.metadata.get("global_step")}
+            if restored.found.manifest is not None:  # what this rank was sent of the manifest
+                results[name]["files"] = sorted(e.path for e in restored.found.manifest.files)
         except Exception as err:
             results[name] = {"type": type(err).__name__, "message": str(err)}
         weight = loaded.weight
@@ -151,6 +154,8 @@ def main(out: Path) -> None:
                 check_found(detect(ckpt), verify=True)
             restored = load.restore_checkpoint(kwargs.pop("path", ckpt), nn.Linear(64, 64), **kwargs)
             results[name] = {"type": None, "step": restored.metadata.get("global_step")}
+            if restored.found.manifest is not None:  # what this rank was sent of the manifest
+                results[name]["files"] = sorted(e.path for e in restored.found.manifest.files)
         except Exception as err:
             results[name] = {"type": type(err).__name__, "message": str(err)}
         results[name]["seconds"] = time.perf_counter() - start

@@ -10,6 +10,7 @@ raises the same error. No load ever writes to the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -17,7 +18,7 @@ from typing import Any, NamedTuple
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective
+from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -32,7 +33,7 @@ from lightning_sharded.checkpoint.integrity import (
 from lightning_sharded.checkpoint.load.checks import KeyReport
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
-from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart
 from lightning_sharded.checkpoint.presence import RanksLost
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
@@ -47,6 +48,8 @@ class Restored(NamedTuple):
     keys: KeyReport
     #: The checkpoint as the detector found it (on rank 0, shared): its kind, manifest, backend and where
     #: its files are. A later read of its files (each rank's own state) goes through ``found.backend``.
+    #: Without ``verify``, the manifest of a rank other than 0 lists only that rank's own files (and the
+    #: per-rank index's layout): a load does not send every rank every file's entry.
     found: Found
     #: A trainable-only checkpoint: the model keys it left out that the model has, and where they are.
     #: They were not loaded: the caller reads them from the source (``load_pretrained``'s machinery).
@@ -123,6 +126,25 @@ def restore_checkpoint(
         ) from err
 
 
+def _shares(found: Found, world_size: int) -> list[Found]:
+    """``found`` as each rank of ``world_size`` needs it for a load without checksums: rank 0 with the
+    whole manifest (it checks every file's size), another rank with the entries of its own files and of
+    the per-rank index's layout (whether the checkpoint has one). At N ranks a rank then receives a few
+    entries instead of all of them (two or more per rank)."""
+    manifest = found.manifest
+    if manifest is None or world_size == 1:
+        return [found] * world_size
+    own: dict[int, list[FileEntry]] = {}
+    common = [e for e in manifest.files if e.path == names.INDEX_LAYOUT]
+    for entry in manifest.files:
+        if entry.rank != 0:
+            own.setdefault(entry.rank, []).append(entry)
+    return [found] + [
+        dataclasses.replace(found, manifest=dataclasses.replace(manifest, files=common + own.get(rank, [])))
+        for rank in range(1, world_size)
+    ]
+
+
 def _restore(
     path: str | Path,
     model: nn.Module,
@@ -134,7 +156,10 @@ def _restore(
     read_metadata: bool,
 ) -> Restored:
     mode = verify_mode(verify)
-    found = collective.decide(lambda: detect(path), step="finding the checkpoint")
+    if mode is None:  # each rank gets its share of the manifest: its own files
+        found = collective.decide_each(lambda n: _shares(detect(path), n), step="finding the checkpoint")
+    else:  # checksums are checked by every rank, files split between them: every rank needs every entry
+        found = collective.decide(lambda: detect(path), step="finding the checkpoint")
     if found.kind is CheckpointKind.SHARDED:
         # Local files with a manifest are checked from the load's own reads (each byte read once); for
         # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
