@@ -99,7 +99,7 @@ def write_sharded_checkpoint(
         recorder = rank_index.RankIndexRecorder(writer)
         collective.after(writer, "write_data", where, "DCP save: shards written")
         with without_torch_crc32(), collective.watched(where, "DCP save: planning"):
-            index = run_dcp(
+            run_dcp(
                 lambda: save(state, storage_writer=writer, process_group=where.group),
                 f"Saving the sharded checkpoint to {str(target)!r}",
                 saving=True,
@@ -108,7 +108,7 @@ def write_sharded_checkpoint(
         # The per-rank index: rank 0's layout from the global index it holds anyway, each rank's own
         # file from its own write results (no collective). Without a layout (an index the grids cannot
         # describe), no rank's file is needed: the checkpoint loads from `.metadata` alone.
-        layout = rank_index.layout_bytes(index) if rank == 0 else None
+        layout = recorder.layout if rank == 0 else None
         if layout is not None:
             own[names.INDEX_LAYOUT] = layout
         if rank != 0 or layout is not None:

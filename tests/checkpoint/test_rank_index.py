@@ -322,12 +322,18 @@ def test_a_flat_parameters_pieces_are_three_numbers(
                 assert sorted(rank_index.ranks_to_read(layout, {"w": value})) == expected, (loading, rank)
 
 
-def test_pieces_that_are_not_a_flat_range_are_listed() -> None:
+@pytest.mark.parametrize(
+    "moved",
+    [{1: 2, 2: 1}, {1: 2, 2: 4, 3: 6}],  # two ranks swapped; every other rank (as on a 2-D mesh's column)
+    ids=["swapped", "every-other-rank"],
+)
+def test_pieces_that_are_not_a_flat_range_are_listed(moved: dict[int, int]) -> None:
     metadata, pieces = _flat_metadata((8, 32), 0, 72, 4)
-    for index, info in list(metadata.storage_data.items()):  # ranks 1 and 2 swapped
-        swapped = {"__1_0": "__2_0", "__2_0": "__1_0"}.get(info.relative_path[:5])
-        if swapped:
-            metadata.storage_data[index] = dataclasses.replace(info, relative_path=f"{swapped}.distcp")
+    for index, info in list(metadata.storage_data.items()):
+        rank = names.shard_rank(info.relative_path)
+        assert rank is not None
+        new = f"__{moved.get(rank, rank)}_0.distcp"
+        metadata.storage_data[index] = dataclasses.replace(info, relative_path=new)
     layout = rank_index.parse_layout(rank_index.layout_bytes(metadata) or b"", "layout")
     assert layout.tensors["w"][2][0] == "chunks"
-    assert sorted(layout.boxes("w")) == sorted((p, {1: 2, 2: 1}.get(k, k)) for p, k in pieces)
+    assert sorted(layout.boxes("w")) == sorted((p, moved.get(k, k)) for p, k in pieces)
