@@ -261,12 +261,18 @@ class SimWorld:
 
         if self.rank == src:
             assert scatter_object_input_list is not None
-            self._record_or_replay(list(scatter_object_input_list), True)
+            # each rank's object on the tape apart, after their count: a replaying rank unpickles its
+            # own only (the whole list would count N ranks' objects in its time and peak memory)
+            self.tape.append(pickle.dumps(len(scatter_object_input_list)))
+            self.tape.extend(pickle.dumps(obj) for obj in scatter_object_input_list)
             self._own(sent=list(scatter_object_input_list))
             scatter_object_output_list[0] = scatter_object_input_list[src]
         else:
-            plans = self._record_or_replay(None, False)
-            mine = plans[self.rank]
+            if self.cursor >= len(self.tape):
+                raise RuntimeError("the simulated world ran out of rank 0's broadcasts (the ranks diverged)")
+            count = pickle.loads(self.tape[self.cursor])
+            mine = pickle.loads(self.tape[self.cursor + 1 + self.rank])
+            self.cursor += 1 + count
             if isinstance(self._last_gathered, LoadPlan):
                 mine = self._last_gathered  # DCP's global load plan is each rank's own (it changes nothing)
             scatter_object_output_list[0] = mine
