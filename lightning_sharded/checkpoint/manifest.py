@@ -10,8 +10,9 @@ manifest is read from (a local directory, an object store) is the backends' busi
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -160,8 +161,14 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest as indented JSON text, keys in a stable order."""
-        data = asdict(self)
-        data["files"] = [asdict(entry) for entry in sorted(self.files, key=lambda e: e.path)]
+        # Field by field: `asdict` copies every entry twice, deeply (0.5 s for 8,000 entries, the
+        # manifest of a 4,096-rank save).
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("files", "metadata")}
+        data["metadata"] = copy.deepcopy(self.metadata)
+        entry_fields = [f.name for f in fields(FileEntry)]
+        data["files"] = [
+            {k: getattr(e, k) for k in entry_fields} for e in sorted(self.files, key=lambda e: e.path)
+        ]
         for optional in ("data_dir", "frozen"):  # complete, local manifests stay as they were
             if data[optional] is None:
                 del data[optional]
