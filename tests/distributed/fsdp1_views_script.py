@@ -12,7 +12,10 @@ after one step. Checks, on every rank, and writes ``DIR/ok`` from rank 0 when al
    the next save's state dicts are the same views (made once), holding the values after that step;
 3. a checkpoint written from torch's own state dicts (what stock ``FSDPStrategy`` writes) restores
    through the views exactly;
-4. so does a full file (gathered on rank 0), whose values are copied into the views.
+4. so does a full file (gathered on rank 0), whose values are copied into the views;
+5. when one rank's optimizer state is not views of its pieces (rank 0's, then rank 1's), every rank
+   leaves the fast path alike (``None`` everywhere, none waits in a collective the others skip), on
+   the default group and on a bounded gloo group.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded.checkpoint import fsdp1, load, save, state_dicts  # noqa: E402
+from lightning_sharded.checkpoint import collective, fsdp1, load, save, state_dicts  # noqa: E402
 from lightning_sharded.tensors import to_full  # noqa: E402
 
 
@@ -190,6 +193,25 @@ def main() -> None:
     same(full_model(last), full_model(model), "model from a full file")
     same(full_optimizer(last, last_optimizer), full_optimizer(model, optimizer), "optimizer from a full file")
     assert last_optimizer.param_groups[0]["lr"] == 0.0123, (rank, last_optimizer.param_groups[0]["lr"])
+
+    # 5. ranks that disagree on the fast path all leave it
+    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
+    where = collective.ranks()
+    assert collective.all_true(True, where) and not collective.all_true(rank == 1, where)
+    bounded = collective.bounded_group(60.0)
+    for bad in (0, 1):
+        param, entries = next(
+            (p, e) for p, e in optimizer.state.items() if e["exp_avg"].numel() > 0
+        )  # a piece this rank holds
+        kept = entries["exp_avg"]
+        if rank == bad:
+            entries["exp_avg"] = torch.cat([kept, kept[:1]])  # not the parameter's local piece
+        for group in (None, bounded):
+            with collective.scope(group):
+                assert fsdp1.optimizer_state_dict(model, optimizer) is None, (rank, bad, group)
+        entries["exp_avg"] = kept
+        assert param in optimizer.state
+    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
 
     dist.barrier()
     if rank == 0:
