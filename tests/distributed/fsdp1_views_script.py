@@ -6,7 +6,8 @@ An FSDP1 model whose parameters straddle the ranks' flat shards at odd places (p
 convolution, biases wholly on one rank, a buffer, buffer mixed precision as Lightning sets it) and Adam
 after one step. Checks, on every rank, and writes ``DIR/ok`` from rank 0 when all hold:
 
-1. the views' model and optimizer state dicts hold exactly torch's values (``get_model_state_dict`` /
+1. the views' model and optimizer state dicts hold exactly torch's values (the root FSDP unit's
+   ``_is_root`` as before) (``get_model_state_dict`` /
    ``get_optimizer_state_dict``, which gather), same keys (the optimizer's: the union over ranks);
 2. a checkpoint written from the views restores into a fresh model exactly, and both continue alike;
    the next save's state dicts are the same views (made once), holding the values after that step;
@@ -99,8 +100,15 @@ def main() -> None:
     optimizer.param_groups[0]["lr"] = 0.0123  # restored on every rank, not the fresh optimizer's 0.1
     assert fsdp1.supported(model)
 
-    # 1. the views hold torch's values
+    # 1. the views hold torch's values; the root is the root again after (its post hook skips torch's
+    # per-entry logging), also between two state dicts in one block
     views = state_dicts.model_state_dict(model, full=False)
+    assert model._is_root is True
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT), fsdp1.views():
+        twice = [model.state_dict(), model.state_dict()]
+    assert model._is_root is True and sorted(twice[0]) == sorted(twice[1])
     reference = full_model(model)
     assert sorted(views) == list(reference), (sorted(views), list(reference))
     for key, value in views.items():
