@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -55,8 +56,11 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1
 
-        with fsdp1.views():
-            return get_model_state_dict(model, options=_options(model, full))
+        # What get_model_state_dict does for a sharded FSDP1 state dict (the sharded state-dict type,
+        # `state_dict()`, clean keys), without its checks of every parameter's names, 0.8 ms of a 50 MB
+        # model's save: no gather, nothing offloaded, no submodule or frozen-parameter options here.
+        with torch.no_grad(), _fsdp1_sharded(model), fsdp1.views():
+            return clean_keys(model, model.state_dict())
     return get_model_state_dict(model, options=_options(model, full))
 
 
@@ -135,6 +139,27 @@ def _fsdp1_rank0_full(model: nn.Module) -> Iterator[None]:
             StateDictType.FULL_STATE_DICT,
             FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
             FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
+        ):
+            yield
+
+
+@contextlib.contextmanager
+def _fsdp1_sharded(model: nn.Module) -> Iterator[None]:
+    """FSDP1's sharded state dicts, not offloaded (what get_model_state_dict sets for them)."""
+    from torch.distributed.fsdp import (
+        FullyShardedDataParallel,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
+        StateDictType,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "FSDP.state_dict_type() ... deprecated"
+        with FullyShardedDataParallel.state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=False),
+            ShardedOptimStateDictConfig(offload_to_cpu=False),
         ):
             yield
 
