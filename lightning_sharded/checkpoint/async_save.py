@@ -84,6 +84,7 @@ class AsyncSaver:
         self._on_published: list[Callable[[], None]] = []
         # The deferred copies of the save in flight, and the optimizer step hooks that wait for them.
         self._staging: Future[None] | None = None
+        self._copier: ThreadPoolExecutor | None = None
         self._step_hooks: list[Any] = []
         # Optimizers whose step() this saver follows (id -> steps in progress, the hooks that count).
         self._in_step: dict[int, int] = {}
@@ -226,34 +227,29 @@ class AsyncSaver:
     def _copy_deferred(
         self, optimizers: Sequence[torch.optim.Optimizer], watch: Sequence[torch.Tensor]
     ) -> Future[None]:
-        """Start the deferred copies in a new thread (which has the caller's priority, not the writer's);
+        """Start the deferred copies in the copier thread (which has the caller's priority, not the writer's);
         every optimizer's next ``step()`` waits until they are done. A ``watch`` tensor changed in place
         from now (the state was just staged) until they are done fails them."""
         watch = list(watch)
         versions = [tensor._version for tensor in watch]
-        done: Future[None] = Future()
-        done.set_running_or_notify_cancel()
 
-        def copy() -> None:
-            try:
-                self.buffers.copy_deferred()
-                changed = sum(
-                    tensor._version != version for tensor, version in zip(watch, versions, strict=True)
+        def copy() -> None:  # its error is raised by the write (the save fails), never lost
+            self.buffers.copy_deferred()
+            changed = sum(tensor._version != version for tensor, version in zip(watch, versions, strict=True))
+            if changed:
+                raise CheckpointError(
+                    f"{changed} parameter or optimizer state tensor(s) were changed in place while an"
+                    " async save copied them: until that copy is done (the next step() waits for it)"
+                    " only the optimizers' step() may change them. Change them inside step(), or save"
+                    " with `async_save=False`."
                 )
-                if changed:
-                    raise CheckpointError(
-                        f"{changed} parameter or optimizer state tensor(s) were changed in place while an"
-                        " async save copied them: until that copy is done (the next step() waits for it)"
-                        " only the optimizers' step() may change them. Change them inside step(), or save"
-                        " with `async_save=False`."
-                    )
-            except BaseException as err:  # raised by the write (the save fails), never lost
-                done.set_exception(err)
-            else:
-                done.set_result(None)
 
+        if self._copier is None:
+            # Made by the first save, in the caller's thread: it has the caller's priority. Kept: starting
+            # a thread per save waited for it to run, 0.1 ms idle and 1.5-2.3 ms on a loaded machine here.
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self._name}-stage")
+        done = self._copier.submit(copy)
         self._step_hooks = [optimizer.register_step_pre_hook(_waiting_step(done)) for optimizer in optimizers]
-        threading.Thread(target=copy, name=f"{self._name}-stage", daemon=True).start()
         return done
 
     def _drop_step_hooks(self, *, unless_pending: bool = False) -> None:
@@ -340,9 +336,10 @@ class AsyncSaver:
             for hook in self._tracking:
                 hook.remove()
             self._tracking, self._in_step = [], {}
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            for executor in (self._executor, self._copier):
+                if executor is not None:
+                    executor.shutdown(wait=True)
+            self._executor = self._copier = None
 
 
 def _waiting_step(done: Future[None]) -> Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]:

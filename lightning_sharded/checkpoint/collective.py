@@ -42,6 +42,7 @@ __all__ = [
     "after",
     "agree",
     "all_gather",
+    "all_true",
     "bounded_group",
     "broadcast",
     "decide",
@@ -175,6 +176,25 @@ def all_gather(obj: Any, where: Ranks, step: str = "all-gather") -> list[Any]:
     with watched(where, step):
         dist.all_gather_object(out, obj, group=where.group)
     return out
+
+
+def all_true(flag: bool, where: Ranks, step: str = "all-reduce") -> bool:
+    """Whether ``flag`` is true on every rank of ``where.group`` (collective); ``step`` names it in errors.
+
+    One all-reduce of one number, where :func:`all_gather` of a flag pickles it and takes two
+    collectives (sizes, then bytes). The number lives where torch's object collectives put theirs:
+    in host memory on a gloo group, on the current CUDA device on an NCCL one.
+    """
+    if where.world_size == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_object_coll_device
+
+    box = torch.tensor([int(flag)], dtype=torch.int32, device=_get_object_coll_device(where.group))
+    with watched(where, step):
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=where.group)
+    return bool(box.item())
 
 
 def gather(obj: Any, where: Ranks, step: str = "gather") -> list[Any] | None:

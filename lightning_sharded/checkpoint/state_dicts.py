@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -43,7 +44,7 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if full and _fsdp1_on_cpu(model):
-        with _fsdp1_rank0_full(model):
+        with _fsdp1_type(model, full=True):
             from torch.distributed._state_dict_utils import _gather_state_dict
 
             # FSDP1 gathers its parameters on rank 0 only; the sharded attributes (DTensor or
@@ -55,8 +56,11 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1
 
-        with fsdp1.views():
-            return get_model_state_dict(model, options=_options(model, full))
+        # What get_model_state_dict does for a sharded FSDP1 state dict (the sharded state-dict type,
+        # `state_dict()`, clean keys), without its checks of every parameter's names, 0.8 ms of a 50 MB
+        # model's save: no gather, nothing offloaded, no submodule or frozen-parameter options here.
+        with torch.no_grad(), _fsdp1_type(model, full=False), fsdp1.views():
+            return clean_keys(model, model.state_dict())
     return get_model_state_dict(model, options=_options(model, full))
 
 
@@ -72,7 +76,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
     if full and _fsdp1_on_cpu(model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with _fsdp1_rank0_full(model):
+        with _fsdp1_type(model, full=True):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
         return key_by_index(state) if state else {}
     if not full and _fsdp1_views(model):
@@ -119,23 +123,34 @@ def _fsdp1_on_cpu(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _fsdp1_rank0_full(model: nn.Module) -> Iterator[None]:
-    """FSDP1's full state dicts on rank 0 only, without offloading (already on CPU)."""
+def _fsdp1_type(model: nn.Module, *, full: bool) -> Iterator[None]:
+    """FSDP1's state dicts never offloaded: full on rank 0 only (an FSDP1 model on CPU), or sharded
+    (what get_model_state_dict sets for the views)."""
     from torch.distributed.fsdp import (
         FullOptimStateDictConfig,
         FullStateDictConfig,
         FullyShardedDataParallel,
+        ShardedOptimStateDictConfig,
+        ShardedStateDictConfig,
         StateDictType,
     )
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # "FSDP.state_dict_type() ... deprecated"
-        with FullyShardedDataParallel.state_dict_type(
-            model,
+    configs: tuple[Any, Any, Any] = (
+        (
             StateDictType.FULL_STATE_DICT,
             FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
             FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
-        ):
+        )
+        if full
+        else (
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=False),
+            ShardedOptimStateDictConfig(offload_to_cpu=False),
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # "FSDP.state_dict_type() ... deprecated"
+        with FullyShardedDataParallel.state_dict_type(model, *configs):
             yield
 
 
@@ -144,7 +159,7 @@ def _options(model: nn.Module, full: bool) -> Any:
 
     # `cpu_offload` makes a full state dict rank-0 only (the other ranks get an empty dict), as stock
     # Lightning's full saves do. (FSDP1 crashes offloading CPU parameters, SIGSEGV in torch 2.13: an
-    # FSDP1 model on CPU goes through `_fsdp1_rank0_full` instead.)
+    # FSDP1 model on CPU goes through `_fsdp1_type` instead.)
     return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 

@@ -269,7 +269,8 @@ class ShardedCheckpointing(PartialCheckpoints):
         assert self.model is not None
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return state_dicts.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
+        with self._bounded():  # the FSDP1 fast path's agreement: on the bounded gloo group
+            return state_dicts.optimizer_state_dict(self.model, optimizer, full=not self._saves_sharded)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

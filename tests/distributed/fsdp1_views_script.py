@@ -6,13 +6,17 @@ An FSDP1 model whose parameters straddle the ranks' flat shards at odd places (p
 convolution, biases wholly on one rank, a buffer, buffer mixed precision as Lightning sets it) and Adam
 after one step. Checks, on every rank, and writes ``DIR/ok`` from rank 0 when all hold:
 
-1. the views' model and optimizer state dicts hold exactly torch's values (``get_model_state_dict`` /
+1. the views' model and optimizer state dicts hold exactly torch's values (the root FSDP unit's
+   ``_is_root`` as before) (``get_model_state_dict`` /
    ``get_optimizer_state_dict``, which gather), same keys (the optimizer's: the union over ranks);
 2. a checkpoint written from the views restores into a fresh model exactly, and both continue alike;
    the next save's state dicts are the same views (made once), holding the values after that step;
 3. a checkpoint written from torch's own state dicts (what stock ``FSDPStrategy`` writes) restores
    through the views exactly;
-4. so does a full file (gathered on rank 0), whose values are copied into the views.
+4. so does a full file (gathered on rank 0), whose values are copied into the views;
+5. when one rank's optimizer state is not views of its pieces (rank 0's, then rank 1's), every rank
+   leaves the fast path alike (``None`` everywhere, none waits in a collective the others skip), on
+   the default group and on a bounded gloo group.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded.checkpoint import fsdp1, load, save, state_dicts  # noqa: E402
+from lightning_sharded.checkpoint import collective, fsdp1, load, save, state_dicts  # noqa: E402
 from lightning_sharded.tensors import to_full  # noqa: E402
 
 
@@ -96,8 +100,15 @@ def main() -> None:
     optimizer.param_groups[0]["lr"] = 0.0123  # restored on every rank, not the fresh optimizer's 0.1
     assert fsdp1.supported(model)
 
-    # 1. the views hold torch's values
+    # 1. the views hold torch's values; the root is the root again after (its post hook skips torch's
+    # per-entry logging), also between two state dicts in one block
     views = state_dicts.model_state_dict(model, full=False)
+    assert model._is_root is True
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.SHARDED_STATE_DICT), fsdp1.views():
+        twice = [model.state_dict(), model.state_dict()]
+    assert model._is_root is True and sorted(twice[0]) == sorted(twice[1])
     reference = full_model(model)
     assert sorted(views) == list(reference), (sorted(views), list(reference))
     for key, value in views.items():
@@ -190,6 +201,25 @@ def main() -> None:
     same(full_model(last), full_model(model), "model from a full file")
     same(full_optimizer(last, last_optimizer), full_optimizer(model, optimizer), "optimizer from a full file")
     assert last_optimizer.param_groups[0]["lr"] == 0.0123, (rank, last_optimizer.param_groups[0]["lr"])
+
+    # 5. ranks that disagree on the fast path all leave it
+    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
+    where = collective.ranks()
+    assert collective.all_true(True, where) and not collective.all_true(rank == 1, where)
+    bounded = collective.bounded_group(60.0)
+    for bad in (0, 1):
+        param, entries = next(
+            (p, e) for p, e in optimizer.state.items() if e["exp_avg"].numel() > 0
+        )  # a piece this rank holds
+        kept = entries["exp_avg"]
+        if rank == bad:
+            entries["exp_avg"] = torch.cat([kept, kept[:1]])  # not the parameter's local piece
+        for group in (None, bounded):
+            with collective.scope(group):
+                assert fsdp1.optimizer_state_dict(model, optimizer) is None, (rank, bad, group)
+        entries["exp_avg"] = kept
+        assert param in optimizer.state
+    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
 
     dist.barrier()
     if rank == 0:

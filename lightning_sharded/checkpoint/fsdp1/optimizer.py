@@ -27,11 +27,6 @@ PARAM_GROUPS = "param_groups"
 PARAMS = "params"
 
 
-def _all_ranks_agree(ok: bool) -> bool:
-    # An object collective: a CPU tensor all_reduce would fail on NCCL, FSDP1's default group on CUDA.
-    return all(collective.all_gather(ok, collective.ranks()))
-
-
 def _groups(model: nn.Module, optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: [names[id(p)] for p in group[PARAMS]]}
@@ -86,7 +81,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
     """The optimizer's sharded state keyed by clean parameter name, as ``FSDP.optim_state_dict`` gives it,
     without communication; ``None`` where the fast form does not apply (on every rank alike).
 
-    Collective (one small all-gather of a flag: every rank must be able to take this path). Each state
+    Collective (one all-reduce of a flag, on the :func:`~lightning_sharded.checkpoint.collective.scope`'s
+    group: every rank must be able to take this path, or none takes it). Each state
     tensor of a parameter's local piece becomes a ``ShardedTensor`` of views of it; zero-dimensional
     states (Adam's ``step``) and non-tensors are kept as they are.
     """
@@ -94,7 +90,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, An
     where = param_index(model)
     params = _params_by_name(optimizer, names, where) if supported(model) else None
     state = _state_views(optimizer, params, where) if params is not None else None
-    if not _all_ranks_agree(state is not None) or state is None:
+    agreed = collective.all_true(state is not None, collective.ranks(), "agreeing on the optimizer's views")
+    if not agreed or state is None:
         return None
     return {STATE: state, PARAM_GROUPS: _groups(model, optimizer, names)}
 

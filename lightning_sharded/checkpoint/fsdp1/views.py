@@ -28,13 +28,33 @@ def views() -> Iterator[None]:
     from torch.distributed.fsdp._common_utils import FSDP_PREFIX
     from torch.distributed.fsdp._unshard_param_utils import FLAT_PARAM
 
+    # The roots whose ``_is_root`` reads False from their post hook until their next pre hook or the
+    # block's end: torch's post hook, at the root, logs every entry's shape and dtype whatever the log
+    # level, two ShardedTensor dispatches per parameter (1.2 ms of a 50 MB model's 9 ms async save).
+    quiet: list[Any] = []
+
+    def speak(fsdp_state: Any) -> None:
+        if any(state is fsdp_state for state in quiet):
+            fsdp_state._is_root = True
+            quiet[:] = [state for state in quiet if state is not fsdp_state]
+
     def pre_save(fsdp_state: Any, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        speak(fsdp_state)
         sdu._common_pre_state_dict_hook(module, fsdp_state)
         if sdu._should_unshard_params(fsdp_state):
             # torch's post hook leaves this context; nothing was gathered, so there is nothing to undo.
             fsdp_state._unshard_params_ctx[module] = contextlib.nullcontext()
 
     def post_save(
+        module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
+    ) -> dict[str, Any]:
+        state_dict = views_of(module, fsdp_state, state_dict, prefix)
+        if fsdp_state._is_root is True:  # read next by torch's logging only (see `quiet`)
+            fsdp_state._is_root = False
+            quiet.append(fsdp_state)
+        return state_dict
+
+    def views_of(
         module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
     ) -> dict[str, Any]:
         if not sdu._has_fsdp_params(fsdp_state, module):
@@ -83,3 +103,5 @@ def views() -> Iterator[None]:
     finally:
         for name, hook in originals.items():
             setattr(sdu, name, hook)
+        for state in quiet:
+            state._is_root = True
