@@ -333,3 +333,24 @@ def test_mixin_load_from_checkpoint_reads_an_s3_directory(s3: S3Server, tmp_path
         assert torch.equal(loaded.state_dict()[key], value), key
     with pytest.raises(FileNotFoundError, match="mixin/nothing"):
         TinyShardedModel.load_from_checkpoint(s3.url("mixin/nothing"))
+
+
+def test_verify_names_a_missing_or_cut_file_in_a_folder_of_the_version(
+    fitted: Results, fs: Any, s3: S3Server
+) -> None:
+    # Files in the version's folders (the per-rank state, the per-rank index) are checked from one
+    # listing of each folder: one cut or removed is named as the shards are.
+    src, url = s3.url("fits/mp-sharded"), s3.url("damaged/nested")
+    fitted["mp-sharded"]
+    copy(fs, src, url)
+    version = detect(url).data
+    state = f"{version}/rank_state/rank-00001.pt"
+    fs.pipe_file(state, bytes(fs.cat_file(state))[:-1])
+    fs.invalidate_cache()
+    cut = r"'rank_state/rank-00001.pt' \(written by rank 1\) is truncated"
+    with pytest.raises(CheckpointError, match=cut):
+        verify_checkpoint(url)
+    fs.rm(f"{version}/index/rank-00000.json")
+    fs.invalidate_cache()
+    with pytest.raises(CheckpointError, match=r"'index/rank-00000.json' \(written by rank 0\) is missing"):
+        verify_checkpoint(url)

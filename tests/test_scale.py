@@ -171,3 +171,14 @@ def test_a_reader_given_the_index_never_reads_metadata(tmp_path: Path) -> None:
         assert torch.equal(target["model"]["w"], state["model"]["w"])
     with pytest.raises(FileNotFoundError):
         DirectReader(tmp_path).read_metadata()
+
+
+def test_rank_0s_s3_requests_do_not_grow_with_n(report: dict[str, Any]) -> None:
+    # Rank 0 checks every file of the checkpoint on a save (the seal) and a load (the manifest's
+    # sizes): by listing each folder (one LIST page per 1,000 files), never a HEAD per rank's file.
+    every = (*SHARED, "own shard", "other shards", *INDEXES)
+    for phase, rank, small, large in runs(report, "s3"):
+        if rank != "0":
+            continue
+        at_8, at_64 = ops(small, "s3", ("ours",), every), ops(large, "s3", ("ours",), every)
+        assert at_8 == at_64, (phase, at_8, at_64)

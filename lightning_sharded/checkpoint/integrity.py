@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.backends.paths import listed_sizes
 from lightning_sharded.checkpoint.dcp_index import index_problems, read_index
 from lightning_sharded.checkpoint.detect import Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -104,14 +105,8 @@ def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
 
 
 def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
-    present = backend.list_files(data)
-    found = (
-        (
-            entry,
-            present.get(entry.path) if "/" not in entry.path else _size_or_none(backend, data, entry.path),
-        )
-        for entry in manifest.files
-    )
+    present = listed_sizes(backend.list_files, data, (entry.path for entry in manifest.files))
+    found = ((entry, present.get(entry.path)) for entry in manifest.files)
     return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends.paths import Location, basename, join
+from lightning_sharded.checkpoint.backends.paths import Location, basename, join, listed_sizes
 from lightning_sharded.checkpoint.backends.retry import Retrying
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -315,6 +315,7 @@ class ObjectStoreBackend:
         manifest: Manifest,
     ) -> Manifest:
         present = self.list_files(staging)
+        stored_sizes = listed_sizes(self.list_files, staging, (e.path for e in entries), {"": present})
         claimed: dict[str, FileEntry] = {}
         for entry in entries:
             if entry.path in claimed:
@@ -322,8 +323,7 @@ class ObjectStoreBackend:
                     f"{entry.path!r} in {staging!r} was written by ranks {claimed[entry.path].rank}"
                     f" and {entry.rank}; DCP names every rank's files apart."
                 )
-            nested = "/" in entry.path
-            stored = self._size_or_none(staging, entry.path) if nested else present.get(entry.path)
+            stored = stored_sizes.get(entry.path)
             if stored != entry.size:
                 raise CheckpointError(
                     f"{staging}/{entry.path} (rank {entry.rank}) has {stored} bytes in the"
@@ -344,13 +344,6 @@ class ObjectStoreBackend:
             format_version=max(manifest.format_version, OBJECT_STORE_FORMAT_VERSION),
             data_dir=basename(staging),
         )
-
-    def _size_or_none(self, base: Location, rel: str) -> int | None:
-        # A file in a folder of the version (the per-rank state): the flat listing does not show it.
-        try:
-            return self.size(join(base, *rel.split("/")))
-        except FileNotFoundError:
-            return None
 
     def publish(
         self, staging: Location, target: Location, manifest: Manifest, previous: str | None, *, rank: int

@@ -8,9 +8,20 @@ else asks the location's backend, or one of the helpers here, which work on eith
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-__all__ = ["Location", "absolute", "basename", "is_url", "join", "local_path", "location", "parent"]
+__all__ = [
+    "Location",
+    "absolute",
+    "basename",
+    "is_url",
+    "join",
+    "listed_sizes",
+    "local_path",
+    "location",
+    "parent",
+]
 
 #: A checkpoint location: a local path, or an fsspec URL kept as a string.
 Location = Path | str
@@ -61,3 +72,28 @@ def local_path(loc: Location) -> Path | None:
     """The file or directory ``loc`` is on this machine's filesystem, or ``None`` for a URL (for what
     only local files allow: memory-mapping, ``os`` calls, ``safetensors``' ``safe_open``)."""
     return loc if isinstance(loc, Path) else None
+
+
+def listed_sizes(
+    list_files: Callable[[Location], Mapping[str, int]],
+    base: Location,
+    paths: Iterable[str],
+    listed: Mapping[str, Mapping[str, int]] | None = None,
+) -> dict[str, int]:
+    """The sizes of the files of ``paths`` (``/``-separated, relative to ``base``) that exist.
+
+    One ``list_files`` of each folder they are in, not one ``stat`` per file: on an object store a
+    ``LIST`` page per 1,000 files, where a ``HEAD`` per file made rank 0's check of a checkpoint one
+    request per rank for each per-rank folder (``rank_state/``, ``index/``). ``listed``: folders
+    already listed (``""`` for ``base``), by their path relative to ``base``.
+    """
+    folders: dict[str, Mapping[str, int]] = dict(listed or {})
+    sizes: dict[str, int] = {}
+    for path in paths:
+        folder, _, name = path.rpartition("/")
+        if folder not in folders:
+            folders[folder] = list_files(join(base, *folder.split("/")) if folder else base)
+        size = folders[folder].get(name)
+        if size is not None:
+            sizes[path] = size
+    return sizes
