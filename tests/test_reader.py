@@ -18,7 +18,7 @@ from lightning_sharded.checkpoint.backends.dcp_reader import (
     _readinto,
     _storage_location,
 )
-from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.integrity import ReadChecksums
 from tests._pages import resident
 from tests.distributed.launch import run_ranks
@@ -55,11 +55,8 @@ def _load(path: Path, reader: object | None) -> dict[str, object]:
 def test_direct_reads_equal_torch_reads(tmp_path: Path) -> None:
     for crc in (False, True):
         path = tmp_path / f"crc{crc}"
-        if crc:
-            dcp.save(_state(), storage_writer=ChecksummingWriter(path, thread_count=2), no_dist=True)
-        else:
-            with without_torch_crc32():
-                dcp.save(_state(), storage_writer=ChecksummingWriter(path, thread_count=2), no_dist=True)
+        writer = ChecksummingWriter(path, thread_count=2, torch_crc32=crc)
+        dcp.save(_state(), storage_writer=writer, no_dist=True)
         ours, theirs = _load(path, DirectReader(path)), _load(path, None)
         for key, value in _state().items():
             if isinstance(value, torch.Tensor):

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_sharded.checkpoint import read_manifest
-from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.checksum import crc32, crc32_combine, file_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 
@@ -28,8 +28,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 def test_checksums_equal_a_read_back(tmp_path: Path) -> None:
     writer = ChecksummingWriter(tmp_path / "ckpt")
-    with without_torch_crc32():
-        dcp.save(_state(), storage_writer=writer, no_dist=True)
+    dcp.save(_state(), storage_writer=writer, no_dist=True)
     files = sorted(os.listdir(tmp_path / "ckpt"))
     assert sorted(writer.checksums) == files  # the shard(s) and .metadata, no temporary name
     for name, figures in writer.checksums.items():
@@ -52,24 +51,118 @@ def test_the_index_holds_no_path_so_its_size_does_not_depend_on_where(tmp_path: 
     assert sizes[0] == sizes[1]
 
 
-def test_without_torch_crc32_restores_the_setting_and_files_load(tmp_path: Path) -> None:
+def _record_crcs(archive: Path | bytes) -> list[int]:
+    """The CRC-32 fields of a ``torch.save`` archive's data records (0 where torch computed none)."""
+    import io
+    import zipfile
+
+    source = io.BytesIO(archive) if isinstance(archive, bytes) else archive
+    with zipfile.ZipFile(source) as zf:
+        return [info.CRC for info in zf.infolist() if "/data/" in info.filename and info.file_size]
+
+
+def _shard_crcs(directory: Path) -> list[int]:
+    shards = sorted(directory.glob("*.distcp"))
+    assert shards
+    # A shard is torch.save archives back to back (one per item); the first one's records are enough.
+    data = shards[0].read_bytes()
+    end = data.find(b"PK\x05\x06")  # the first archive's end of central directory
+    return _record_crcs(data[: end + 22])
+
+
+@pytest.mark.parametrize("thread_count", [1, 2])
+def test_the_shards_carry_no_torch_crc_and_the_setting_is_never_the_process_s(
+    tmp_path: Path, thread_count: int
+) -> None:
+    """The writer's shard archives skip torch.save's per-record CRC-32 (the manifest's covers them) on
+    every writer thread; the setting is the writer's own: after the save, and during it for code that is
+    not the writer's (a Stateful's ``state_dict`` that torch.saves), torch.save writes CRC records.
+
+    Failed before: the save set torch's global ``compute_crc32=False`` around the whole ``dcp.save`` (a
+    user ``state_dict`` called in that window wrote records without CRC), and DCP's extra writer threads
+    (``thread_count=2``) did not see it (their shards carried CRC records)."""
+    from torch.distributed.checkpoint.stateful import Stateful
     from torch.utils.serialization import config
 
+    from lightning_sharded.checkpoint.save import write_sharded_checkpoint
+
+    class Saves(Stateful):  # a user's object whose state_dict serializes with torch.save
+        archive = b""
+
+        def state_dict(self) -> dict[str, Any]:
+            import io
+
+            buffer = io.BytesIO()
+            torch.save({"t": torch.arange(64.0)}, buffer)
+            Saves.archive = buffer.getvalue()
+            return {"x": torch.arange(3.0)}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass
+
+    import lightning_sharded.checkpoint.save as save_module
+
     before = config.save.compute_crc32
-    with without_torch_crc32():
-        assert config.save.compute_crc32 is False
-        dcp.save(_state(), storage_writer=ChecksummingWriter(tmp_path / "c"), no_dist=True)
-    assert config.save.compute_crc32 == before
+    real = save_module.WRITER_THREADS
+    save_module.WRITER_THREADS = thread_count
+    try:
+        state = {"model": {**_state(), "extra": torch.randn(300, 300)}, "user": Saves()}
+        write_sharded_checkpoint(tmp_path / "ckpt", state, {"global_step": 1}, rank=0)
+    finally:
+        save_module.WRITER_THREADS = real
+    assert config.save.compute_crc32 == before is True
+    assert Saves.archive and all(_record_crcs(Saves.archive)), "a user torch.save in the save lost its CRC"
+    assert not any(_shard_crcs(tmp_path / "ckpt")), "the writer's shards carry torch's CRC records"
     loaded = {k: torch.zeros_like(v) for k, v in _state().items()}
-    dcp.load(loaded, checkpoint_id=tmp_path / "c", no_dist=True)
+    dcp.load({"model": loaded}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_a_user_torch_save_during_an_async_save_keeps_its_crc(tmp_path: Path) -> None:
+    """A ``torch.save`` on the training thread while an async save writes (in its background thread)
+    writes an archive with CRC-32 records: the writer's choice never reaches another thread. (On torch
+    2.13 to 2.15 the old global switch did not either, as torch keeps the setting in a context variable;
+    the test holds that for the writer's per-file scope.)"""
+    from torch.utils.serialization import config
+
+    from lightning_sharded.checkpoint.async_save import AsyncSaver
+    from lightning_sharded.checkpoint.backends import dcp_writer
+    from lightning_sharded.checkpoint.save import write_sharded_checkpoint
+
+    inside, release = threading.Event(), threading.Event()
+    real = dcp_writer.HashingStream.write
+
+    def write_in_the_middle(self: Any, b: Any) -> int:
+        if threading.current_thread() is not threading.main_thread() and not inside.is_set():
+            assert config.save.compute_crc32 is False  # the writer's own file: no torch CRC
+            inside.set()
+            release.wait(30)
+        return real(self, b)
+
+    saver = AsyncSaver("crc-test")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dcp_writer.HashingStream, "write", write_in_the_middle)
+        saver.save(
+            tmp_path / "ckpt",
+            {"model": _state()},
+            lambda path, staged, group: write_sharded_checkpoint(path, staged, {"global_step": 1}, rank=0),
+        )
+        try:
+            assert inside.wait(30), "the background save never started writing a shard"
+            torch.save({"w": torch.arange(100.0)}, tmp_path / "user.pt")  # the training thread, meanwhile
+        finally:
+            release.set()
+            saver.wait()
+            saver.close()
+    crcs = _record_crcs(tmp_path / "user.pt")
+    assert crcs and all(crcs), "the user's archive was written without CRC-32 records"
+    assert not any(_shard_crcs(tmp_path / "ckpt"))
 
 
 def test_commit_uses_known_checksums_and_reads_back_the_rest(tmp_path: Path) -> None:
     def write(staging: Path) -> dict[str, tuple[int, str]]:
         writer = ChecksummingWriter(staging)
-        with without_torch_crc32():
-            dcp.save(_state(), storage_writer=writer, no_dist=True)
+        dcp.save(_state(), storage_writer=writer, no_dist=True)
         torch.save({"epoch": 1}, staging / "meta.pt")  # not in the known figures: read back
         known = writer.checksums
         known["extra.bin"] = (1, "00000000")  # a wrong size: not trusted, read back instead

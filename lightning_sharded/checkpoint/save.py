@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_sharded.checkpoint import collective, commit, names, rank_index, space
-from lightning_sharded.checkpoint.backends import Location, backend_for, join, location, without_torch_crc32
+from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
 from lightning_sharded.checkpoint.failures import run_dcp
@@ -98,7 +98,7 @@ def write_sharded_checkpoint(
         writer = backend.dcp_writer(staging, thread_count=WRITER_THREADS)
         recorder = rank_index.RankIndexRecorder(writer)
         collective.after(writer, "write_data", where, "DCP save: shards written")
-        with without_torch_crc32(), collective.watched(where, "DCP save: planning"):
+        with collective.watched(where, "DCP save: planning"):
             run_dcp(
                 lambda: save(state, storage_writer=writer, process_group=where.group),
                 f"Saving the sharded checkpoint to {str(target)!r}",

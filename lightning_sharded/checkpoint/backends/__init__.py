@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter, without_torch_crc32
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, LocalBackend, leftovers, resolve
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 from lightning_sharded.checkpoint.backends.paths import (
@@ -50,7 +50,6 @@ __all__ = [
     "location",
     "parent",
     "resolve",
-    "without_torch_crc32",
 ]
 
 

@@ -10,7 +10,10 @@ it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.check
 would give.
 
 It also switches off ``torch.save``'s own per-record CRC-32 for the shards it writes (DCP stores each
-tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours), and
+tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours): only
+while DCP writes into one of this writer's files, on the thread that writes it (torch's setting is a
+context variable; nothing else in the process, no other thread, no ``torch.save`` a user's ``state_dict``
+makes during the save, sees it), and
 keeps a large shard's write-back going as it is written, its pages leaving the page cache once on disk
 (:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: a save then takes no fresh memory for
 the page cache, which costs a background save's CPU, and so training's).
@@ -35,12 +38,13 @@ from lightning_sharded.checkpoint.checksum import HashingStream
 from lightning_sharded.checkpoint.failures import named_os_error
 from lightning_sharded.checkpoint.writeback import WriteBehind
 
-__all__ = ["ChecksummingWriter", "without_torch_crc32"]
+__all__ = ["ChecksummingWriter", "torch_save_crc32"]
 
 
 class _ChecksummingFileSystem(FileSystem):
-    def __init__(self) -> None:
+    def __init__(self, torch_crc32: bool) -> None:
         super().__init__()
+        self.torch_crc32 = torch_crc32
         self.checksums: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -56,7 +60,8 @@ class _ChecksummingFileSystem(FileSystem):
             behind = WriteBehind(raw.fileno())
             stream = HashingStream(raw, write_behind=behind)
             try:
-                yield stream  # DCP writes the file and fsyncs it (its sync_files)
+                with torch_save_crc32(self.torch_crc32):
+                    yield stream  # DCP writes the file (torch.save per item) and fsyncs it (its sync_files)
                 behind.finish()
             except BaseException as err:  # kept: torch's extra writer threads only print it
                 named = named_os_error(stream.error or err, path)
@@ -88,12 +93,15 @@ class ChecksummingWriter(FileSystemWriter):
 
     Args:
         path: the checkpoint directory.
+        torch_crc32: whether ``torch.save`` writes its own per-record CRC-32 into the shard files
+            (``False``: the manifest's whole-file CRC-32 covers them; decided per file this writer opens,
+            never for the process).
         **kwargs: as ``FileSystemWriter`` (``thread_count``, ``sync_files``...).
     """
 
-    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, torch_crc32: bool = False, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs: _ChecksummingFileSystem = _ChecksummingFileSystem()
+        self.fs: _ChecksummingFileSystem = _ChecksummingFileSystem(torch_crc32)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         """Write this rank's items, then raise if any writer thread failed.
@@ -130,13 +138,14 @@ class ChecksummingWriter(FileSystemWriter):
 
 
 @contextlib.contextmanager
-def without_torch_crc32() -> Iterator[None]:
-    """``torch.save`` without its per-record CRC-32 inside the block (a global setting; restored after)."""
+def torch_save_crc32(enabled: bool) -> Iterator[None]:
+    """``torch.save``'s per-record CRC-32 on or off inside the block, for the current thread's context only.
+
+    torch keeps ``torch.utils.serialization.config.save.compute_crc32`` in a context variable
+    (its ``patch`` sets and restores it there): the block's ``torch.save`` calls see it, other threads and
+    code after the block do not.
+    """
     from torch.utils.serialization import config
 
-    previous = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
+    with config.patch({"save.compute_crc32": enabled}):
         yield
-    finally:
-        config.save.compute_crc32 = previous

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends.dcp_writer import torch_save_crc32
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join, listed_sizes
 from lightning_sharded.checkpoint.backends.retry import Retrying
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
@@ -105,7 +106,8 @@ def _hashing_filesystem() -> Any:
                 return
             with super().create_stream(path, mode) as raw:
                 stream = HashingStream(raw)  # type: ignore[arg-type]
-                yield stream
+                with torch_save_crc32(False):  # the manifest's CRC-32 covers the file; this file only
+                    yield stream
                 figures = stream.result()
             with self._lock:
                 self.checksums[basename(os.fspath(path))] = figures
