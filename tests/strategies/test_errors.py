@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_sharded import CheckpointError, ShardedFSDPStrategy, ShardedModelParallelStrategy
 from tests.distributed.harness import assert_same, model_keys, optimizer_keys
@@ -115,4 +114,3 @@ def test_state_dict_type_is_checked() -> None:
 
 def test_checkpoint_error_is_a_value_error() -> None:
     assert issubclass(CheckpointError, ValueError)
-    assert torch.__version__.startswith("2.13")
