@@ -29,12 +29,13 @@ import contextlib
 import contextvars
 import sys
 from collections.abc import Iterator
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_sharded._compat import load_call, running_load
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
 from lightning_sharded._sites import MARKER, SiteIndex
@@ -42,9 +43,6 @@ from lightning_sharded.tensors import adapter_for, agree
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
 
-_LOAD_CODE = nn.Module.load_state_dict.__code__
-# The recursion inside load_state_dict (`def load(module, local_state_dict, prefix="")`).
-_LOAD_INNER = next((c for c in _LOAD_CODE.co_consts if isinstance(c, CodeType) and c.co_name == "load"), None)
 # Every nn.Module has these in its __dict__; a checkpoint key never assigns one of them.
 _STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
@@ -115,42 +113,6 @@ class _StateDictHook:
             destination[key] = value
 
 
-def _load_call(frame: FrameType | None) -> tuple[bool, bool, Any]:
-    """``(strict, assign, state_dict)`` of the ``nn.Module.load_state_dict`` call this hook runs in.
-
-    torch passes ``strict=True`` to every load pre-hook whatever the caller asked, so the hook reads the
-    caller's arguments (and its whole state dict, for keys spelled without the prefix's wrapper parts);
-    without such a call on the stack (``_load_from_state_dict`` called directly), ``(True, False,
-    None)``: nothing is assigned that strict loading would refuse.
-    """
-    while frame is not None:
-        if frame.f_code is _LOAD_CODE:
-            local = frame.f_locals
-            return bool(local.get("strict", True)), bool(local.get("assign", False)), local.get("state_dict")
-        frame = frame.f_back
-    return True, False, None
-
-
-def _running_load(module: nn.Module, frame: FrameType | None) -> tuple[str, bool, bool, Any] | None:
-    """``(prefix, strict, assign, state_dict)`` of the ``load_state_dict`` call loading ``module`` now.
-
-    ``prefix`` is ``module``'s (from torch's recursion), the rest the caller's; ``None`` if torch's
-    recursion is not on the stack (then nothing is assigned).
-    """
-    prefix = None
-    while frame is not None:
-        if prefix is None and frame.f_code is _LOAD_INNER and frame.f_locals.get("module") is module:
-            prefix = frame.f_locals.get("prefix")
-        elif frame.f_code is _LOAD_CODE:
-            local = frame.f_locals
-            whole = local.get("state_dict")
-            if not isinstance(prefix, str) or not isinstance(whole, dict):
-                return None
-            return prefix, bool(local.get("strict", True)), bool(local.get("assign", False)), whole
-        frame = frame.f_back
-    return None
-
-
 class _LoadPreHook:
     """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
 
@@ -168,7 +130,7 @@ class _LoadPreHook:
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        _, assign, whole = _load_call(sys._getframe(1))
+        _, assign, whole = load_call(sys._getframe(1))
         assign = assign or bool(local_metadata.get("assign_to_params_buffers", False))
         # A wrapper above the root (torch.compile, DDP) puts its part in `prefix`, but torch's
         # set_model_state_dict hands sharded attributes over under their clean FQN: such a key is
@@ -278,7 +240,7 @@ class _LoadPostHook:
         unexpected: list[str] = incompatible_keys.unexpected_keys
         if not unexpected:
             return
-        call = _running_load(module, sys._getframe(1))
+        call = running_load(module, sys._getframe(1))
         if call is None:
             return
         prefix, strict, assign, whole = call

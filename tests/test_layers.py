@@ -41,6 +41,7 @@ LAYERS: Layers = [
             "_registry",
             "_exit",
             "_launch",
+            "_compat",
         ),
     ),
     (1, "backends", ("checkpoint.backends.*",)),

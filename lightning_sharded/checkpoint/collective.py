@@ -189,9 +189,10 @@ def all_true(flag: bool, where: Ranks, step: str = "all-reduce") -> bool:
         return flag
     import torch
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_object_coll_device
 
-    box = torch.tensor([int(flag)], dtype=torch.int32, device=_get_object_coll_device(where.group))
+    from lightning_sharded._compat import object_collective_device
+
+    box = torch.tensor([int(flag)], dtype=torch.int32, device=object_collective_device(where.group))
     with watched(where, step):
         dist.all_reduce(box, op=dist.ReduceOp.MIN, group=where.group)
     return bool(box.item())

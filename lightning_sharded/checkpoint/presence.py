@@ -68,9 +68,9 @@ def _store() -> Any:
     with _lock:
         if world not in _store_state:
             try:
-                from torch.distributed.distributed_c10d import _get_default_store
+                from lightning_sharded._compat import default_store
 
-                _store_state[world] = _get_default_store()
+                _store_state[world] = default_store()
             except Exception:  # no store here (no process group, a launcher without one)
                 _store_state[world] = None
         return _store_state[world]

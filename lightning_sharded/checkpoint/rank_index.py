@@ -316,12 +316,13 @@ def parse_layout(data: bytes, where: str) -> IndexLayout:
 
 
 def _local_boxes(value: Any) -> list[_Box]:
-    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
     from torch.distributed.tensor import DTensor
+
+    from lightning_sharded._compat import create_chunk_list
 
     if isinstance(value, DTensor) and value.device_mesh.get_coordinate() is None:
         return []  # not on this rank's mesh: DCP reads nothing for it
-    return [(tuple(c.offsets), tuple(c.sizes)) for c in _create_chunk_list(value)]
+    return [(tuple(c.offsets), tuple(c.sizes)) for c in create_chunk_list(value)]
 
 
 def _overlap(a: _Box, b: _Box) -> bool:
@@ -331,10 +332,10 @@ def _overlap(a: _Box, b: _Box) -> bool:
 def flat_tensors(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` flattened as DCP's load planner flattens it: tensor-like values by DCP key."""
     import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
-    flat, _ = flatten_state_dict(_flatten_sharded_tensors(state))
+    from lightning_sharded._compat import flatten_sharded_tensors, flatten_state_dict
+
+    flat, _ = flatten_state_dict(flatten_sharded_tensors(state))
     return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
@@ -422,7 +423,6 @@ def partial_metadata(
         CheckpointError: a piece of ``wanted`` is in none of the files read (``where`` names them).
     """
     import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -433,6 +433,8 @@ def partial_metadata(
         TensorStorageMetadata,
     )
 
+    from lightning_sharded._compat import storage_info
+
     chunks: dict[str, list[Any]] = {fqn: [] for fqn in layout.tensors}
     storage: dict[Any, Any] = {}
     found: set[tuple[str, tuple[int, ...]]] = set()
@@ -441,7 +443,7 @@ def partial_metadata(
             continue
         found.add((fqn, offsets))
         chunks[fqn].append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-        storage[MetadataIndex(fqn, torch.Size(offsets))] = _StorageInfo(rel, off, length)
+        storage[MetadataIndex(fqn, torch.Size(offsets))] = storage_info(rel, off, length)
     missing = sorted(set(wanted) - found)
     if missing:
         fqn, offsets = missing[0]
@@ -455,12 +457,12 @@ def partial_metadata(
         if grid[0] == WHOLE:
             whole = torch.Size([0] * len(size))
             chunks[fqn] = [ChunkStorageMetadata(whole, torch.Size(size))]
-            storage[MetadataIndex(fqn, whole)] = _StorageInfo(str(grid[1]), int(grid[2]), int(grid[3]))
+            storage[MetadataIndex(fqn, whole)] = storage_info(str(grid[1]), int(grid[2]), int(grid[3]))
         properties = TensorProperties(dtype=dtype)
         state_dict_metadata[fqn] = TensorStorageMetadata(properties, torch.Size(size), chunks[fqn])
     for fqn, (rel, off, length) in layout.byte_items.items():
         state_dict_metadata[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = _StorageInfo(rel, off, length)
+        storage[MetadataIndex(fqn)] = storage_info(rel, off, length)
     planner_data = {k: tuple(v) for k, v in layout.planner_data.items()}
     return Metadata(
         state_dict_metadata, planner_data=planner_data, storage_data=storage, storage_meta=StorageMeta()

@@ -128,8 +128,9 @@ class StagingBuffers:
         return copy.deepcopy(obj)
 
     def _stage_sharded_tensor(self, obj: Any, key: tuple[Any, ...]) -> Any:
-        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-        from torch.distributed._shard.sharded_tensor.shard import Shard
+        from lightning_sharded._compat import sharded_tensor_api
+
+        ShardedTensor, Shard = sharded_tensor_api()[:2]
 
         # torch checks each local shard's device against its placement: the copies are on CPU, so
         # every placement says CPU (what ShardedTensor.cpu() does); offsets, sizes and ranks stay.

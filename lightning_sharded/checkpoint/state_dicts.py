@@ -45,13 +45,13 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
 
     if full and _fsdp1_on_cpu(model):
         with _fsdp1_type(model, full=True):
-            from torch.distributed._state_dict_utils import _gather_state_dict
+            from lightning_sharded._compat import gather_state_dict
 
             # FSDP1 gathers its parameters on rank 0 only; the sharded attributes (DTensor or
             # ShardedTensor values the hooks add) are gathered onto rank 0 here, as torch's helper does.
             # FSDP's own keys keep the parts of other wrappers (`_orig_mod.` of a compiled submodule):
             # the clean names are the ones every other save and every load use.
-            state = _gather_state_dict(model.state_dict(), cpu_offload=False, ranks_only=(0,))
+            state = gather_state_dict(model.state_dict(), ranks_only=(0,))
             return clean_keys(model, state)
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1

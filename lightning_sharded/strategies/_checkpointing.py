@@ -8,13 +8,13 @@ The strategies put it first in their bases, so its overrides replace the parent'
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -34,6 +34,8 @@ from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._partial import PartialCheckpoints
 from lightning_sharded.tensors import adapter_for
 
+#: What Lightning types a checkpoint path as (its `_PATH`, spelled here without the private name).
+PathLike = str | os.PathLike[str]
 StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
@@ -284,7 +286,7 @@ class ShardedCheckpointing(PartialCheckpoints):
 
     @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: PathLike, storage_options: Any | None = None
     ) -> None:
         """Save a sharded directory (``state_dict_type="sharded"``) or one full file (``"full"``).
 
@@ -439,7 +441,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         return {names.rank_state_file(self.global_rank): rank_state.to_bytes(own)}
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a sharded directory or full file into the wrapped model (and optimizers when fitting).
 
         Returns the rest of the Lightning checkpoint (loops, callbacks...) for the Trainer to restore.
@@ -512,7 +514,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             self._resume = resume if resume.pending_first_batch else None
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: PathLike) -> None:
         """Remove a checkpoint directory or file (on rank 0), as ``ModelCheckpoint(save_top_k=...)`` asks."""
         path = location(filepath)
         if self._async_saver is not None and str(self._async_saver.in_flight) == str(path):

@@ -11,10 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
@@ -26,6 +23,8 @@ from lightning_sharded.strategies._checkpointing import (
     StateDictType,
     check_state_dict_type,
 )
+
+_UNSET = object()
 
 
 class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
@@ -153,37 +152,41 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        """Wrap the model in ``FullyShardedDataParallel`` (as the parent does, with a CPU-safe device id)."""
+        """Stock's, with one change on CPU: the model is wrapped here first, with ``device_id`` the CPU
+        device (stock passes ``root_device.index``, ``None`` on CPU, which FSDP1 refuses); stock's method
+        then finds it wrapped and does the rest (torchmetrics, activation checkpointing, its warnings). On
+        CUDA, stock's method alone."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules()):
-            if _has_meta_device_parameters_or_buffers(model):
-                rank_zero_warn(
-                    "The model is already wrapped in `FSDP` but there are still parameters on the meta"
-                    " device."
-                )
-            if "auto_wrap_policy" in self.kwargs:
-                rank_zero_warn(
-                    "A FSDP `auto_wrap_policy` is set, but the model is already wrapped. The policy will be"
-                    " ignored."
-                )
-                del self.kwargs["auto_wrap_policy"]
-        else:
-            model = FullyShardedDataParallel(
-                module=model,
-                cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                device_id=self._fsdp_device_id(),
-                **self.kwargs,
-            )
-        _move_torchmetrics_to_device(model, self.root_device)
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        return model
+        if self.root_device.type != "cpu" or any(
+            isinstance(m, FullyShardedDataParallel) for m in model.modules()
+        ):
+            return super()._setup_model(model)
+        model = FullyShardedDataParallel(
+            module=model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=self._fsdp_device_id(),
+            **self.kwargs,
+        )
+        # Applied just now: stock would warn that it is ignored on a wrapped model (and delete it).
+        policy = self.kwargs.pop("auto_wrap_policy", _UNSET)
+        try:
+            return super()._setup_model(model)
+        finally:
+            if policy is not _UNSET:
+                self.kwargs["auto_wrap_policy"] = policy
 
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stock's on CUDA; on CPU the same ``enable_wrap`` with ``device_id`` the CPU device (stock's
+        ``None`` there is refused by FSDP1, and nested ``enable_wrap`` contexts are refused by torch)."""
+        if self.root_device.type != "cpu":
+            with super().model_sharded_context():
+                yield
+            return
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 

@@ -9,8 +9,6 @@ from datetime import timedelta
 from typing import Literal
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -19,6 +17,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
+from lightning_sharded._compat import materialize_distributed_module, optimizers_to_device
 from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.strategies._checkpointing import (
@@ -159,13 +158,14 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             )
         if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
             raise TypeError(
-                "Found modules wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1). The"
-                f" `{type(self).__name__}` only supports FSDP2 (`fully_shard`); use `ShardedFSDPStrategy`."
+                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
+                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4"
+                " (`fully_shard`); for FSDP1 use `ShardedFSDPStrategy`."
             )
         if self._fully_shard_policy is not None:
             self._apply_fully_shard_policy(self.model)
 
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -174,7 +174,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     def _apply_fully_shard_policy(self, model: nn.Module) -> None:
         """``fully_shard`` every submodule the policy picks (innermost first), then the root."""

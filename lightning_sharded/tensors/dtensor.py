@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_sharded._compat import strided_shard
 from lightning_sharded.tensors.base import full_if_sharded
+
+_StridedShard: Any = strided_shard()
 
 
 class DTensorAdapter:

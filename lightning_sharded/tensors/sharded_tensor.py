@@ -13,13 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_sharded._compat import SHARDED_TENSOR_MODULE
 from lightning_sharded.tensors.base import full_if_sharded
-
-_MODULE = "torch.distributed._shard.sharded_tensor.api"
 
 
 def _sharded_tensor_type() -> type | None:
-    module = sys.modules.get(_MODULE)
+    module = sys.modules.get(SHARDED_TENSOR_MODULE)
     return getattr(module, "ShardedTensor", None) if module is not None else None
 
 

@@ -45,8 +45,8 @@ from typing import IO, Any, Protocol, cast
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed.checkpoint.utils import _create_file_view
 
+from lightning_sharded._compat import create_file_view, fsspec_filesystem
 from lightning_sharded.checkpoint import libc
 from lightning_sharded.checkpoint.checksum import crc32
 
@@ -160,7 +160,7 @@ def _archive_fits(file: Any, job: _Job) -> bool:
     size64 = struct.unpack_from("<Q", tail, 8)[0] if len(tail) >= 16 else -1
     if nbytes not in (size32, size64):
         return False
-    view = cast(IO[bytes], _create_file_view(file, base, length))
+    view = cast(IO[bytes], create_file_view(file, base, length))
     try:
         meta = torch.load(view, map_location="meta", weights_only=True)
     except Exception:
@@ -411,7 +411,6 @@ def fsspec_reader(url: str, metadata: Any = None) -> Any:
     """
     global _fsspec_reader_class
     if _fsspec_reader_class is None:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        _fsspec_reader_class = type("SharedMetadataFsspecReader", (GivenMetadata, FsspecReader), {})
+        reader = fsspec_filesystem().FsspecReader
+        _fsspec_reader_class = type("SharedMetadataFsspecReader", (GivenMetadata, reader), {})
     return _fsspec_reader_class(url, metadata=metadata)

@@ -39,6 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from lightning_sharded._compat import fsspec_filesystem
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends.dcp_writer import torch_save_crc32
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join, listed_sizes
@@ -88,9 +89,7 @@ def _listing(url: str) -> list[dict[str, Any]]:
 
 
 def _hashing_filesystem() -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
-
-    class HashingFileSystem(FileSystem):  # type: ignore[misc]
+    class HashingFileSystem(fsspec_filesystem().FileSystem):  # type: ignore[misc]
         """torch's fsspec filesystem for DCP, checksumming every file while it is written."""
 
         def __init__(self) -> None:
@@ -288,10 +287,8 @@ class ObjectStoreBackend:
         return Path(tempfile.mkdtemp(prefix="lightning-sharded-")) / basename(target)
 
     def dcp_writer(self, staging: Location, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
         kwargs.pop("thread_count", None)
-        writer = FsspecWriter(_url(staging), **kwargs)
+        writer = fsspec_filesystem().FsspecWriter(_url(staging), **kwargs)
         hashing = _hashing_filesystem()
         hashing.fs = writer.fs.fs  # type: ignore[attr-defined]
         writer.fs = hashing

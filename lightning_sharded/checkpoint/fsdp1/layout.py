@@ -96,9 +96,9 @@ TORCH_NAMES = (
 
 def torch_hooks() -> Any:
     """torch's FSDP1 state-dict hook module (private: its names are checked by :func:`supported`)."""
-    import importlib
+    from lightning_sharded._compat import fsdp1_state_dict_utils
 
-    return importlib.import_module("torch.distributed.fsdp._state_dict_utils")
+    return fsdp1_state_dict_utils()
 
 
 def handles(model: nn.Module) -> list[Any]:
@@ -171,10 +171,9 @@ def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: i
 
     ``local`` is the rank's flat piece of the parameter (or of a state of the same shape).
     """
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from lightning_sharded._compat import sharded_tensor_api
+
+    ShardedTensor, Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties = sharded_tensor_api()
 
     device = local.device
     shards_metadata = []

@@ -25,8 +25,9 @@ def views() -> Iterator[None]:
     Only for models :func:`supported` accepts.
     """
     sdu = torch_hooks()
-    from torch.distributed.fsdp._common_utils import FSDP_PREFIX
-    from torch.distributed.fsdp._unshard_param_utils import FLAT_PARAM
+    from lightning_sharded._compat import fsdp1_names
+
+    FSDP_PREFIX, FLAT_PARAM = fsdp1_names()
 
     # The roots whose ``_is_root`` reads False from their post hook until their next pre hook or the
     # block's end: torch's post hook, at the root, logs every entry's shape and dtype whatever the log

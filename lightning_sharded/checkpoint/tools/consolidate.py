@@ -210,7 +210,7 @@ def consolidate_checkpoint(
             slots[leaf.key] = path
         elif isinstance(leaf, torch.Tensor):
             real_tensors[path] = leaf
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from lightning_sharded._compat import FakeTensorMode
 
     with FakeTensorMode():
         fakes = {

@@ -112,7 +112,8 @@ class OfflineReader:
     ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        from lightning_sharded._compat import dcp_load_state_dict
 
         refusals: list[CheckpointError] = []
         outer = self
@@ -144,7 +145,7 @@ class OfflineReader:
         reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
         with self.reading():
             try:
-                _load_state_dict(state, reader, planner=planner, no_dist=True)
+                dcp_load_state_dict(state, storage_reader=reader, planner=planner)
             except (CheckpointException, Exception) as err:
                 if refusals:
                     raise refusals[0] from None
