@@ -30,7 +30,12 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_sharded.checkpoint import presence
-from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
+from lightning_sharded.checkpoint.errors import (
+    CheckpointError,
+    MissingCheckpointError,
+    OptimizerCountError,
+    StorageError,
+)
 from lightning_sharded.checkpoint.presence import RanksLost
 
 if TYPE_CHECKING:
@@ -226,6 +231,8 @@ _SHARED_ERRORS: dict[str, type[Exception]] = {
     "StorageError": StorageError,
     "FileNotFoundError": FileNotFoundError,
     "IsADirectoryError": IsADirectoryError,
+    "OptimizerCountError": OptimizerCountError,
+    "MissingCheckpointError": MissingCheckpointError,
 }
 _Packed = tuple[str, str, "int | None", "str | None"]
 

@@ -37,7 +37,7 @@ from lightning_sharded.checkpoint.backends import (
     location,
     parent,
 )
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError
 from lightning_sharded.checkpoint.manifest import Manifest
 
 __all__ = ["CheckpointKind", "Found", "checkpoint_files", "detect", "not_a_checkpoint", "read_manifest"]
@@ -229,9 +229,10 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
             found = Found(given, data, kind, backend, None)
             return found if kind is CheckpointKind.FULL else _weights(found, shown, safetensors, None)
         if not backend.exists(data):
-            raise FileNotFoundError(
+            raise MissingCheckpointError(  # a ValueError with stock's words, and a FileNotFoundError
                 f"There is no checkpoint at {shown!r}: the path does not exist (no file, {backend.noun} or"
-                f" object by that name). {backend.hint.format(cwd=os.getcwd())} {_WHAT_A_CHECKPOINT_IS}"
+                f" object by that name), so it does not point to a valid checkpoint."
+                f" {backend.hint.format(cwd=os.getcwd())} {_WHAT_A_CHECKPOINT_IS}"
             )
     files = backend.list_files(data)
     if hf_layout.is_weights_listing(files):

@@ -5,13 +5,30 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CheckpointError", "RanksLost", "StorageError"]
+__all__ = ["CheckpointError", "MissingCheckpointError", "OptimizerCountError", "RanksLost", "StorageError"]
 
 
 class CheckpointError(ValueError):
     """A checkpoint is invalid, incomplete or corrupt, or does not fit the model it is loaded into.
 
     The message names what was wrong (the key, the file or the rank) and what to do about it.
+    """
+
+
+class OptimizerCountError(CheckpointError, RuntimeError):
+    """The checkpoint holds another number of optimizer states than there are configured optimizers.
+
+    Also the ``RuntimeError`` Lightning's ``FSDPStrategy`` raises for it, whose words its message starts
+    with (``You have configured 1 optimizers but the checkpoint contains 2 optimizers to load``), so code
+    written against the stock strategy keeps catching it.
+    """
+
+
+class MissingCheckpointError(CheckpointError, FileNotFoundError):
+    """Nothing is at the path a load was given.
+
+    A :class:`CheckpointError` (a ``ValueError``, as the stock strategies' ``... does not point to a
+    valid checkpoint ...``, whose words its message holds) and a ``FileNotFoundError``.
     """
 
 

@@ -94,11 +94,19 @@ def _watched(optimizers: Sequence[Any]) -> list[Tensor]:
     return watched
 
 
+def _stock_name(strategy: object) -> str:
+    """The name of the Lightning strategy ``strategy`` extends (``FSDPStrategy``...), for stock's words."""
+    for cls in type(strategy).__mro__:
+        if cls.__module__.startswith("lightning.pytorch.strategies"):
+            return cls.__name__
+    return type(strategy).__name__
+
+
 def check_state_dict_type(value: str) -> StateDictType:
     """``value`` if it is ``"sharded"`` or ``"full"``; a ``ValueError`` naming the choices otherwise."""
     if value not in _STATE_DICT_TYPES:
-        raise ValueError(
-            f"Unknown state_dict_type {value!r}: choose 'sharded' (a directory) or 'full' (one file)."
+        raise ValueError(  # stock's words first (it raises them at save time; this is at construction)
+            f"Unknown state_dict_type: {value}. Choose 'sharded' (a directory) or 'full' (one file)."
         )
     return value  # type: ignore[return-value]
 
@@ -306,9 +314,11 @@ class ShardedCheckpointing(PartialCheckpoints):
                 " `state_dict_type='full'`; else remove the plugin."
             )
         if storage_options is not None and plugin is None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is only supported with a"
-                " `CheckpointIO` plugin and `state_dict_type='full'`: the default commit takes no options."
+            stock = _stock_name(self)
+            raise TypeError(  # stock's words first, then what this strategy does with them
+                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
+                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
+                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
             )
         start = time.perf_counter()
         local = location(filepath)

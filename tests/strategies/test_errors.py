@@ -103,9 +103,9 @@ def test_non_strict_leaves_keys_the_checkpoint_lacks_alone(runs: Session) -> Non
 
 
 def test_state_dict_type_is_checked() -> None:
-    with pytest.raises(ValueError, match="Unknown state_dict_type 'partial'"):
+    with pytest.raises(ValueError, match="Unknown state_dict_type: partial"):
         ShardedFSDPStrategy(state_dict_type="partial")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="Unknown state_dict_type 'partial'"):
+    with pytest.raises(ValueError, match="Unknown state_dict_type: partial"):
         ShardedModelParallelStrategy(state_dict_type="partial")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="contradict"):
         ShardedModelParallelStrategy(save_distributed_checkpoint=False, state_dict_type="sharded")

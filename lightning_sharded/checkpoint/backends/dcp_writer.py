@@ -147,5 +147,5 @@ def torch_save_crc32(enabled: bool) -> Iterator[None]:
     """
     from torch.utils.serialization import config
 
-    with config.patch({"save.compute_crc32": enabled}):
+    with config.patch({"save.compute_crc32": enabled}):  # type: ignore[attr-defined]
         yield

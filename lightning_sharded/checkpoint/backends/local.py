@@ -189,9 +189,10 @@ def _refuse_foreign_directory(target: Path) -> None:
     if not listed or any(names.is_checkpoint_member(n) for n in listed):
         return
     shown = ", ".join(sorted(listed)[:5]) + (", ..." if len(listed) > 5 else "")
-    raise IsADirectoryError(
-        f"The checkpoint path {str(target)!r} is a directory that is not a checkpoint (it holds {shown});"
-        " saving would replace and delete it. Choose another path, or remove the directory first."
+    raise IsADirectoryError(  # stock Lightning's words first
+        f"The checkpoint path exists and is a directory: {target}; it is a directory that is not a checkpoint"
+        f" (it holds {shown}), and saving would replace and delete it. Choose another path, or remove the"
+        " directory first."
     )
 
 

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint.backends import Location
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import CheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.names import FROZEN_KEY
 from lightning_sharded.checkpoint.state_dicts import PARAM_GROUPS, PARAMS, STATE, has_fsdp1
@@ -90,9 +90,11 @@ def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
             " (`exclude_from_loading=['optimizer_states', 'lr_schedulers']` on the strategy), or start a new"
             " run from its weights (`warm_start=PATH`)."
         )
-    raise CheckpointError(
-        f"You have configured {configured} optimizer(s) but the checkpoint {str(path)!r} contains {saved}"
-        " optimizer state(s). Resume training with the same number of optimizers as the run that saved it."
+    raise OptimizerCountError(  # stock FSDPStrategy's type and words first
+        f"You have configured {configured} optimizers but the checkpoint contains {saved} optimizers to load."
+        " Please resume training with the same number of optimizers or edit the checkpoint manually to"
+        f" remove states. (The checkpoint: {str(path)!r}; to resume its model alone, leave its optimizer"
+        " states out: `exclude_from_loading=['optimizer_states', 'lr_schedulers']` on the strategy.)"
     )
 
 
