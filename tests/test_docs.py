@@ -98,6 +98,7 @@ def test_readme(tmp_path: Path, demo_run: tuple[Path, str]) -> None:
     main_job = next(line for line in first.splitlines() if line.startswith("pip install"))
     assert re.match(r"^pip install .*lightning-sharded demo$", main_job), main_job
     assert main_job.split(" && ")[-1] == DEMO  # what demo_run ran
+    assert "torch" not in main_job  # it keeps the torch the venv has (any supported one)
     assert "bash .ci/run" in first.splitlines()
     run_python_blocks(readme, workspace(tmp_path, demo_run[0]))
 
