@@ -12,7 +12,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
@@ -143,28 +142,29 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """Stock's ``setup`` after registering the sharded-state hooks (its errors keep stock's type and
+        words, then say what this strategy offers). With a ``fully_shard_policy`` the policy is the
+        parallelization: it is applied before the model is materialized, and stock's requirement of a
+        ``configure_model`` does not hold; the rest is stock's sequence (see docs/strategies.md)."""
+        self._register_sharded_state_hooks()
+        if self._fully_shard_policy is None:
+            try:
+                super().setup(trainer)
+            except TypeError as err:
+                raise TypeError(f"{err} {_hint(str(err))}".rstrip()) from err
+            return
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         assert self.model is not None
         assert self.accelerator is not None
-        self._register_sharded_state_hooks()
         self.accelerator.setup(trainer)
-
-        if self._fully_shard_policy is None and not is_overridden("configure_model", self.lightning_module):
-            raise TypeError(
-                f"When using the {type(self).__name__} without a `fully_shard_policy`, you are required to"
-                " override the `configure_model()` hook in the LightningModule and apply parallelization"
-                " there."
-            )
         if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
-            raise TypeError(
+            message = (
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
-                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4"
-                " (`fully_shard`); for FSDP1 use `ShardedFSDPStrategy`."
+                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
             )
-        if self._fully_shard_policy is not None:
-            self._apply_fully_shard_policy(self.model)
-
+            raise TypeError(f"{message} {_hint(message)}")
+        self._apply_fully_shard_policy(self.model)
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -201,3 +201,12 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             if module is not model and picks(module):
                 fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
+
+
+def _hint(stock_message: str) -> str:
+    """What this strategy adds to one of stock ``setup``'s errors."""
+    if "FSDP2" in stock_message:
+        return "For FSDP1 (`FullyShardedDataParallel`) use `ShardedFSDPStrategy`."
+    if "configure_model" in stock_message:
+        return "Or pass `fully_shard_policy=` to `ShardedModelParallelStrategy` to shard a plain model."
+    return ""

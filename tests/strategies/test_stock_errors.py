@@ -15,7 +15,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
@@ -110,18 +109,26 @@ def test_the_optimizer_count() -> None:
     assert "'ckpt'" in str(raised.value)  # ours: which checkpoint
 
 
-@STOCK_AND_OURS
+@pytest.mark.parametrize("flavour", ["stock", "ours", "ours-with-policy"])
 def test_fsdp1_modules_under_model_parallel(flavour: str) -> None:
     from lightning.pytorch.accelerators import CPUAccelerator
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     wrapped = nn.Module.__new__(FullyShardedDataParallel)  # an FSDP1 module, without a process group
     nn.Module.__init__(wrapped)
-    strategy = (ModelParallelStrategy if flavour == "stock" else ShardedModelParallelStrategy)()
+    if flavour == "stock":
+        strategy = ModelParallelStrategy()
+    elif flavour == "ours":
+        strategy = ShardedModelParallelStrategy()
+    else:
+        strategy = ShardedModelParallelStrategy(fully_shard_policy={nn.Linear})
     strategy.accelerator = CPUAccelerator()
     strategy._lightning_module = _Module()
     strategy.model = nn.Sequential(wrapped)
     trainer = type("Trainer", (), {})()
-    with pytest.raises(TypeError, match=re.escape("only supports the new FSDP2 APIs in PyTorch >= 2.4")):
+    with pytest.raises(
+        TypeError, match=re.escape("only supports the new FSDP2 APIs in PyTorch >= 2.4")
+    ) as raised:
         strategy.setup(trainer)  # type: ignore[arg-type]
-    assert torch.is_tensor(torch.zeros(1))
+    if flavour != "stock":
+        assert "use `ShardedFSDPStrategy`" in str(raised.value)
