@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_sharded._compat import CHECKPOINT_WRAPPER_MODULE, DYNAMO_EVAL_FRAME_MODULE
+
 __all__ = ["WRAPPER_PARTS", "Edge", "clean_keys", "clean_prefix", "edges", "parameter_names"]
 
 
@@ -40,9 +42,9 @@ class _Wrapper:
 _WRAPPERS = (
     _Wrapper("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel",
              "_fsdp_wrapped_module", keeps_part=False),
-    _Wrapper("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper",
+    _Wrapper(CHECKPOINT_WRAPPER_MODULE, "ActivationWrapper",
              "_checkpoint_wrapped_module", keeps_part=False),
-    _Wrapper("torch._dynamo.eval_frame", "OptimizedModule", "_orig_mod", keeps_part=True),
+    _Wrapper(DYNAMO_EVAL_FRAME_MODULE, "OptimizedModule", "_orig_mod", keeps_part=True),
     _Wrapper("torch.nn.parallel.distributed", "DistributedDataParallel", "module", keeps_part=True),
     _Wrapper("lightning.fabric.wrappers", "_FabricModule", "_original_module", keeps_part=False,
              skip=("_forward_module",)),
