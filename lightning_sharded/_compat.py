@@ -121,8 +121,9 @@ def storage_info(relative_path: str, offset: int, length: int) -> Any:
 def dcp_load_state_dict(state: Any, *, storage_reader: Any, planner: Any) -> None:
     """DCP's load into ``state`` in this process alone (no process group), with a planner of ours.
 
-    Public replacement: ``torch.distributed.checkpoint.load(..., no_dist=True)``, which also converts
-    ``Stateful`` values and resets the reader (``checkpoint_id``) first.
+    Public replacement: ``torch.distributed.checkpoint.load(..., no_dist=True)`` does the same here (no
+    ``Stateful`` values) but warns on every call ("assuming the intent is to load in a single process"),
+    and silencing that would change the process's warning filters (not thread-safe).
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
