@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.integrity import (
     AFTER_READ,
     UNCHANGED,
@@ -197,5 +197,7 @@ def _restore(
         except CheckpointError as err:
             if local == found.data:
                 raise
-            raise CheckpointError(str(err).replace(str(local), str(found.data))) from err
+            same = type(err) in (OptimizerCountError, MissingCheckpointError)
+            kind = type(err) if same else CheckpointError
+            raise kind(str(err).replace(str(local), str(found.data))) from err  # stock's type kept
     return Restored(metadata, report, found, frozen)
