@@ -16,7 +16,11 @@ from tests.strategies.plan import Session
 
 # case -> (exception type, fragments the message must contain; "{root}" is the session folder)
 EXPECTED: dict[str, tuple[str, list[str]]] = {
-    "missing": ("FileNotFoundError", ["{root}/does-not-exist", "does not exist", "ckpt_path"]),
+    # A CheckpointError (so the ValueError stock raises, with its words) and a FileNotFoundError.
+    "missing": (
+        "MissingCheckpointError",
+        ["{root}/does-not-exist", "does not exist", "does not point to a valid checkpoint", "ckpt_path"],
+    ),
     "empty": ("CheckpointError", ["{root}/broken/empty", "is empty"]),
     "not-a-checkpoint": ("CheckpointError", ["{root}/broken/not-a-checkpoint", "not a sharded checkpoint"]),
     "no-meta": (
@@ -64,8 +68,21 @@ EXPECTED: dict[str, tuple[str, list[str]]] = {
         "CheckpointError",
         ["{root}/single", "size mismatch for layer2.weight", "[4, 16]"],
     ),
-    "optimizer-count": ("CheckpointError", ["{root}/fsdp2'", "configured 2 optimizer(s)", "contains 1"]),
-    "optimizer-count-full": ("CheckpointError", ["{root}/single", "configured 2 optimizer(s)", "contains 1"]),
+    # A CheckpointError and the RuntimeError stock raises, stock's words first.
+    "optimizer-count": (
+        "OptimizerCountError",
+        [
+            "{root}/fsdp2'",
+            "You have configured 2 optimizers but the checkpoint contains 1 optimizers to load",
+        ],
+    ),
+    "optimizer-count-full": (
+        "OptimizerCountError",
+        [
+            "{root}/single",
+            "You have configured 2 optimizers but the checkpoint contains 1 optimizers to load",
+        ],
+    ),
 }
 
 
@@ -76,8 +93,10 @@ def test_error_names_what_and_where(runs: Session, case: str) -> None:
     assert outcome["type"] == kind, outcome.get("traceback", outcome)
     for fragment in fragments:
         assert fragment.format(root=runs.root) in outcome["message"], outcome["message"]
-    if kind == "CheckpointError":
+    if kind in ("CheckpointError", "MissingCheckpointError", "OptimizerCountError"):
         assert "ValueError" in outcome["mro"]
+    also = {"MissingCheckpointError": "FileNotFoundError", "OptimizerCountError": "RuntimeError"}.get(kind)
+    assert also is None or also in outcome["mro"], outcome["mro"]
     # DCP's CheckpointException is a BaseException; it must never reach the user.
     assert "CheckpointException" not in outcome["mro"]
 
