@@ -21,7 +21,6 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_sharded
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.checksum import file_checksum
@@ -30,9 +29,6 @@ from lightning_sharded.checkpoint.staging import StagingBuffers
 from tests.distributed.launch import Rank, free_port, rank_env, run_ranks, start_rank
 
 SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"
-_STRATEGIES = pytest.mark.skipif(
-    not hasattr(lightning_sharded, "ShardedModelParallelStrategy"), reason="the strategies are not merged yet"
-)
 MODEL_KEY = {"mp": "state_dict", "fsdp": "model"}
 
 
@@ -77,7 +73,6 @@ def main_run(
 
 
 @pytest.mark.slow
-@_STRATEGIES
 def test_async_checkpoint_equals_sync_checkpoint(main_run: tuple[str, Path, Any]) -> None:
     strategy, root, result = main_run
     saved = result["saved"]
@@ -92,7 +87,6 @@ def test_async_checkpoint_equals_sync_checkpoint(main_run: tuple[str, Path, Any]
 
 
 @pytest.mark.slow
-@_STRATEGIES
 def test_resume_from_async_equals_resume_from_sync(main_run: tuple[str, Path, Any]) -> None:
     _, _, result = main_run
     assert_equal(result["saved"], result["resumed_async"])
@@ -100,7 +94,6 @@ def test_resume_from_async_equals_resume_from_sync(main_run: tuple[str, Path, An
 
 
 @pytest.mark.slow
-@_STRATEGIES
 def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
     main_run: tuple[str, Path, Any],
 ) -> None:
@@ -121,7 +114,6 @@ def test_background_error_is_raised_in_training_and_keeps_the_old_checkpoint(
 
 
 @pytest.mark.slow
-@_STRATEGIES
 def test_a_registered_state_that_fails_on_one_rank_fails_the_next_save_on_every_rank(
     main_run: tuple[str, Path, Any],
 ) -> None:
@@ -148,7 +140,6 @@ def _start_ranks(args: list[str]) -> list[Rank]:
 
 
 @pytest.mark.slow
-@_STRATEGIES
 def test_kill_during_background_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     procs = _start_ranks(["kill", "--dir", str(tmp_path), "--strategy", "mp"])
     deadline = time.monotonic() + 120

@@ -40,6 +40,9 @@ OUTCOME: dict[str, int | None] = {
     "enospc_shards_rank1": OLD,
     "enospc_meta_rank0": OLD,
     "fresh_before_publish": None,
+    # rank 1 alone fails after its shards are written, or while it seals them: nothing is published
+    "eio_after_shards_rank1": OLD,
+    "eio_seal_rank1": OLD,
 }
 
 
@@ -109,6 +112,9 @@ def test_crashed_ranks_really_died_or_failed(crashes: tuple[Path, dict[str, Any]
     # naming its cause and the rank where it happened.
     assert results["enospc_meta_rank0"]["crash"] == [3, 3]
     assert results["enospc_shards_rank1"]["crash"] == [3, 3]
+    # ...also when only that rank (not rank 0) knows of it, after its DCP write or in its seal
+    assert results["eio_after_shards_rank1"]["crash"] == [3, 3]
+    assert results["eio_seal_rank1"]["crash"] == [3, 3]
 
 
 def test_fallback_crash_between_renames_is_recovered_by_resolve(crashes: tuple[Path, dict[str, Any]]) -> None:
@@ -137,6 +143,21 @@ def test_error_messages_of_a_failed_save(crashes: tuple[Path, dict[str, Any]]) -
             message
         )
         assert "failed on rank(s) 1 (rank 1: No space left on device (simulated))" in message, message
+    for case in ("eio_after_shards_rank1", "eio_seal_rank1"):  # rank 1 alone failed: every rank says so
+        folder = out / case / "crashed"
+        messages = [(folder / f"error.rank{rank}.txt").read_text() for rank in (0, 1)]
+        assert messages[0] == messages[1], messages
+        assert re.fullmatch(
+            rf"StorageError: Input/output error \(EIO\): saving the checkpoint '.*/{case}/crashed/ckpt'"
+            r" failed on rank\(s\) 1 \(rank 1: .*Input/output error \(simulated\).*\)\..*"
+            r" The partial save was removed; the previous checkpoint at that path, if any, is unchanged\.",
+            messages[0],
+            flags=re.S,
+        ), messages[0]
+        assert not any(p.name.startswith(".ckpt.") for p in folder.iterdir()), sorted(folder.iterdir())
+    # the seal's failure names the file whose fsync failed
+    message = (out / "eio_seal_rank1" / "crashed" / "error.rank0.txt").read_text()
+    assert re.search(r"\(rank 1: '[^']*/__1_0\.distcp' \(.*\): Input/output error", message), message
     # a peer killed mid-save: the survivor names it, from gloo's error and the ranks' marks
     message = (out / "after_write_rank1" / "crashed" / "error.rank0.txt").read_text()
     assert re.match(

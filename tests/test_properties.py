@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -51,9 +52,14 @@ def test_no_sharded_attribute_no_change(spec: trees.NodeSpec) -> None:
 
 
 @pytest.mark.slow
-def test_properties_at_world_size_two(tmp_path) -> None:
-    """The same properties in two processes; both ranks must see the same global results."""
-    run_ranks(REPO / "tests/distributed/properties_script.py", 2, str(tmp_path), timeout=400)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert results[0]["examples"] > 0
-    assert results[0] == results[1]
+@pytest.mark.parametrize(("world_size", "examples"), [(2, 30), (3, 12)])
+def test_properties_at_world_sizes_two_and_three(tmp_path: Path, world_size: int, examples: int) -> None:
+    """The same properties in 2 and 3 processes (where a rank's part can be cut from the wrong place);
+    every rank must see the same global results. A failure fails every rank at the same example and
+    is reported here with the ranks and the key, not as a hang."""
+    script = REPO / "tests/distributed/properties_script.py"
+    run_ranks(script, world_size, str(tmp_path), str(examples), timeout=400)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    assert results[0]["failure"] is None, results[0]["failure"]
+    assert results[0]["examples"] == 5 * examples
+    assert all(result == results[0] for result in results)

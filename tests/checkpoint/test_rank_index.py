@@ -235,16 +235,43 @@ def test_a_damaged_index_file_fails_the_load_naming_it(own: tuple[Path, Any], da
         _load_last_rank(target, store)
 
 
-def test_a_checkpoint_without_the_index_loads_from_metadata(own: tuple[Path, Any]) -> None:
+def test_a_checkpoint_without_the_index_loads_from_metadata(
+    own: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # As an older version of this library wrote it: no index folder, a manifest without its files.
+    # Rank 0 and rank N-1 each load the saved values (the model's shards and Adam's state).
     import shutil
+
+    from benchmarks.scale import runs
 
     target, store = own
     shutil.rmtree(target / names.INDEX_DIR)
     manifest = Manifest.from_json((target / names.MANIFEST_NAME).read_text())
     kept = [e for e in manifest.files if not e.path.startswith(names.INDEX_DIR + "/")]
     (target / names.MANIFEST_NAME).write_text(dataclasses.replace(manifest, files=kept).to_json())
+    checked: list[int] = []
+
+    def load_and_compare(target: Any, mesh: Any, rank: int, world: Any, store: Any) -> None:
+        from lightning_sharded.checkpoint.load import restore_checkpoint
+
+        saved, saved_optimizer = runs.build(mesh, 0, step=True)  # what every rank saved (seed 0)
+        model, optimizer = runs.build(mesh, 1, step=False)
+        for name in ("w1", "w2", "table"):  # a fresh model (seed 1) holds other values
+            assert not torch.equal(getattr(saved, name).to_local(), getattr(model, name).to_local())
+        restore_checkpoint(str(target), model, [optimizer], weights_only=False)
+        for name in ("w1", "w2", "table"):
+            expected, actual = getattr(saved, name).to_local(), getattr(model, name).to_local()
+            assert torch.equal(actual, expected), (rank, name)
+        for p, q in zip(saved.parameters(), model.parameters(), strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(
+                    optimizer.state[q][key].to_local(), saved_optimizer.state[p][key].to_local()
+                ), (rank, key)
+        checked.append(rank)
+
+    monkeypatch.setitem(runs.RUNS, ("ours", "load"), load_and_compare)
     _load_last_rank(target, store)
+    assert checked == [0, SAVED - 1]
 
 
 def _flat_metadata(shape: tuple[int, ...], at: int, every: int, world: int) -> tuple[Any, list[Any]]:

@@ -28,7 +28,11 @@ a kill inside the ``write`` callable (points ``atomic.py`` cannot see):
 - ``after_shards@R``: rank R SIGKILLs itself after ``dcp.save`` returned, before ``meta.pt``;
 - ``enospc_shards@R``: DCP's file writer raises ``OSError(ENOSPC)`` on rank R after writing part of
   its shard file (DCP reports it to every rank as a ``CheckpointException``);
-- ``enospc_meta@0``: rank 0's ``torch.save`` of ``meta.pt`` raises ``OSError(ENOSPC)``.
+- ``enospc_meta@0``: rank 0's ``torch.save`` of ``meta.pt`` raises ``OSError(ENOSPC)``;
+- ``eio_after_shards@R``: rank R's ``write`` raises ``OSError(EIO)`` after ``dcp.save`` returned (its
+  shards written, the other ranks' writes fine): only rank R knows of the failure;
+- ``eio_seal@R``: rank R's ``fsync`` of its files while it seals them raises ``OSError(EIO)`` (its
+  ``write`` returned fine): only rank R knows of the failure.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ CASES: dict[str, tuple[str, str, bool, bool]] = {
     "enospc_shards_rank1": ("enospc_shards@1", "", False, False),
     "enospc_meta_rank0": ("enospc_meta@0", "", False, False),
     "fresh_before_publish": ("", "before_publish", False, True),
+    "eio_after_shards_rank1": ("eio_after_shards@1", "", False, False),
+    "eio_seal_rank1": ("eio_seal@1", "", False, False),
 }
 
 
@@ -158,12 +164,27 @@ def save_rank(rank: int, port: int, ckpt: Path, version: int, kill: str) -> int:
 
         filesystem._write_item = write_then_fail  # type: ignore[assignment]
 
+    failing_fsync = False
+    if _kill_at(kill, "eio_seal", rank):
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            if failing_fsync:
+                raise OSError(errno.EIO, "Input/output error (simulated)")
+            real_fsync(fd)
+
+        os.fsync = fsync  # type: ignore[assignment]
+
     def write(staging: Path) -> dict[str, tuple[int, str]] | None:
+        nonlocal failing_fsync
         # Version 3 (the saves after a crash) checksums while DCP writes; the others are read back.
         writer = ChecksummingWriter(staging) if version == 3 else None
         dcp.save(state, checkpoint_id=staging, storage_writer=writer)
         if _kill_at(kill, "after_shards", rank):
             os.kill(os.getpid(), signal.SIGKILL)
+        if _kill_at(kill, "eio_after_shards", rank):
+            raise OSError(errno.EIO, "Input/output error (simulated)")
+        failing_fsync = _kill_at(kill, "eio_seal", rank)  # from here on: the seal's fsyncs
         if rank == 0:
             torch.save(meta, staging / "meta.pt")
             if _kill_at(kill, "enospc_meta", rank):

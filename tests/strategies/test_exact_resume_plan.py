@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_sharded import register_rank_state
-from lightning_sharded.checkpoint import rank_state
+from lightning_sharded.checkpoint import rank_state, train_loaders
 from lightning_sharded.strategies import _exact_resume
 from tests.checkpoint.test_train_loaders import AFTER_LAST, END, LAST, MID
 from tests.test_user_state import Counter
@@ -155,3 +155,52 @@ def test_a_checkpoint_without_loop_progress_is_left_alone() -> None:
     resume = _exact_resume.plan(rank_state.RankRestore(), metadata, trainer())
     assert metadata == {"epoch": 0, "state_dict": {}}
     assert not (resume.early or resume.position or resume.empty_first)
+
+
+class _StatefulLoader(DataLoader):  # type: ignore[type-arg]
+    """A loader Lightning loads a position into (as torchdata's ``StatefulDataLoader``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("point", "when"),
+    [("last batch", "setup"), ("after last batch", "start"), ("mid epoch, stateful", "start")],
+)
+def test_the_saved_generators_are_set_back_at_their_moment(point: str, when: str) -> None:
+    """Each generator a loader owns (its own and its sampler's) holds the saved state once the resume
+    reaches the point's moment: the loader's setup (before its first iterator), or ``on_train_start``."""
+    from torch.utils.data import RandomSampler
+
+    metadata = {
+        "last batch": LAST,
+        "after last batch": AFTER_LAST,
+        "mid epoch, stateful": with_loader_state(MID),
+    }[point]
+    loader_gen, sampler_gen = torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)
+    kind = _StatefulLoader if point.endswith("stateful") else DataLoader
+    loader = kind(
+        DATA, batch_size=2, sampler=RandomSampler(DATA, generator=sampler_gen), generator=loader_gen
+    )
+    saved = {
+        "generator": torch.Generator().manual_seed(40).get_state(),
+        "sampler.generator": torch.Generator().manual_seed(41).get_state(),
+    }
+    assert sorted(saved) == sorted(train_loaders.generators(loader))  # both, each once
+    resume = _exact_resume.plan(own(generators=[saved]), copy.deepcopy(metadata), trainer(loaders=loader))
+    module = nn.Linear(1, 1)
+
+    def restored() -> bool:
+        return torch.equal(loader_gen.get_state(), saved["generator"]) and torch.equal(
+            sampler_gen.get_state(), saved["sampler.generator"]
+        )
+
+    resume.on_train_loader(loader, module)
+    assert restored() == (when == "setup"), point
+    assert resume.on_train_start(trainer(loaders=loader), module) == []
+    assert restored(), point
+    assert not resume.pending_first_batch

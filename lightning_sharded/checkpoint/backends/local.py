@@ -211,7 +211,8 @@ def _entry(staging: Path, rel: str, rank: int, known: Mapping[str, tuple[int, st
     if figures is not None and os.stat(staging / rel).st_size == figures[0]:
         _fsync_file(staging / rel)
         return FileEntry(rel, figures[0], figures[1], rank)
-    size, checksum = file_checksum(staging / rel, fsync=True)
+    with _naming(staging / rel):  # a failed read or fsync names the file, as _fsync_file's does
+        size, checksum = file_checksum(staging / rel, fsync=True)
     return FileEntry(rel, size, checksum, rank)
 
 

@@ -6,6 +6,7 @@ a tensor are given back once it is copied (:mod:`~lightning_sharded.checkpoint.l
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     param_names,
     torch_optimizer_template,
 )
+from lightning_sharded.checkpoint.unpickling import refused_name
 
 __all__ = ["restore_full"]
 
@@ -49,14 +51,19 @@ __all__ = ["restore_full"]
 def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as ex:
+        if "Weights only load failed" not in str(ex):  # damage, not a refusal: said below
+            raise _unreadable(path, ex) from ex
+        raise CheckpointError(
+            f"The checkpoint file {str(path)!r} holds {refused_name(ex)}, which torch.load refuses with"
+            f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
+            " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
+        ) from None
     except Exception as ex:
         storage = read_failed(ex, f"the checkpoint file {str(path)!r}")
         if storage is not None:
             raise storage from ex
-        raise CheckpointError(
-            f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
-            " by torch.save, or it is truncated or corrupt; resume from another checkpoint."
-        ) from ex
+        raise _unreadable(path, ex) from ex
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get(STATE_DICT), dict):
         keys = sorted(map(str, checkpoint)) if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise CheckpointError(
@@ -64,6 +71,13 @@ def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
             f" dict (found {keys}). Pass a file written by `Trainer.save_checkpoint`."
         )
     return checkpoint
+
+
+def _unreadable(path: Path, ex: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"Could not read the checkpoint file {str(path)!r}: {ex!r}. The file is not a checkpoint written"
+        " by torch.save, or it is truncated or corrupt; resume from another checkpoint."
+    )
 
 
 def restore_full(

@@ -31,44 +31,52 @@ __all__ = [
     "safe_globals",
 ]
 
+# Every entry below is reviewed: a name is allowed only when building it from a pickle runs no code but
+# its own constructor, which touches no file, process or module. Never add a callable that calls or
+# looks up something else (``builtins.getattr``, ``eval``, ``exec``, ``__import__``,
+# ``functools.partial``, ``operator.*``, ``os.*``, ``subprocess.*``): with ``getattr`` alone, an allowed
+# path becomes ``PosixPath(p).unlink()``. ``tests/checkpoint/test_allow_lists.py`` pins these lists:
+# a change there is a change of this review.
+
 #: Where ``AttributeDict`` has lived: Lightning 2.x, the standalone ``lightning_fabric`` and
-#: ``pytorch_lightning`` packages, and Lightning 1.x.
+#: ``pytorch_lightning`` packages, and Lightning 1.x. Never built: a plain ``dict`` stub stands for it
+#: during the load (:class:`_AttributeDictStub`), converted afterwards, so no Lightning code runs.
 ATTRIBUTE_DICT_NAMES = (
-    "lightning.fabric.utilities.data.AttributeDict",
-    "lightning_fabric.utilities.data.AttributeDict",
-    "lightning.pytorch.utilities.parsing.AttributeDict",
-    "pytorch_lightning.utilities.parsing.AttributeDict",
+    "lightning.fabric.utilities.data.AttributeDict",  # Lightning 2.x: save_hyperparameters' container
+    "lightning_fabric.utilities.data.AttributeDict",  # the standalone lightning_fabric package
+    "lightning.pytorch.utilities.parsing.AttributeDict",  # re-export some versions pickled under
+    "pytorch_lightning.utilities.parsing.AttributeDict",  # Lightning 1.x checkpoints
 )
 
 #: Globals added to torch's ``weights_only`` list while the tools read a checkpoint: what Lightning
 #: writes beyond plain data. Each is a class whose construction runs no code but its own.
 LIGHTNING_SAFE_GLOBALS = (
     *ATTRIBUTE_DICT_NAMES,
-    "argparse.Namespace",
-    "pathlib.PosixPath",
-    "pathlib.PurePosixPath",
-    "pathlib.PureWindowsPath",
+    "argparse.Namespace",  # save_hyperparameters() of an argparse result; sets attributes only
+    "pathlib.PosixPath",  # a path hyperparameter (data_dir=Path(...)); parses a string, opens nothing
+    "pathlib.PurePosixPath",  # how a PosixPath pickles on some Python versions; pure: no file access
+    "pathlib.PureWindowsPath",  # a path saved on Windows, read on Linux; pure: no file access
 )
 
 #: What DCP's ``.metadata`` pickle holds (besides torch dtypes), by full name.
 DCP_METADATA_GLOBALS = (
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.Size",
-    "torch.serialization._get_layout",
-    "collections.OrderedDict",
-    "builtins.set",
-    "builtins.frozenset",
-    "pathlib.PosixPath",
-    "pathlib.PurePosixPath",
-    "pathlib.PureWindowsPath",
+    "torch.distributed.checkpoint.metadata.Metadata",  # the dataclass .metadata is
+    "torch.distributed.checkpoint.metadata.MetadataIndex",  # a key of storage_data: fqn, offset
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",  # a tensor piece: offsets, sizes
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",  # a tensor: properties, size, chunks
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",  # a non-tensor item: an empty marker
+    "torch.distributed.checkpoint.metadata.TensorProperties",  # dtype, layout, requires_grad...
+    "torch.distributed.checkpoint.metadata.StorageMeta",  # checkpoint_id, save_id, load_id
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",  # an Enum of memory formats
+    "torch.distributed.checkpoint.filesystem._StorageInfo",  # where an item is: file, offset, length
+    "torch.Size",  # a tuple of ints (sizes of tensors)
+    "torch.serialization._get_layout",  # maps a layout's name to torch.strided etc.; a dict lookup
+    "collections.OrderedDict",  # dicts of older DCP versions
+    "builtins.set",  # plain data
+    "builtins.frozenset",  # plain data
+    "pathlib.PosixPath",  # StorageMeta.checkpoint_id as the Path the save was given; no file access
+    "pathlib.PurePosixPath",  # the same, pickled as a pure path
+    "pathlib.PureWindowsPath",  # the same, saved on Windows
 )
 
 _TRUE = ("1", "y", "yes", "true")

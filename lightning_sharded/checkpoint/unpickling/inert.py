@@ -15,7 +15,7 @@ import torch
 
 from lightning_sharded.checkpoint.unpickling.allowed import LIGHTNING_SAFE_GLOBALS, allowed_objects
 
-__all__ = ["NotUnpickled", "inert_load"]
+__all__ = ["INERT_ALLOWED", "NotUnpickled", "inert_load"]
 
 
 class NotUnpickled:
@@ -30,7 +30,11 @@ class NotUnpickled:
     def __repr__(self) -> str:
         return f"<not unpickled: {self.name}>"
 
-    # Whatever the pickle does with the object afterwards does nothing.
+    # Whatever the pickle does with the object afterwards does nothing: a call (a nested reduce, such
+    # as ``getattr(obj, name)(...)``) gives the placeholder back.
+    def __call__(self, *args: Any, **kwargs: Any) -> NotUnpickled:
+        return self
+
     def __setstate__(self, state: Any) -> None:
         pass
 
@@ -55,23 +59,25 @@ def _placeholder(name: str) -> type:
     return type("NotUnpickledType", (), {"__new__": make})
 
 
-#: What :func:`inert_load` builds for real: tensors and plain data (a subset of torch's safe list).
-_INERT_ALLOWED = (
-    "torch._utils._rebuild_tensor",
-    "torch._utils._rebuild_tensor_v2",
-    "torch._utils._rebuild_parameter",
-    "torch._utils._rebuild_parameter_with_state",
-    "torch.nn.parameter.Parameter",
-    "torch.Size",
-    "torch.device",
-    "torch.serialization._get_layout",
-    "collections.OrderedDict",
-    "collections.Counter",
-    "builtins.set",
-    "builtins.frozenset",
-    "builtins.bytearray",
-    "builtins.complex",
-    "_codecs.encode",
+#: What :func:`inert_load` builds for real: tensors and plain data (a subset of torch's safe list);
+#: reviewed with :mod:`~.allowed`'s lists (and pinned with them by a test). Everything else becomes a
+#: :class:`NotUnpickled`.
+INERT_ALLOWED = (
+    "torch._utils._rebuild_tensor",  # a tensor from its storage (older archives)
+    "torch._utils._rebuild_tensor_v2",  # a tensor from its storage, offset, size, stride
+    "torch._utils._rebuild_parameter",  # an nn.Parameter around a rebuilt tensor
+    "torch._utils._rebuild_parameter_with_state",  # the same, with its plain-data __dict__
+    "torch.nn.parameter.Parameter",  # the class a rebuilt parameter is checked against
+    "torch.Size",  # a tuple of ints
+    "torch.device",  # a device from its name ("cpu", "cuda:0"); allocates nothing
+    "torch.serialization._get_layout",  # a layout from its name; a dict lookup
+    "collections.OrderedDict",  # plain data (state dicts)
+    "collections.Counter",  # plain data
+    "builtins.set",  # plain data
+    "builtins.frozenset",  # plain data
+    "builtins.bytearray",  # plain data
+    "builtins.complex",  # plain data
+    "_codecs.encode",  # how protocol 2 pickles bytes: encodes a str, nothing else
 )
 
 
@@ -80,7 +86,7 @@ class _InertUnpickler(pickle.Unpickler):
 
     def __init__(self, file: IO[bytes], **kwargs: Any) -> None:
         super().__init__(file, **kwargs)
-        self._allowed = allowed_objects((*_INERT_ALLOWED, *LIGHTNING_SAFE_GLOBALS))
+        self._allowed = allowed_objects((*INERT_ALLOWED, *LIGHTNING_SAFE_GLOBALS))
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
