@@ -7,19 +7,21 @@
 Each mutant is one edit of one core module's source (:data:`MODULES`): a comparison flipped, a
 condition negated, ``and``/``or`` swapped, a constant off by one (slices included) or a boolean
 flipped, a statement dropped (a call such as ``os.fsync`` or a restore, a ``raise``), two adjacent
-statements swapped, a loop's order reversed, a returned value replaced by ``None``, or a name added
-to an allow-list of qualified names (``builtins.eval``). The edit is made in a copy of the working
-tree (never in the tree itself), and the tests that cover that module run against the copy with
-``pytest -x``: a failing run kills the mutant; a run past ``--timeout`` seconds (a hang) is killed
-too, noted as a timeout. A module's tests first run once unmutated; a failure there stops that
-module (the score would mean nothing).
+independent statements swapped, a loop's order reversed, a returned value replaced by ``None``, or a
+name added to an allow-list of qualified names (``builtins.eval``). The edit is made in a copy of the
+working tree (never in the tree itself), and the tests that cover that module run against the copy
+with ``pytest -x``, in two tiers: the module's own tests, then, for a mutant they miss, the wider tests
+that also exercise it. A failing run kills the mutant; a run past the timeout (a hang) kills it too,
+with a note. A module's own tests first run once unmutated (a failure there skips the module), and the
+wider ones the first time they kill a mutant (a failure there makes its kills ``unknown``).
 
 The choice is reproducible: the mutants of a module are grouped by operator, each group shuffled
 with ``--seed``, and ``--per-module`` taken round-robin across the groups, so the same source and
 seed give the same mutants. A line holding ``# no mutate`` is never mutated. It does not run in CI
-(a run of 100 mutants takes tens of minutes on 2 cores); run it after large changes, and before
-resolving an issue about the suite. The results go to ``--out`` (JSON lines) and a summary to stdout:
-killed / total, and each survivor with file:line and the mutation.
+(a sampled run takes most of an hour on 2 shared cores); run it after large changes, and before
+resolving an issue about the suite. The results go to ``--out`` (JSON lines, rewritten as it goes;
+``--resume`` keeps the killed ones of an interrupted run) and a summary to stdout: killed / total, and
+each survivor with file:line and the mutation.
 """
 
 from __future__ import annotations
@@ -45,12 +47,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PKG = "lightning_sharded"
 
-#: Module group -> (its source files, the tests that cover it, fastest and most targeted first).
-MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "commit": (["checkpoint/commit.py"], ["tests/test_atomic.py", "tests/test_rank_faults.py"]),
+#: Module group -> (its source files, the tests that cover it most directly and fast, the wider tests a
+#: mutant that survives the first runs next). In the order a run takes them: the quickest first.
+MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "unpickling": (
+        [f"checkpoint/unpickling/{name}.py" for name in ("__init__", "allowed", "inert", "loaders")],
+        ["tests/checkpoint/test_unpickling.py"],
+        ["tests/test_tools_safety.py", "tests/test_reader.py"],
+    ),
+    "rank_state": (
+        ["checkpoint/rank_state.py"],
+        ["tests/checkpoint/test_rank_state.py", "tests/test_user_state.py"],
+        ["tests/strategies/test_exact_resume.py"],
+    ),
     "integrity": (
         ["checkpoint/integrity.py"],
         ["tests/checkpoint/test_io.py", "tests/test_verify_errors.py"],
+        ["tests/test_reader.py", "tests/test_tools_safety.py"],
+    ),
+    "hooks": (
+        ["hooks.py"],
+        ["tests/test_hooks.py", "tests/test_sites.py"],
+        ["tests/test_mixin.py", "tests/test_properties.py"],
+    ),
+    "tensors": (
+        [f"tensors/{name}.py" for name in ("__init__", "base", "dtensor", "sharded_tensor")],
+        ["tests/test_hooks.py"],
+        ["tests/test_properties.py", "tests/test_sites.py"],
+    ),
+    "backends/local": (
+        ["checkpoint/backends/local.py"],
+        ["tests/checkpoint/test_io.py", "tests/test_atomic.py"],
+        ["tests/test_atomic_faults.py", "tests/test_storage_faults.py", "tests/test_full_disk.py"],
     ),
     "load": (
         [
@@ -62,28 +90,22 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/checkpoint/test_partial_reads.py",
             "tests/test_verify_errors.py",
         ],
-    ),
-    "rank_state": (
-        ["checkpoint/rank_state.py"],
-        ["tests/checkpoint/test_rank_state.py", "tests/test_user_state.py"],
-    ),
-    "tensors": (
-        [f"tensors/{name}.py" for name in ("__init__", "base", "dtensor", "sharded_tensor")],
-        ["tests/test_hooks.py"],
-    ),
-    "hooks": (["hooks.py"], ["tests/test_hooks.py", "tests/test_sites.py", "tests/test_mixin.py"]),
-    "unpickling": (
-        [f"checkpoint/unpickling/{name}.py" for name in ("__init__", "allowed", "inert", "loaders")],
-        ["tests/checkpoint/test_unpickling.py", "tests/test_tools_safety.py"],
+        ["tests/checkpoint/test_rank_index.py", "tests/test_reader.py"],
     ),
     "fsdp1": (
         [f"checkpoint/fsdp1/{name}.py" for name in ("__init__", "layout", "optimizer", "views")],
         ["tests/checkpoint/test_fsdp1_views.py", "tests/test_decisions.py"],
+        ["tests/strategies/test_fsdp.py"],
     ),
-    "async_save": (["checkpoint/async_save.py"], ["tests/test_async_save.py"]),
-    "backends/local": (
-        ["checkpoint/backends/local.py"],
-        ["tests/checkpoint/test_io.py", "tests/test_atomic.py"],
+    "async_save": (
+        ["checkpoint/async_save.py"],
+        ["tests/test_async_save.py"],
+        ["tests/test_core_contracts.py"],
+    ),
+    "commit": (
+        ["checkpoint/commit.py"],
+        ["tests/test_atomic.py", "tests/test_rank_faults.py"],
+        ["tests/test_atomic_faults.py", "tests/test_storage_faults.py", "tests/test_full_disk.py"],
     ),
 }
 
@@ -309,6 +331,10 @@ def run_tests(work: Path, tests: list[str], timeout: float) -> tuple[str, float,
     return ("passed" if proc.returncode == 0 else "failed"), time.monotonic() - began, first_failure
 
 
+def _key(row: dict[str, object]) -> tuple[object, ...]:
+    return tuple(row[k] for k in ("path", "start", "end", "text"))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sampled mutants; print the score and the survivors; exit 0."""
     parser = argparse.ArgumentParser(prog="python -m tests.mutate", description=__doc__.split("\n")[0])
@@ -318,9 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=44)
     parser.add_argument("--per-module", type=int, default=8, help="mutants per module (0: all)")
     parser.add_argument(
-        "--timeout", type=float, default=0, help="seconds per mutant (default: 3x the clean run + 60)"
+        "--timeout", type=float, default=0, help="seconds per run (default: 3x the clean run + 60)"
     )
     parser.add_argument("--out", type=Path, default=Path("mutation-results.jsonl"))
+    parser.add_argument("--resume", action="store_true", help="keep the killed mutants --out already holds")
     parser.add_argument("--list", action="store_true", help="print the chosen mutants and stop")
     args = parser.parse_args(argv)
 
@@ -330,40 +357,70 @@ def main(argv: list[str] | None = None) -> int:
             for m in chosen:
                 print(f"{group:14} {m.path}:{m.line} [{m.kind}] {m.what}")
         return 0
-    killed = total = 0
-    survivors: list[Mutant] = []
-    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp, args.out.open("w") as out:
+    done: dict[tuple[object, ...], dict[str, object]] = {}
+    if args.resume and args.out.exists():
+        rows = [json.loads(line) for line in args.out.read_text().splitlines() if line.strip()]
+        done = {_key(r): r for r in rows if r["status"] != "passed"}
+    rows_out: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         work = Path(tmp) / "tree"
         shutil.copytree(
             REPO, work, ignore=shutil.ignore_patterns(".git", "__pycache__", "*_cache", "*.egg-info")
         )
         for group, chosen in plan.items():
-            tests = MODULES[group][1]
-            status, seconds, note = run_tests(work, tests, timeout=3600)
-            print(f"== {group}: clean run {status} in {seconds:.0f} s; {len(chosen)} mutants", flush=True)
+            _, first, wider = MODULES[group]
+            todo = [m for m in chosen if _key(asdict(m)) not in done]
+            rows_out += [done[_key(asdict(m))] for m in chosen if _key(asdict(m)) in done]
+            print(
+                f"== {group}: {len(chosen)} mutants, {len(chosen) - len(todo)} killed in the run resumed",
+                flush=True,
+            )
+            if not todo:
+                continue
+            status, seconds, note = run_tests(work, first, timeout=3600)
+            print(f"   clean run of {' '.join(first)}: {status} in {seconds:.0f} s", flush=True)
             if status != "passed":
                 print(f"   the tests fail without a mutant ({note}); module skipped", flush=True)
                 continue
             timeout = args.timeout or 3 * seconds + 60
-            for m in chosen:
+            wider_clean: str | None = None
+            for m in todo:
                 target = work / m.path
                 original = target.read_text()
                 target.write_text(m.apply(original))
                 try:
-                    status, seconds, note = run_tests(work, tests, timeout)
+                    status, seconds, note = run_tests(work, first, timeout)
+                    tier = "first"
+                    if status == "passed" and wider:
+                        status, more, note = run_tests(work, wider, max(timeout, 600))
+                        seconds, tier = seconds + more, "wider"
                 finally:
                     target.write_text(original)
-                total += 1
-                killed += status != "passed"
-                if status == "passed":
-                    survivors.append(m)
-                row = {**asdict(m), "status": status, "seconds": round(seconds, 1), "note": note}
-                out.write(json.dumps(row) + "\n")
-                out.flush()
+                if tier == "wider" and status != "passed" and wider_clean is None:
+                    wider_clean, _, clean_note = run_tests(
+                        work, wider, 3600
+                    )  # a kill means nothing if they fail anyway
+                    print(f"   clean run of {' '.join(wider)}: {wider_clean}", flush=True)
+                if tier == "wider" and wider_clean not in (None, "passed"):
+                    status, note = "unknown", f"the wider tests fail without a mutant: {clean_note}"
+                row = {
+                    **asdict(m),
+                    "status": status,
+                    "tier": tier,
+                    "seconds": round(seconds, 1),
+                    "note": note,
+                }
+                rows_out.append(row)
                 print(f"   {status:7} {seconds:5.0f} s  {m.path}:{m.line} [{m.kind}] {m.what}", flush=True)
-    print(f"\nkilled {killed} / {total}" + (f" ({100 * killed / total:.0f}%)" if total else ""))
-    for m in survivors:
-        print(f"survived: {m.path}:{m.line} [{m.kind}] {m.what}")
+                pending = [r for k, r in done.items() if all(_key(o) != k for o in rows_out)]
+                args.out.write_text("".join(json.dumps(r) + "\n" for r in [*rows_out, *pending]))
+    args.out.write_text("".join(json.dumps(r) + "\n" for r in rows_out))
+    scored = [r for r in rows_out if r["status"] in ("passed", "failed", "timeout")]
+    killed = sum(r["status"] != "passed" for r in scored)
+    print(f"\nkilled {killed} / {len(scored)}" + (f" ({100 * killed / len(scored):.0f}%)" if scored else ""))
+    for r in rows_out:
+        if r["status"] != "failed":
+            print(f"{r['status']}: {r['path']}:{r['line']} [{r['kind']}] {r['what']}  {r['note']}")
     return 0
 
 
