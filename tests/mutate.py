@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = "lightning_sharded"
@@ -331,6 +332,31 @@ def run_tests(work: Path, tests: list[str], timeout: float) -> tuple[str, float,
     return ("passed" if proc.returncode == 0 else "failed"), time.monotonic() - began, first_failure
 
 
+def report(rows: list[dict[str, Any]]) -> str:
+    """Results as docs/mutation.md shows them: the score per module and in all, then every survivor."""
+    lines = [
+        "| module | mutants | killed | of them by the wider tests | timeouts | survived |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = list({_key(r): r for r in rows}.values())  # a mutant in several files: its last result
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    for group in [*groups, None]:
+        mine = [r for r in rows if group is None or r["group"] == group]
+        killed = [r for r in mine if r["status"] in ("failed", "timeout")]
+        lines.append(
+            f"| {group or '**all**'} | {len(mine)} | {len(killed)}"
+            f" | {sum(r.get('tier') == 'wider' for r in killed)}"
+            f" | {sum(r['status'] == 'timeout' for r in mine)}"
+            f" | {sum(r['status'] == 'passed' for r in mine)} |"
+        )
+    lines += ["", "| survivor | operator | mutation |", "|---|---|---|"]
+    for r in rows:
+        if r["status"] == "passed":
+            what = str(r["what"]).replace("|", "\\|")
+            lines.append(f"| `{r['path']}:{r['line']}` | {r['kind']} | {what} |")
+    return "\n".join(lines)
+
+
 def _key(row: dict[str, object]) -> tuple[object, ...]:
     return tuple(row[k] for k in ("path", "start", "end", "text"))
 
@@ -349,7 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("mutation-results.jsonl"))
     parser.add_argument("--resume", action="store_true", help="keep the killed mutants --out already holds")
     parser.add_argument("--list", action="store_true", help="print the chosen mutants and stop")
+    parser.add_argument(
+        "--report", nargs="+", type=Path, metavar="JSONL", help="print runs' results as Markdown"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        print(
+            report(
+                [json.loads(line) for path in args.report for line in path.read_text().splitlines() if line]
+            )
+        )
+        return 0
 
     plan = {group: choose(group, args.seed, args.per_module) for group in args.modules}
     if args.list:
