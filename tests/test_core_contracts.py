@@ -123,6 +123,23 @@ def test_a_stock_save_over_ours_makes_the_manifest_ignored_with_a_warning(
     assert not verify_checkpoint(target).has_manifest
 
 
+def test_a_manifest_is_stale_by_content_even_where_the_sizes_still_match(tmp_path: Path) -> None:
+    """A save without the library over ours that wrote `.metadata` and `meta.pt` of the same sizes (the
+    same model: a new save id of the same length) still makes the manifest stale; one of the two
+    changed alone is damage, not staleness. (The mutant that compared the sizes only survived.)"""
+    target = tmp_path / "ckpt"
+    _save(target)
+    manifest = read_manifest(target)
+    assert manifest is not None
+    backend = local.LocalBackend()
+    assert not backend.manifest_is_stale(target, manifest)
+    for name in (".metadata", "meta.pt"):
+        path = target / name
+        same_size = bytes(b ^ 0xFF for b in path.read_bytes())  # other bytes, the same length
+        path.write_bytes(same_size)
+        assert backend.manifest_is_stale(target, manifest) is (name == "meta.pt"), name
+
+
 class RecordingIO(CheckpointIO):
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
