@@ -64,7 +64,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "integrity": (
         ["checkpoint/integrity.py"],
         ["tests/checkpoint/test_io.py", "tests/test_verify_errors.py"],
-        ["tests/test_reader.py", "tests/test_tools_safety.py"],
+        ["tests/test_reader.py", "tests/test_tools_safety.py", "tests/test_decisions.py"],
     ),
     "hooks": (
         ["hooks.py"],
@@ -78,7 +78,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "backends/local": (
         ["checkpoint/backends/local.py"],
-        ["tests/checkpoint/test_io.py", "tests/test_atomic.py"],
+        ["tests/checkpoint/test_io.py", "tests/test_atomic.py", "tests/test_core_contracts.py"],
         ["tests/test_atomic_faults.py", "tests/test_storage_faults.py", "tests/test_full_disk.py"],
     ),
     "load": (
