@@ -50,7 +50,7 @@ from benchmarks.tools import tools_section
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 #: Timed async saves and verify rounds of a full run (at least): each is a second or less, and with the
-#: default 2 one slow repeat moved the figure by a third (docs/benchmarks.md, "More repeats").
+#: default 2 one slow repeat moved the figure by a third (issue 15; docs/benchmarks.md's history).
 ASYNC_REPEATS = 5
 VERIFY_CYCLES = 4
 

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from lightning_sharded import CheckpointError, ShardedModelParallelStrategy
-from lightning_sharded.checkpoint import read_manifest
+from lightning_sharded.checkpoint import names, read_manifest
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import local
 from lightning_sharded.checkpoint.checksum import HashingStream
@@ -60,6 +60,38 @@ def test_a_save_fsyncs_every_directory_it_creates(tmp_path: Path, monkeypatch: p
         assert directory in synced, directory
 
 
+def test_the_manifest_s_rename_is_made_durable_before_the_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest is renamed into the staged directory last; that directory is fsynced after the rename
+    and before the rename that publishes it, or a power loss could publish a checkpoint without its
+    manifest (the mutant dropping ``fsync_dir(staging)`` after the manifest survived the suite)."""
+    events: list[tuple[str, str]] = []
+    real_fsync_dir, real_replace, real_publish = local.fsync_dir, os.replace, local.LocalBackend.publish
+
+    def fsync_dir(path: Path) -> None:
+        events.append(("fsync_dir", os.path.realpath(path)))
+        real_fsync_dir(path)
+
+    def replace(src: Any, dst: Any, **kwargs: Any) -> None:
+        events.append(("replace", os.path.realpath(dst)))
+        real_replace(src, dst, **kwargs)
+
+    def publish(self: local.LocalBackend, staging: Any, *args: Any, **kwargs: Any) -> None:
+        events.append(("publish", os.path.realpath(staging)))
+        real_publish(self, staging, *args, **kwargs)
+
+    monkeypatch.setattr(local, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(local.LocalBackend, "publish", publish)
+    _save(tmp_path / "ckpt")
+    (staged,) = [path for kind, path in events if kind == "publish"]
+    renamed = events.index(("replace", os.path.join(staged, names.MANIFEST_NAME)))
+    published = events.index(("publish", staged))
+    assert ("fsync_dir", staged) in events[renamed:published], events
+    assert read_manifest(tmp_path / "ckpt") is not None
+
+
 def test_a_crashed_stock_save_is_refused_by_loads_and_replaced_by_the_next_save(tmp_path: Path) -> None:
     target = tmp_path / "ckpt"
     _stock(target, meta=False)  # stock crashed after the shards, before meta.pt
@@ -89,6 +121,23 @@ def test_a_stock_save_over_ours_makes_the_manifest_ignored_with_a_warning(
     checkpoint = load_checkpoint(target, verify=True)
     assert checkpoint["global_step"] == 7 and torch.equal(checkpoint["state_dict"]["w"], torch.zeros(64))
     assert not verify_checkpoint(target).has_manifest
+
+
+def test_a_manifest_is_stale_by_content_even_where_the_sizes_still_match(tmp_path: Path) -> None:
+    """A save without the library over ours that wrote `.metadata` and `meta.pt` of the same sizes (the
+    same model: a new save id of the same length) still makes the manifest stale; one of the two
+    changed alone is damage, not staleness. (The mutant that compared the sizes only survived.)"""
+    target = tmp_path / "ckpt"
+    _save(target)
+    manifest = read_manifest(target)
+    assert manifest is not None
+    backend = local.LocalBackend()
+    assert not backend.manifest_is_stale(target, manifest)
+    for name in (".metadata", "meta.pt"):
+        path = target / name
+        same_size = bytes(b ^ 0xFF for b in path.read_bytes())  # other bytes, the same length
+        path.write_bytes(same_size)
+        assert backend.manifest_is_stale(target, manifest) is (name == "meta.pt"), name
 
 
 class RecordingIO(CheckpointIO):

@@ -417,6 +417,25 @@ def test_weights_only_none_follows_torch(monkeypatch: pytest.MonkeyPatch) -> Non
     assert unpickling.resolve_weights_only(False) is True
 
 
+def test_load_pickle_builds_only_the_allowed_globals_unless_told_not_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``load_pickle`` (DCP's ``.metadata``): refused by default; unpickled as asked with
+    ``weights_only=False`` or torch's ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` (a mutant returning ``None``
+    there survived the suite)."""
+    marker = tmp_path / "ran"
+    data = pickle.dumps({"x": Marker(marker), "n": 3})
+    with pytest.raises(CheckpointError, match=HOSTILE_NAME):
+        unpickling.load_pickle(io.BytesIO(data), what="The test pickle")
+    assert not marker.exists()
+    loaded = unpickling.load_pickle(io.BytesIO(data), what="The test pickle", weights_only=False)
+    assert marker.exists() and loaded["n"] == 3
+    marker.unlink()
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    assert unpickling.load_pickle(io.BytesIO(data), what="The test pickle", weights_only=None)["n"] == 3
+    assert marker.exists()
+
+
 def test_a_copy_of_a_hostile_directory_is_still_refused_after_a_clean_load(
     hostile_item: Path, sharded_ckpt: Path, marker: Path
 ) -> None:

@@ -56,6 +56,8 @@ CASES: dict[str, tuple[str, str, int | None, int]] = {
     "save_hang_after_write_rank1": ("save", "after_write@1:hang", None, 1),
     "save_hang_after_write_rank0": ("save", "after_write@0:hang", None, 0),
     "save_hang_in_dcp_write_rank2": ("save", "", 2, 2),
+    # rank 0 dies between sealing and publishing: the others learn it from the outcome's broadcast
+    "save_kill_before_publish_rank0": ("save", "before_publish@0", None, 0),
     "load_hang_rank1": ("load", "before_read@1:hang", None, 1),
     "load_kill_rank2": ("load", "before_read@2", None, 2),
 }

@@ -1,0 +1,41 @@
+"""An optimizer with no per-parameter state (plain SGD) resumes from a sharded checkpoint in one process.
+
+A sharded load builds the optimizer's state to read into from the checkpoint's index and calls a
+trainable parameter without state missing from the checkpoint only when the optimizer has state at
+all: plain SGD has none, and its resume must not fail. (A mutant that negated that condition passed the
+load tests, which all resume Adam.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lightning_sharded.checkpoint import save, state_dicts
+from lightning_sharded.checkpoint.load import restore_checkpoint
+
+
+def test_plain_sgd_without_state_resumes_with_its_parameter_groups(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    saved = state_dicts.optimizer_state_dict(model, optimizer, full=False)
+    assert not saved["state"]  # nothing per parameter: the case under test
+    checkpoint = {
+        "state_dict": state_dicts.model_state_dict(model, full=False),
+        "optimizer_states": [saved],
+        "global_step": 1,
+    }
+    path = tmp_path / "sharded.ckpt"
+    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    resumed = torch.optim.SGD(fresh.parameters(), lr=1.0)
+    restore_checkpoint(path, fresh, [resumed])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
+    assert resumed.param_groups[0]["lr"] == 0.25
+    assert not resumed.state
