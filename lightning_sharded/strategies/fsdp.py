@@ -26,6 +26,7 @@ from lightning_sharded.strategies._checkpointing import (
     StateDictType,
     check_state_dict_type,
 )
+from lightning_sharded.strategies._reentry import fsdp1_root, refuse_fsdp2_for_fsdp1, remember_fsdp1_root
 
 
 class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
@@ -153,9 +154,19 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        """Wrap the model in ``FullyShardedDataParallel`` (as the parent does, with a CPU-safe device id)."""
+        """Wrap the model in ``FullyShardedDataParallel`` (as the parent does, with a CPU-safe device id).
+
+        A model this strategy wrapped in an earlier Trainer (``fit`` then ``validate``, or a second ``fit``)
+        gets the same wrapper again: wrapping its flat shards anew would lose every shape. One sharded with
+        FSDP2 (``fully_shard``) is refused.
+        """
         from torch.distributed.fsdp import FullyShardedDataParallel
 
+        refuse_fsdp2_for_fsdp1(model, type(self).__name__)
+        options = self._wrap_options()
+        wrapped = fsdp1_root(model, options, type(self).__name__)
+        if wrapped is not None:
+            return wrapped
         if any(isinstance(mod, FullyShardedDataParallel) for mod in model.modules()):
             if _has_meta_device_parameters_or_buffers(model):
                 rank_zero_warn(
@@ -177,9 +188,21 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
                 device_id=self._fsdp_device_id(),
                 **self.kwargs,
             )
+            remember_fsdp1_root(model.module, model, options)
         _move_torchmetrics_to_device(model, self.root_device)
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
         return model
+
+    def _wrap_options(self) -> tuple[str, ...]:
+        """What a module wrapped by FSDP1 keeps for good: a later setup of it must match."""
+        return (
+            f"sharding_strategy={self.sharding_strategy.name}",
+            f"mixed_precision={self.mixed_precision_config}",
+            f"cpu_offload={self.cpu_offload}",
+            f"use_orig_params={bool(self.kwargs.get('use_orig_params', False))}",
+            f"device={self.root_device}",
+            f"world_size={self.world_size}",
+        )
 
     @contextmanager
     @override

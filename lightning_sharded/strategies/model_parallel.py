@@ -27,6 +27,7 @@ from lightning_sharded.strategies._checkpointing import (
     StateDictType,
     check_state_dict_type,
 )
+from lightning_sharded.strategies._reentry import refuse_fsdp1_for_fsdp2
 
 #: Which submodules get their own ``fully_shard``: a collection of module classes, or a predicate.
 FullyShardPolicy = Collection[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -144,8 +145,6 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None
         assert self.accelerator is not None
         self._register_sharded_state_hooks()
@@ -157,11 +156,7 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
                 " override the `configure_model()` hook in the LightningModule and apply parallelization"
                 " there."
             )
-        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
-            raise TypeError(
-                "Found modules wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1). The"
-                f" `{type(self).__name__}` only supports FSDP2 (`fully_shard`); use `ShardedFSDPStrategy`."
-            )
+        refuse_fsdp1_for_fsdp2(self.model, type(self).__name__)
         if self._fully_shard_policy is not None:
             self._apply_fully_shard_policy(self.model)
 
