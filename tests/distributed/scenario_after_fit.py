@@ -16,7 +16,7 @@ every case; results go to ``OUT/<case>.rank<R>.pt`` (a case that raised: ``{"fai
 - ``weights-only-*``: the same with ``ModelCheckpoint(save_weights_only=True)``: validate, test and
   predict from checkpoints without optimizer state;
 - ``then-fsdp2`` / ``then-fsdp1``: a model trained by one strategy, then given to a Trainer with the
-  other: records the error;
+  other: records the error; ``then-other-options``: FSDP1, then FSDP1 with ``SHARD_GRAD_OP``;
 - ``async-failure-*``: ``async_save=True``; the background write of the final ``last.ckpt`` (step 6) fails
   on rank 1 (a full disk, injected); records what ``fit`` raised, then what ``validate(ckpt_path="last")``
   raises (``last.ckpt`` on disk still holds step 4) and ``validate(ckpt_path="best")`` (step 2).
@@ -40,6 +40,7 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch import nn  # noqa: E402
 
 from lightning_sharded import ShardedFSDPStrategy  # noqa: E402
 from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader  # noqa: E402
@@ -103,6 +104,8 @@ def options(strategy: str, state_dict_type: str, async_save: bool) -> Any:
 def strategy_for(args: Any) -> Any:
     if args.root_only:
         return ShardedFSDPStrategy(state_dict_type=args.state_dict_type, async_save=args.async_save)
+    if getattr(args, "sharding_strategy", None):
+        return ShardedFSDPStrategy(auto_wrap_policy={nn.Linear}, sharding_strategy=args.sharding_strategy)
     return make_strategy(args, 2)
 
 
@@ -320,6 +323,9 @@ def main() -> None:
     fsdp1, fsdp2 = options(*VARIANTS["fsdp1-sharded"]), options(*VARIANTS["fsdp2-sharded"])
     run(out, "then-fsdp2", functools.partial(then_other, first=fsdp1, second=fsdp2))
     run(out, "then-fsdp1", functools.partial(then_other, first=fsdp2, second=fsdp1))
+    grad_op = options(*VARIANTS["fsdp1-sharded"])
+    grad_op.sharding_strategy = "SHARD_GRAD_OP"
+    run(out, "then-other-options", functools.partial(then_other, first=fsdp1, second=grad_op))
     for case, variant in FAILURES.items():
         run(out, case, functools.partial(async_failure, args=options(*variant)))
     dist.destroy_process_group()

@@ -118,6 +118,42 @@ def test_a_model_sharded_by_the_other_fsdp_is_refused(out: Path, case: str, refu
         assert "Build a new model for this Trainer" in outcome["message"]
 
 
+def test_other_fsdp_options_on_a_wrapped_model_are_refused(out: Path) -> None:
+    for rank in RANKS:
+        outcome = result(out, "then-other-options", rank)
+        assert outcome["type"] == "ValueError", outcome
+        message = outcome["message"]
+        assert message.startswith(
+            "`ShardedFSDPStrategy`: this model was wrapped by FSDP1 in an earlier Trainer"
+        )
+        assert "sharding_strategy=FULL_SHARD" in message and "now sharding_strategy=SHARD_GRAD_OP" in message
+        assert "Build a new model for this Trainer" in message
+
+
+def test_a_copy_or_pickle_of_a_wrapped_module_forgets_the_wrapper() -> None:
+    """The wrapper belongs to its process and process group: a copy of the module has none to reuse."""
+    import copy
+    import pickle
+
+    from lightning_sharded.strategies._reentry import fsdp1_root, remember_fsdp1_root
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    module = torch.nn.Linear(2, 2)
+    wrapper = Wrapper(module)
+    remember_fsdp1_root(module, wrapper, ("a",))
+    assert fsdp1_root(module, ("a",), "S") is wrapper
+    assert "_lightning_sharded_fsdp1_root" not in module.state_dict()
+    for other in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert fsdp1_root(other, ("a",), "S") is None
+        assert torch.equal(other.weight, module.weight)
+    with pytest.raises(ValueError, match=r"with other options \(a; now b\)"):
+        fsdp1_root(module, ("b",), "S")
+
+
 @pytest.mark.parametrize("case", list(FAILURES))
 def test_a_failed_async_save_is_raised_by_a_load_of_its_path(out: Path, case: str) -> None:
     last = out / case / "last.ckpt"
