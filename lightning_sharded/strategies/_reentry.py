@@ -79,8 +79,11 @@ def _drop_whole_copies(wrapper: nn.Module) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for module in wrapper.modules():
-        handle = getattr(module, "_handle", None) if isinstance(module, FullyShardedDataParallel) else None
-        if handle is not None and handle.uses_sharded_strategy and not handle.needs_unshard():
+        handle: Any = (
+            getattr(module, "_handle", None) if isinstance(module, FullyShardedDataParallel) else None
+        )
+        needs_unshard = getattr(handle, "needs_unshard", None)  # torch's FlatParamHandle (2.x)
+        if needs_unshard is not None and handle.uses_sharded_strategy and not needs_unshard():
             handle.reshard(True)
 
 
@@ -111,8 +114,14 @@ def refuse_fsdp1_for_fsdp2(module: nn.Module, strategy: str) -> None:
     """
     from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel
 
-    wrapped = any(isinstance(sub, FullyShardedDataParallel) for sub in module.modules())
-    if wrapped or any(isinstance(param, FlatParameter) for param in module.parameters()):
+    root = module.__dict__.get(_ATTR)
+    wrapped = isinstance(root, _Root) and root.wrapper is not None
+    wrapped = wrapped or any(isinstance(sub, FullyShardedDataParallel) for sub in module.modules())
+    # FSDP1 marks every parameter it flattened (with or without `use_orig_params`); FSDP2 none.
+    flat = any(
+        isinstance(p, FlatParameter) or getattr(p, "_fsdp_flattened", False) for p in module.parameters()
+    )
+    if wrapped or flat:
         raise TypeError(
             f"`{strategy}` only supports FSDP2 (`fully_shard`) and got a model wrapped with FSDP1"
             " (`FullyShardedDataParallel`, by `ShardedFSDPStrategy` or `FSDPStrategy` in an earlier Trainer,"

@@ -15,8 +15,9 @@ every case; results go to ``OUT/<case>.rank<R>.pt`` (a case that raised: ``{"fai
   right after the restore, the RNG state at its first batch and the values at its end;
 - ``weights-only-*``: the same with ``ModelCheckpoint(save_weights_only=True)``: validate, test and
   predict from checkpoints without optimizer state;
-- ``then-fsdp2`` / ``then-fsdp1``: a model trained by one strategy, then given to a Trainer with the
-  other: records the error; ``then-other-options``: FSDP1, then FSDP1 with ``SHARD_GRAD_OP``;
+- ``then-fsdp2`` / ``then-fsdp1``: a model trained by one strategy (FSDP1 wrapping the root only), then
+  given to a Trainer with the other: records the error; ``stock-then-fsdp2``: the same after stock
+  ``FSDPStrategy``'s wrapping; ``then-other-options``: FSDP1, then FSDP1 with ``SHARD_GRAD_OP``;
 - ``async-failure-*``: ``async_save=True``; the background write of the final ``last.ckpt`` (step 6) fails
   on rank 1 (a full disk, injected); records what ``fit`` raised, then what ``validate(ckpt_path="last")``
   raises (``last.ckpt`` on disk still holds step 4) and ``validate(ckpt_path="best")`` (step 2).
@@ -104,6 +105,10 @@ def options(strategy: str, state_dict_type: str, async_save: bool) -> Any:
 def strategy_for(args: Any) -> Any:
     if args.root_only:
         return ShardedFSDPStrategy(state_dict_type=args.state_dict_type, async_save=args.async_save)
+    if getattr(args, "stock", False):  # stock FSDPStrategy's wrapping (root only), with a CPU device id
+        from benchmarks.builders import StockCpuFSDP
+
+        return StockCpuFSDP()
     if getattr(args, "sharding_strategy", None):
         return ShardedFSDPStrategy(auto_wrap_policy={nn.Linear}, sharding_strategy=args.sharding_strategy)
     return make_strategy(args, 2)
@@ -321,8 +326,12 @@ def main() -> None:
     for case, variant in WEIGHTS_ONLY.items():
         run(out, case, functools.partial(fit_then_all, args=options(*variant), weights_only=True))
     fsdp1, fsdp2 = options(*VARIANTS["fsdp1-sharded"]), options(*VARIANTS["fsdp2-sharded"])
-    run(out, "then-fsdp2", functools.partial(then_other, first=fsdp1, second=fsdp2))
+    root_only = options(*VARIANTS["fsdp1-root-sharded"])  # no FSDP1 unit inside the module
+    run(out, "then-fsdp2", functools.partial(then_other, first=root_only, second=fsdp2))
     run(out, "then-fsdp1", functools.partial(then_other, first=fsdp2, second=fsdp1))
+    stock = options(*VARIANTS["fsdp1-root-sharded"])
+    stock.root_only, stock.stock = False, True
+    run(out, "stock-then-fsdp2", functools.partial(then_other, first=stock, second=fsdp2))
     grad_op = options(*VARIANTS["fsdp1-sharded"])
     grad_op.sharding_strategy = "SHARD_GRAD_OP"
     run(out, "then-other-options", functools.partial(then_other, first=fsdp1, second=grad_op))

@@ -108,7 +108,11 @@ def test_a_weights_only_checkpoint_serves_an_evaluation(out: Path, case: str, fn
 
 @pytest.mark.parametrize(
     ("case", "refusing"),
-    [("then-fsdp2", "ShardedModelParallelStrategy"), ("then-fsdp1", "ShardedFSDPStrategy")],
+    [
+        ("then-fsdp2", "ShardedModelParallelStrategy"),
+        ("stock-then-fsdp2", "ShardedModelParallelStrategy"),
+        ("then-fsdp1", "ShardedFSDPStrategy"),
+    ],
 )
 def test_a_model_sharded_by_the_other_fsdp_is_refused(out: Path, case: str, refusing: str) -> None:
     for rank in RANKS:
