@@ -93,6 +93,9 @@ class AsyncSaver:
         self.last_stall_s = 0.0
         # Work queued after the saves (removals of older checkpoints): (what, its future).
         self._chores: list[tuple[str, Future[None]]] = []
+        #: Where the last save that failed was to be published (set by the :meth:`wait` that raised its
+        #: error): what is at that path is not that save.
+        self.failed: Location | None = None
 
     @property
     def writing(self) -> bool:
@@ -324,6 +327,7 @@ class AsyncSaver:
         except _BackgroundError as err:
             self._drop_step_hooks()
             self._on_published = []  # nothing was published: nobody hears of it
+            self.failed = path
             raise background_failed(path, err.cause, collective.ranks().rank) from err.cause
         self._drop_step_hooks()
         self._run_published()

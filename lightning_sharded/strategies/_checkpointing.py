@@ -26,8 +26,9 @@ from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver
-from lightning_sharded.checkpoint.backends import Location, basename, location
+from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
 from lightning_sharded.checkpoint.detect import Found
+from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
 from lightning_sharded.strategies import _exact_resume
@@ -102,6 +103,11 @@ def _stock_name(strategy: object) -> str:
     return type(strategy).__name__
 
 
+def _key(path: Location) -> str:
+    """The one spelling of a checkpoint's path that a save and a later load compare."""
+    return str(absolute(path))
+
+
 def check_state_dict_type(value: str) -> StateDictType:
     """``value`` if it is ``"sharded"`` or ``"full"``; a ``ValueError`` naming the choices otherwise."""
     if value not in _STATE_DICT_TYPES:
@@ -125,6 +131,8 @@ class ShardedCheckpointing(PartialCheckpoints):
     #: publish run in the background (see :mod:`lightning_sharded.checkpoint.async_save`).
     async_save: bool = False
     _async_saver: AsyncSaver | None = None
+    #: The paths of background saves that failed (by :func:`_key`), with their errors.
+    _failed_saves: Mapping[str, BaseException] = {}
 
     #: Compare every file's checksum with the manifest on a load (presence and sizes always are):
     #: ``True``/``"before"`` before the first read, ``"during"`` from the load's own reads.
@@ -212,7 +220,31 @@ class ShardedCheckpointing(PartialCheckpoints):
             CheckpointError: that background save failed (the previous checkpoint at its path is intact).
         """
         if self._async_saver is not None:
-            self._async_saver.wait()
+            self._waited(self._async_saver.wait)
+
+    def _waited(self, wait: Any) -> None:
+        """Run ``wait`` (the saver's wait or close); a background save it reports failed is remembered
+        by its path, so a later load of that path raises its error instead of reading what is there."""
+        saver = self._async_saver
+        try:
+            wait()
+        except BaseException as err:
+            failed = saver.failed if saver is not None else None
+            if failed is not None:
+                saver.failed = None  # type: ignore[union-attr]
+                self._failed_saves = {**self._failed_saves, _key(failed): err}
+            raise
+
+    def _check_not_failed(self, path: Location) -> None:
+        """Raise the error of the background save to ``path`` that failed, if one did (and no save to
+        ``path`` was started since): loading ``path`` would read the previous checkpoint there."""
+        err = self._failed_saves.get(_key(path))
+        if err is not None:
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} was not saved: its background save (`async_save=True`)"
+                f" failed: {err} What is at that path is an older checkpoint, or nothing. Load another"
+                " checkpoint (`ckpt_path=`), or save this one again."
+            ) from err
 
     def _custom_checkpoint_io(self) -> CheckpointIO | None:
         """The ``CheckpointIO`` plugin given to the Trainer, or ``None`` for the default one."""
@@ -322,6 +354,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             )
         start = time.perf_counter()
         local = location(filepath)
+        self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
         hpc = basename(local).startswith(_HPC_PREFIX)
         background = self.async_save and self._saves_sharded and not hpc and plugin is None
         # An async save takes no collective in the training thread: rank 0's path and whether every rank
@@ -458,6 +491,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         """
         path = location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
+        self._check_not_failed(path)
         self._cancel_warm_start(path)
         module = self.lightning_module
         assert module is not None
@@ -544,10 +578,11 @@ class ShardedCheckpointing(PartialCheckpoints):
     @override
     def teardown(self) -> None:
         """Wait for a background save (raising its error: it must not be lost), then tear down as usual."""
-        saver, self._async_saver = self._async_saver, None
+        saver = self._async_saver
         self._resume = None
         try:
             if saver is not None:
-                saver.close()
+                self._waited(saver.close)
         finally:
+            self._async_saver = None
             super().teardown()

@@ -23,6 +23,7 @@ from lightning_sharded.strategies._checkpointing import (
     StateDictType,
     check_state_dict_type,
 )
+from lightning_sharded.strategies._reentry import fsdp1_root, refuse_fsdp2_for_fsdp1, remember_fsdp1_root
 
 _UNSET = object()
 
@@ -152,31 +153,53 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     @override
     def _setup_model(self, model: Module) -> Module:
-        """Stock's, with one change on CPU: the model is wrapped here first, with ``device_id`` the CPU
-        device (stock passes ``root_device.index``, ``None`` on CPU, which FSDP1 refuses); stock's method
-        then finds it wrapped and does the rest (torchmetrics, activation checkpointing, its warnings). On
-        CUDA, stock's method alone."""
+        """Stock's, with two changes. A model this strategy wrapped in an earlier Trainer (``fit`` then
+        ``validate``, or a second ``fit``) gets the same wrapper again: wrapping its flat shards anew would
+        lose every shape; one sharded with FSDP2 (``fully_shard``) is refused. On CPU the model is wrapped
+        here first, with ``device_id`` the CPU device (stock passes ``root_device.index``, ``None`` on CPU,
+        which FSDP1 refuses); stock's method then finds it wrapped and does the rest (torchmetrics,
+        activation checkpointing, its warnings). On CUDA, stock's method alone."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if self.root_device.type != "cpu" or any(
-            isinstance(m, FullyShardedDataParallel) for m in model.modules()
-        ):
+        refuse_fsdp2_for_fsdp1(model, type(self).__name__)
+        options = self._wrap_options()
+        wrapped = fsdp1_root(model, options, type(self).__name__)
+        if wrapped is not None:
+            return wrapped
+        original = model
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             return FSDPStrategy._setup_model(self, model)  # by name: a test borrows this method
-        model = FullyShardedDataParallel(
-            module=model,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self._fsdp_device_id(),
-            **self.kwargs,
+        if self.root_device.type != "cpu":
+            result = FSDPStrategy._setup_model(self, model)
+        else:
+            model = FullyShardedDataParallel(
+                module=model,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self._fsdp_device_id(),
+                **self.kwargs,
+            )
+            # Applied just now: stock would warn that it is ignored on a wrapped model (and delete it).
+            policy = self.kwargs.pop("auto_wrap_policy", _UNSET)
+            try:
+                result = FSDPStrategy._setup_model(self, model)
+            finally:
+                if policy is not _UNSET:
+                    self.kwargs["auto_wrap_policy"] = policy
+        remember_fsdp1_root(original, result, options)
+        return result
+
+    def _wrap_options(self) -> tuple[str, ...]:
+        """What a module wrapped by FSDP1 keeps for good: a later setup of it must match."""
+        return (
+            f"sharding_strategy={self.sharding_strategy.name}",
+            f"mixed_precision={self.mixed_precision_config}",
+            f"cpu_offload={self.cpu_offload}",
+            f"use_orig_params={bool(self.kwargs.get('use_orig_params', False))}",
+            f"device={self.root_device}",
+            f"world_size={self.world_size}",
         )
-        # Applied just now: stock would warn that it is ignored on a wrapped model (and delete it).
-        policy = self.kwargs.pop("auto_wrap_policy", _UNSET)
-        try:
-            return FSDPStrategy._setup_model(self, model)
-        finally:
-            if policy is not _UNSET:
-                self.kwargs["auto_wrap_policy"] = policy
 
     @contextmanager
     @override

@@ -25,6 +25,7 @@ from lightning_sharded.strategies._checkpointing import (
     StateDictType,
     check_state_dict_type,
 )
+from lightning_sharded.strategies._reentry import refuse_fsdp1_for_fsdp2
 
 #: Which submodules get their own ``fully_shard``: a collection of module classes, or a predicate.
 FullyShardPolicy = Collection[type[nn.Module]] | Callable[[nn.Module], bool]
@@ -147,23 +148,17 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         parallelization: it is applied before the model is materialized, and stock's requirement of a
         ``configure_model`` does not hold; the rest is stock's sequence (see docs/strategies.md)."""
         self._register_sharded_state_hooks()
+        assert self.model is not None
+        refuse_fsdp1_for_fsdp2(self.model, type(self).__name__)
         if self._fully_shard_policy is None:
             try:
                 super().setup(trainer)
             except TypeError as err:
                 raise TypeError(f"{err} {_hint(str(err))}".rstrip()) from err
             return
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(mod, FullyShardedDataParallel) for mod in self.model.modules()):
-            message = (
-                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`."
-                f" The `{type(self).__name__}` only supports the new FSDP2 APIs in PyTorch >= 2.4."
-            )
-            raise TypeError(f"{message} {_hint(message)}")
         self._apply_fully_shard_policy(self.model)
         materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)

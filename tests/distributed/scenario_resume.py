@@ -50,6 +50,7 @@ class StockCpuFSDP(FSDPStrategy):
 
     _fsdp_device_id = ShardedFSDPStrategy._fsdp_device_id
     _setup_model = ShardedFSDPStrategy._setup_model
+    _wrap_options = ShardedFSDPStrategy._wrap_options
 
 
 def make_strategy(args: argparse.Namespace, world: int) -> Any:
