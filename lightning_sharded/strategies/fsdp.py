@@ -14,12 +14,13 @@ import torch
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
+from lightning_sharded.foreign import foreign_modules, skipped_log
 from lightning_sharded.strategies._checkpointing import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
@@ -169,13 +170,22 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
                 )
                 del self.kwargs["auto_wrap_policy"]
         else:
+            kwargs = dict(self.kwargs)
+            foreign = foreign_modules(model)
+            if foreign:
+                # TorchRec's sharded modules move their tables between ranks themselves: FSDP neither
+                # wraps anything inside them nor flattens their parameters.
+                ignored = [m for _, m in foreign]
+                ignored += [m for m in kwargs.pop("ignored_modules", None) or () if m not in ignored]
+                kwargs["ignored_modules"] = ignored
+                rank_zero_info(skipped_log("FSDP (`auto_wrap_policy` and the root wrapper)", foreign))
             model = FullyShardedDataParallel(
                 module=model,
                 cpu_offload=self.cpu_offload,
                 mixed_precision=self.mixed_precision_config,
                 sharding_strategy=self.sharding_strategy,
                 device_id=self._fsdp_device_id(),
-                **self.kwargs,
+                **kwargs,
             )
         _move_torchmetrics_to_device(model, self.root_device)
         _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)

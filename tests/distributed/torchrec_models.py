@@ -72,7 +72,7 @@ def sharding_for(spec: str, world: int, kernel: str) -> Any:
 
 
 def fused_params(optimizer: str, lr: float) -> dict[str, Any]:
-    """TorchRec's ``fused_params`` for a fused kernel applying ``optimizer`` (a :data:`FUSED_OPTIMIZERS` name)."""
+    """TorchRec's ``fused_params`` for a fused kernel applying ``optimizer`` (:data:`FUSED_OPTIMIZERS`)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     return {"optimizer": EmbOptimType(optimizer), "learning_rate": lr, "eps": 1e-8}
@@ -91,6 +91,7 @@ class RecModel(ShardedStateMixin, L.LightningModule):
         lr: learning rate of both.
         wrap_dense: apply ``fully_shard`` (FSDP2, under a strategy with a device mesh) or FSDP1 ``wrap``
             (under ``ShardedFSDPStrategy``) to the MLP by hand in ``configure_model``.
+        data_size: samples per epoch (4 per batch and rank).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class RecModel(ShardedStateMixin, L.LightningModule):
         optimizer: str = "adam",
         lr: float = 0.05,
         wrap_dense: bool = False,
+        data_size: int = 64,
     ) -> None:
         super().__init__()
         self.plan = dict(DEFAULT_PLAN if plan is None else plan)
@@ -109,6 +111,7 @@ class RecModel(ShardedStateMixin, L.LightningModule):
         self.optimizer_name = optimizer
         self.lr = lr
         self.wrap_dense = wrap_dense
+        self.data_size = data_size
         torch.manual_seed(0)
         self.sparse: nn.Module = EmbeddingBagCollection(
             tables=[
@@ -187,7 +190,7 @@ class RecModel(ShardedStateMixin, L.LightningModule):
         return classes[self.optimizer_name](params, lr=self.lr)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return loader()
+        return loader(self.data_size)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         return batch  # CPU only; a KeyedJaggedTensor is not a collection Lightning can move
@@ -265,15 +268,29 @@ def gathered_tables(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gathered_fused_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every fused optimizer state tensor in full (collective), by its key in ``fused_optimizer``."""
+    """Every fused optimizer state tensor in full (collective), by ``<table>.<state>`` (``t0.momentum1``).
+
+    A rank's ``fused_optimizer`` holds only the tables it has shards of; the gathers need the same
+    tensors in the same order on every rank, so each rank's names are exchanged first and a rank without
+    a shard of a table takes part with an empty ShardedTensor of the table's layout.
+    """
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
     sharded = sharded_tables(model)
-    state = sharded.fused_optimizer.state_dict()["state"]  # type: ignore[union-attr]
+    local: dict[str, Any] = {}
+    for per_param in sharded.fused_optimizer.state_dict()["state"].values():  # type: ignore[union-attr]
+        for name, value in per_param.items():
+            if isinstance(value, ShardedTensor):
+                local[name] = value
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {name: value.metadata() for name, value in local.items()})
     values: dict[str, torch.Tensor] = {}
-    for param_key in sorted(state):
-        for name in sorted(state[param_key]):
-            value = state[param_key][name]
-            if isinstance(value, torch.Tensor):
-                values[f"{param_key}/{name}"] = to_full(value).detach().clone()
+    for name in sorted({n for metadata in everyone for n in metadata}):
+        value = local.get(name)
+        if value is None:
+            metadata = next(m[name] for m in everyone if name in m)
+            value = ShardedTensor._init_from_local_shards_and_global_metadata([], metadata)
+        values[name] = to_full(value).detach().clone()
     return values
 
 
