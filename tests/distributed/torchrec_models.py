@@ -295,5 +295,14 @@ def gathered_fused_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gathered_dense(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The MLP's parameters in full (collective), by name."""
-    return {n: to_full(p).detach().clone() for n, p in sorted(model.dense.named_parameters())}
+    """The MLP's parameters in full (collective), by name without wrapper parts (FSDP1: its parameters
+    summoned in full; FSDP2: its DTensors gathered)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    def clean(name: str) -> str:
+        return name.replace("_fsdp_wrapped_module.", "")
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        with FSDP.summon_full_params(model, writeback=False):
+            return {clean(n): p.detach().clone() for n, p in sorted(model.dense.named_parameters())}
+    return {clean(n): to_full(p).detach().clone() for n, p in sorted(model.dense.named_parameters())}
