@@ -20,10 +20,12 @@ No documented command may print a message of :data:`AVOIDABLE`. Not run here: ``
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,8 +177,24 @@ def example_runs(script: Path) -> tuple[str, list[str]]:
     return commands[0], prints
 
 
+def _example_params() -> list[Any]:
+    """Every example; those needing TorchRec carry the ``torchrec`` marker and skip where it is missing
+    (``.ci/run`` runs them in its TorchRec venv, where a missing TorchRec fails the run)."""
+    have_torchrec = importlib.util.find_spec("torchrec") is not None
+    params = []
+    for name in sorted(p.name for p in (REPO / "examples").glob("*.py")):
+        marks: list[Any] = []
+        if name.startswith("torchrec"):
+            marks = [
+                pytest.mark.torchrec,
+                pytest.mark.skipif(not have_torchrec, reason="needs TorchRec (.ci/run's TorchRec venv)"),
+            ]
+        params.append(pytest.param(name, marks=marks))
+    return params
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.py")))
+@pytest.mark.parametrize("example", _example_params())
 def test_example_runs_as_documented(tmp_path: Path, demo_run: tuple[Path, str], example: str) -> None:
     command, prints = example_runs(REPO / "examples" / example)
     cwd = workspace(tmp_path, demo_run[0])

