@@ -25,7 +25,6 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -166,6 +165,11 @@ def test_every_type_the_api_page_documents_imports_from_the_package() -> None:
         assert getattr(lightning_sharded, name) is not None
 
 
+#: Examples that need TorchRec: run in ``.ci/run``'s TorchRec venv (marker ``torchrec``), where a missing
+#: TorchRec fails the run; skipped elsewhere. They need no demo folder.
+TORCHREC_EXAMPLES = ("torchrec_dlrm.py",)
+
+
 def example_runs(script: Path) -> tuple[str, list[str]]:
     """The run command of an example's docstring, and what each run prints (the ``It prints`` quotes)."""
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
@@ -177,28 +181,31 @@ def example_runs(script: Path) -> tuple[str, list[str]]:
     return commands[0], prints
 
 
-def _example_params() -> list[Any]:
-    """Every example; those needing TorchRec carry the ``torchrec`` marker and skip where it is missing
-    (``.ci/run`` runs them in its TorchRec venv, where a missing TorchRec fails the run)."""
-    have_torchrec = importlib.util.find_spec("torchrec") is not None
-    params = []
-    for name in sorted(p.name for p in (REPO / "examples").glob("*.py")):
-        marks: list[Any] = []
-        if name.startswith("torchrec"):
-            marks = [
-                pytest.mark.torchrec,
-                pytest.mark.skipif(not have_torchrec, reason="needs TorchRec (.ci/run's TorchRec venv)"),
-            ]
-        params.append(pytest.param(name, marks=marks))
-    return params
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("example", _example_params())
+@pytest.mark.parametrize(
+    "example", sorted(p.name for p in (REPO / "examples").glob("*.py") if p.name not in TORCHREC_EXAMPLES)
+)
 def test_example_runs_as_documented(tmp_path: Path, demo_run: tuple[Path, str], example: str) -> None:
     command, prints = example_runs(REPO / "examples" / example)
     cwd = workspace(tmp_path, demo_run[0])
     for expected in prints:  # one run per quoted output: "run it again and it prints ..."
+        code, out = shell(command, cwd)
+        assert code == 0, f"{command!r} failed ({code}):\n{out[-4000:]}"
+        assert printed(expected, out), f"{command!r} did not print {expected!r}:\n{out[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.torchrec
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchrec") is None, reason="needs TorchRec (.ci/run's TorchRec venv)"
+)
+@pytest.mark.parametrize("example", TORCHREC_EXAMPLES)
+def test_torchrec_example_runs_as_documented(tmp_path: Path, example: str) -> None:
+    command, prints = example_runs(REPO / "examples" / example)
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    (cwd / "examples").symlink_to(REPO / "examples", target_is_directory=True)
+    for expected in prints:
         code, out = shell(command, cwd)
         assert code == 0, f"{command!r} failed ({code}):\n{out[-4000:]}"
         assert printed(expected, out), f"{command!r} did not print {expected!r}:\n{out[-4000:]}"
