@@ -95,10 +95,13 @@ def attach_fused_state(root: nn.Module) -> None:
         if optimizer is None or not hasattr(optimizer, "state_dict"):
             continue
         local = dict(_local_fused_state(optimizer))
-        layouts = module.__dict__.get(_LAYOUTS)
-        if layouts is None or not set(local) <= set(layouts):
-            layouts = _exchange_layouts(local)
-            object.__setattr__(module, _LAYOUTS, layouts)
+        cached = module.__dict__.get(_LAYOUTS)
+        # Exchanged again only for another optimizer object (the module was sharded anew), which every
+        # rank sees alike: a decision one rank took alone would leave the others out of the collective.
+        if cached is None or cached[0] is not optimizer:
+            cached = (optimizer, _exchange_layouts(local))
+            object.__setattr__(module, _LAYOUTS, cached)
+        layouts = cached[1]
         for name in sorted(layouts):
             value = local.get(name)
             if value is None:
