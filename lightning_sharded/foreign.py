@@ -143,11 +143,6 @@ def _empty_like_layout(metadata: Any, group: Any) -> Any:
     return ShardedTensor._init_from_local_shards_and_global_metadata([], metadata, process_group=group)
 
 
-def fused_state_names(module: nn.Module) -> list[str]:
-    """The fused-state attribute names :func:`attach_fused_state` set on ``module``."""
-    return sorted(k for k in vars(module) if k.startswith(FUSED_PREFIX))
-
-
 def skipped_log(what: str, modules: list[tuple[str, nn.Module]]) -> str:
     """The one log line that says which modules a wrapper left alone."""
     return (
@@ -163,7 +158,6 @@ __all__ = [
     "describe",
     "foreign_modules",
     "foreign_parameters",
-    "fused_state_names",
     "is_inside_foreign",
     "sharded_module_types",
     "skipped_log",
