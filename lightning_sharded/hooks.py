@@ -39,6 +39,7 @@ from lightning_sharded._compat import load_call, running_load
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
 from lightning_sharded._sites import MARKER, SiteIndex
+from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.tensors import adapter_for, agree
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
@@ -82,6 +83,7 @@ class _StateDictPreHook:
         self.shared = shared
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        attach_fused_state(module)  # TorchRec's fused optimizer state becomes sharded attributes
         stack = self.shared.keep_vars
         caller = sys._getframe(1)  # the nn.Module.state_dict call of `module`; the post-hook sees it too
         if stack:
@@ -131,6 +133,7 @@ class _LoadPreHook:
         error_msgs: list[str],
     ) -> None:
         _, assign, whole = load_call(sys._getframe(1))
+        attach_fused_state(module)
         assign = assign or bool(local_metadata.get("assign_to_params_buffers", False))
         # A wrapper above the root (torch.compile, DDP) puts its part in `prefix`, but torch's
         # set_model_state_dict hands sharded attributes over under their clean FQN: such a key is

@@ -9,6 +9,7 @@ from typing import IO, Any
 
 import torch
 
+from lightning_sharded.foreign import ddp_ignored_names, foreign_modules, skipped_log
 from lightning_sharded.hooks import receiving_full_values, register_sharded_state_hooks
 from lightning_sharded.tensors import gather_full_values
 from lightning_sharded.user_state import register_rank_state
@@ -23,6 +24,10 @@ def writes_sharded_checkpoints(strategy: Any) -> bool:
     return getattr(strategy, "_state_dict_type", None) == "sharded" or bool(
         getattr(strategy, "_save_distributed_checkpoint", False)
     )
+
+
+_DDP_IGNORE = "_lightning_sharded_ddp_ignore"
+_DDP_SAID = "_lightning_sharded_ddp_said"
 
 
 class ShardedStateMixin:
@@ -53,6 +58,27 @@ class ShardedStateMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         register_sharded_state_hooks(self)  # type: ignore[arg-type]
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """What ``DistributedDataParallel`` must leave alone: what the user set, plus the parameters and
+        buffers of modules TorchRec sharded (their values differ per rank by design; TorchRec moves them).
+
+        DDP reads this attribute when it wraps the model; the TorchRec part is said once in the log.
+        """
+        user = list(self.__dict__.get(_DDP_IGNORE, ()))
+        names = ddp_ignored_names(self)  # type: ignore[arg-type]
+        if names and not self.__dict__.get(_DDP_SAID):
+            from lightning.pytorch.utilities import rank_zero_info
+
+            object.__setattr__(self, _DDP_SAID, True)
+            rank_zero_info(skipped_log("DDP", foreign_modules(self)))  # type: ignore[arg-type]
+        return sorted(set(user) | set(names))
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names: Any) -> None:
+        # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets it: kept beside ours.
+        object.__setattr__(self, _DDP_IGNORE, list(names))
 
     def register_rank_state(self, name: str, obj: Any, *, replace: bool = False) -> None:
         """Keep ``obj``'s state per rank in every checkpoint: :func:`lightning_sharded.register_rank_state`.

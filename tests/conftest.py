@@ -33,6 +33,16 @@ def process_group() -> Iterator[None]:
     yield
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """With ``LIGHTNING_SHARDED_REQUIRE_TORCHREC=1`` (``.ci/run``'s TorchRec run) TorchRec must import: its
+    tests may not skip there for want of it."""
+    if os.environ.get("LIGHTNING_SHARDED_REQUIRE_TORCHREC") == "1":
+        try:
+            import torchrec  # noqa: F401
+        except Exception as ex:
+            pytest.exit(f"LIGHTNING_SHARDED_REQUIRE_TORCHREC=1 but TorchRec does not import: {ex!r}", 1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """GPU tests skip, with a reason, where there is no CUDA device; their CPU twins always run."""
     if torch.cuda.is_available():

@@ -20,6 +20,7 @@ No documented command may print a message of :data:`AVOIDABLE`. Not run here: ``
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shlex
 import sys
@@ -144,6 +145,11 @@ def test_cli_doc(tmp_path: Path, demo_run: tuple[Path, str]) -> None:
     )
 
 
+#: Examples that need TorchRec: run in ``.ci/run``'s TorchRec venv (marker ``torchrec``), where a missing
+#: TorchRec fails the run; skipped elsewhere. They need no demo folder.
+TORCHREC_EXAMPLES = ("torchrec_dlrm.py",)
+
+
 def example_runs(script: Path) -> tuple[str, list[str]]:
     """The run command of an example's docstring, and what each run prints (the ``It prints`` quotes)."""
     doc = ast.get_docstring(ast.parse(script.read_text())) or ""
@@ -156,11 +162,30 @@ def example_runs(script: Path) -> tuple[str, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", sorted(p.name for p in (REPO / "examples").glob("*.py")))
+@pytest.mark.parametrize(
+    "example", sorted(p.name for p in (REPO / "examples").glob("*.py") if p.name not in TORCHREC_EXAMPLES)
+)
 def test_example_runs_as_documented(tmp_path: Path, demo_run: tuple[Path, str], example: str) -> None:
     command, prints = example_runs(REPO / "examples" / example)
     cwd = workspace(tmp_path, demo_run[0])
     for expected in prints:  # one run per quoted output: "run it again and it prints ..."
+        code, out = shell(command, cwd)
+        assert code == 0, f"{command!r} failed ({code}):\n{out[-4000:]}"
+        assert printed(expected, out), f"{command!r} did not print {expected!r}:\n{out[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.torchrec
+@pytest.mark.skipif(
+    importlib.util.find_spec("torchrec") is None, reason="needs TorchRec (.ci/run's TorchRec venv)"
+)
+@pytest.mark.parametrize("example", TORCHREC_EXAMPLES)
+def test_torchrec_example_runs_as_documented(tmp_path: Path, example: str) -> None:
+    command, prints = example_runs(REPO / "examples" / example)
+    cwd = tmp_path / "run"
+    cwd.mkdir()
+    (cwd / "examples").symlink_to(REPO / "examples", target_is_directory=True)
+    for expected in prints:
         code, out = shell(command, cwd)
         assert code == 0, f"{command!r} failed ({code}):\n{out[-4000:]}"
         assert printed(expected, out), f"{command!r} did not print {expected!r}:\n{out[-4000:]}"

@@ -61,7 +61,14 @@ LAYERS: Layers = [
     (
         2,
         "model",
-        ("_sites", "checkpoint.fsdp1.*", "checkpoint.state_dicts", "checkpoint.train_loaders", "user_state"),
+        (
+            "_sites",
+            "foreign",
+            "checkpoint.fsdp1.*",
+            "checkpoint.state_dicts",
+            "checkpoint.train_loaders",
+            "user_state",
+        ),
     ),
     (3, "integrity", ("checkpoint.integrity", "checkpoint.pickles")),
     (4, "load", ("checkpoint.load.*", "checkpoint.rank_state")),

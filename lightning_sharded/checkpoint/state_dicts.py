@@ -18,6 +18,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import clean_keys
+from lightning_sharded.foreign import foreign_modules
+from lightning_sharded.tensors import gather_full_values
 
 __all__ = [
     "PARAMS",
@@ -43,6 +45,19 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    if full and foreign_modules(model):
+        # TorchRec's tables are ShardedTensors of uneven shards (a row-wise table's last shard is
+        # smaller, a table-wise table lives on one rank): torch's full gathers assume even chunks
+        # ("allgather: invalid tensor size"). Gathered by our adapters instead, in sorted key order.
+        import torch.distributed as dist
+
+        state = gather_full_values(dict(model_state_dict(model, full=False)))
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return (
+            {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            if rank == 0
+            else {}
+        )
     if full and _fsdp1_on_cpu(model):
         with _fsdp1_type(model, full=True):
             from lightning_sharded._compat import gather_state_dict

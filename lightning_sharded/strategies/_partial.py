@@ -26,6 +26,7 @@ from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
 from lightning_sharded.checkpoint.load.parts import check_parts
 from lightning_sharded.checkpoint.manifest import FrozenPart
+from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
 
 __all__ = ["PartialCheckpoints"]
@@ -90,6 +91,10 @@ class PartialCheckpoints(ParallelStrategy):
         module = self.lightning_module
         if module is not None and not has_sharded_state_hooks(module):
             register_sharded_state_hooks(module)
+        if module is not None:
+            # TorchRec's fused optimizer state: its layouts are exchanged here, on every rank at once,
+            # rather than at the first state_dict() (after configure_model, which sharded the tables).
+            attach_fused_state(module)
 
     # ------------------------------------------------------------------------------------- loading
 

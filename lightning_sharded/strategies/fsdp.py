@@ -12,11 +12,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
+from lightning_sharded.foreign import foreign_modules, skipped_log
 from lightning_sharded.strategies._checkpointing import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
@@ -157,7 +159,8 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         ``validate``, or a second ``fit``) gets the same wrapper again: wrapping its flat shards anew would
         lose every shape; one sharded with FSDP2 (``fully_shard``) is refused. On CPU the model is wrapped
         here first, with ``device_id`` the CPU device (stock passes ``root_device.index``, ``None`` on CPU,
-        which FSDP1 refuses); stock's method then finds it wrapped and does the rest (torchmetrics,
+        which FSDP1 refuses), and so is a model holding TorchRec's sharded modules (passed as
+        ``ignored_modules``); stock's method then finds it wrapped and does the rest (torchmetrics,
         activation checkpointing, its warnings). On CUDA, stock's method alone."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -169,16 +172,25 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         original = model
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             return FSDPStrategy._setup_model(self, model)  # by name: a test borrows this method
-        if self.root_device.type != "cpu":
+        foreign = foreign_modules(model)
+        if self.root_device.type != "cpu" and not foreign:
             result = FSDPStrategy._setup_model(self, model)
         else:
+            kwargs = dict(self.kwargs)
+            if foreign:
+                # TorchRec's sharded modules move their tables between ranks themselves: FSDP neither
+                # wraps anything inside them nor flattens their parameters.
+                ignored = [m for _, m in foreign]
+                ignored += [m for m in kwargs.pop("ignored_modules", None) or () if m not in ignored]
+                kwargs["ignored_modules"] = ignored
+                rank_zero_info(skipped_log("FSDP (`auto_wrap_policy` and the root wrapper)", foreign))
             model = FullyShardedDataParallel(
                 module=model,
                 cpu_offload=self.cpu_offload,
                 mixed_precision=self.mixed_precision_config,
                 sharding_strategy=self.sharding_strategy,
                 device_id=self._fsdp_device_id(),
-                **self.kwargs,
+                **kwargs,
             )
             # Applied just now: stock would warn that it is ignored on a wrapped model (and delete it).
             policy = self.kwargs.pop("auto_wrap_policy", _UNSET)

@@ -11,7 +11,7 @@ from typing import Literal
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_sharded._compat import materialize_distributed_module, optimizers_to_device
 from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
+from lightning_sharded.foreign import foreign_modules, foreign_parameters, is_inside_foreign, skipped_log
 from lightning_sharded.strategies._checkpointing import (
     DEFAULT_CHECKPOINT_TIMEOUT,
     ShardedCheckpointing,
@@ -53,6 +54,8 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         fully_shard_policy: module classes (or a predicate on modules) that get their own ``fully_shard``
             after ``configure_model``, followed by the root module, when ``configure_model`` did not
             apply ``fully_shard`` itself. With a policy, ``configure_model`` need not be overridden.
+            Modules TorchRec sharded (its ``ShardedModule`` s) and everything in them are left alone:
+            no ``fully_shard`` inside them, and the root's ignores their parameters (said once in the log).
         async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
             and atomic publish run in the background (sharded only); the next save, a load and the end
             of training wait for it and raise its error, if any.
@@ -192,10 +195,17 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
                 return isinstance(module, classes)
 
         mesh = self.device_mesh["data_parallel"]
+        # TorchRec's sharded modules move their tables between ranks themselves: no `fully_shard` inside
+        # them, and the root's leaves their parameters alone (else the tables are flattened into the
+        # root's group and never train).
+        foreign = foreign_modules(model)
+        inside = is_inside_foreign(model)
         for module in reversed(list(model.modules())):
-            if module is not model and picks(module):
+            if module is not model and id(module) not in inside and picks(module):
                 fully_shard(module, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        if foreign:
+            rank_zero_info(skipped_log("`fully_shard_policy` (and the root's `fully_shard`)", foreign))
+        fully_shard(model, mesh=mesh, ignored_params=foreign_parameters(model) or None)
 
 
 def _hint(stock_message: str) -> str:

@@ -1,0 +1,164 @@
+"""Modules that another library has sharded itself: TorchRec's ``ShardedModule`` s.
+
+TorchRec shards embedding tables across ranks (``torchrec.distributed.shard``, ``DistributedModelParallel``)
+and moves their values between ranks itself (all-to-all in forward and backward). Their parameters are
+this rank's shard of each table; a table that lives on another rank is a parameter of shape ``(0,)``
+here. Data-parallel wrappers must leave them alone: ``fully_shard`` and FSDP1 would flatten and shard
+them again (the tables then never train, or the forward fails), and DDP would average gradients that
+belong to different rows on each rank. This module finds them (by class, from
+``torchrec.distributed.types``, looked up only when TorchRec was imported: nothing is imported here) and
+exposes the state a TorchRec fused kernel keeps outside the model, its ``fused_optimizer``, as sharded
+attributes that the state-dict hooks save and restore like any other.
+
+Fused optimizer state: each ``ShardedModule`` with a ``fused_optimizer`` (a ``KeyedOptimizer``) gets one
+attribute per state tensor, named ``fused_optimizer__<table>__<state>`` (for example
+``fused_optimizer__t0__momentum1``), holding the ``ShardedTensor`` that TorchRec made from views of the
+kernel's own state: loading into it writes the kernel's state. A rank that holds no shard of a table
+gets an empty ``ShardedTensor`` with the table's global layout, so every rank has the same keys (the
+layouts are exchanged once per module, collectively, the first time they are needed).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch.distributed as dist
+from torch import nn
+
+_TORCHREC_TYPES = "torchrec.distributed.types"
+#: Prefix of the attributes that carry a fused optimizer's state.
+FUSED_PREFIX = "fused_optimizer__"
+#: Where a module keeps the exchanged layouts of its fused state (not a tensor: never a site).
+_LAYOUTS = "_lightning_sharded_fused_layouts"
+
+
+def sharded_module_types() -> tuple[type, ...]:
+    """The classes of modules another library sharded: TorchRec's ``ShardedModule`` once it is imported."""
+    module = sys.modules.get(_TORCHREC_TYPES)
+    cls = getattr(module, "ShardedModule", None) if module is not None else None
+    return (cls,) if isinstance(cls, type) else ()
+
+
+def foreign_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of each outermost module under ``root`` (itself included) that TorchRec sharded."""
+    types = sharded_module_types()
+    if not types:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    inside: list[str] = []
+    for name, module in root.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in inside):
+            continue
+        if isinstance(module, types):
+            found.append((name, cast(nn.Module, module)))
+            inside.append(name)
+    return found
+
+
+def foreign_parameters(root: nn.Module) -> set[nn.Parameter]:
+    """Every parameter of the modules :func:`foreign_modules` finds."""
+    return {p for _, module in foreign_modules(root) for p in module.parameters()}
+
+
+def is_inside_foreign(root: nn.Module) -> set[int]:
+    """``id`` of every module within (or equal to) a foreign-sharded module under ``root``."""
+    return {id(m) for _, module in foreign_modules(root) for m in module.modules()}
+
+
+def ddp_ignored_names(root: nn.Module) -> list[str]:
+    """Names (as ``root.named_parameters()`` / ``named_buffers()`` give them) DDP must not touch."""
+    modules = foreign_modules(root)
+    if not modules:
+        return []
+    owned = {id(p) for _, module in modules for p in module.parameters()}
+    owned |= {id(b) for _, module in modules for b in module.buffers()}
+    names = [n for n, p in root.named_parameters() if id(p) in owned]
+    names += [n for n, b in root.named_buffers() if id(b) in owned]
+    return sorted(set(names))
+
+
+def describe(modules: list[tuple[str, nn.Module]]) -> str:
+    """``"sparse (ShardedEmbeddingBagCollection), ..."`` for a log line."""
+    return ", ".join(f"{name or '<root>'} ({type(module).__name__})" for name, module in modules)
+
+
+def attach_fused_state(root: nn.Module) -> None:
+    """Set the fused optimizer state of every TorchRec module under ``root`` as sharded attributes.
+
+    Collective the first time a module's state is seen (its layouts are exchanged over the tables'
+    process group); afterwards it only re-reads this rank's state. Nothing happens without TorchRec.
+    """
+    for _, module in foreign_modules(root):
+        optimizer = getattr(module, "fused_optimizer", None)
+        if optimizer is None or not hasattr(optimizer, "state_dict"):
+            continue
+        local = dict(_local_fused_state(optimizer))
+        cached = module.__dict__.get(_LAYOUTS)
+        # Exchanged again only for another optimizer object (the module was sharded anew), which every
+        # rank sees alike: a decision one rank took alone would leave the others out of the collective.
+        if cached is None or cached[0] is not optimizer:
+            cached = (optimizer, _exchange_layouts(local))
+            object.__setattr__(module, _LAYOUTS, cached)
+        layouts = cached[1]
+        for name in sorted(layouts):
+            value = local.get(name)
+            if value is None:
+                value = _empty_like_layout(*layouts[name])
+            current = module.__dict__.get(name)
+            if current is not value:
+                object.__setattr__(module, name, value)
+
+
+def _local_fused_state(optimizer: Any) -> Iterator[tuple[str, Any]]:
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    state = optimizer.state_dict().get("state", {})
+    for param_key in sorted(state):
+        for state_key, value in sorted(state[param_key].items()):
+            if isinstance(value, ShardedTensor):
+                yield FUSED_PREFIX + state_key.replace(".", "__"), value
+
+
+def _exchange_layouts(local: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Every rank's ``{attribute: (ShardedTensorMetadata, process group)}``, merged (collective)."""
+    mine = {name: value.metadata() for name, value in local.items()}
+    groups = {name: value._process_group for name, value in local.items()}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {name: (mine[name], groups[name]) for name in sorted(mine)}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, Any] = {}
+    for metadata in everyone:
+        for name, meta in metadata.items():
+            merged.setdefault(name, meta)
+    return {name: (merged[name], groups.get(name, dist.group.WORLD)) for name in sorted(merged)}
+
+
+def _empty_like_layout(metadata: Any, group: Any) -> Any:
+    """A ``ShardedTensor`` with ``metadata``'s global layout and no shard on this rank."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    return ShardedTensor._init_from_local_shards_and_global_metadata([], metadata, process_group=group)
+
+
+def skipped_log(what: str, modules: list[tuple[str, nn.Module]]) -> str:
+    """The one log line that says which modules a wrapper left alone."""
+    return (
+        f"{what} leaves the modules TorchRec sharded alone (it moves their values itself):"
+        f" {describe(modules)}"
+    )
+
+
+__all__ = [
+    "FUSED_PREFIX",
+    "attach_fused_state",
+    "ddp_ignored_names",
+    "describe",
+    "foreign_modules",
+    "foreign_parameters",
+    "is_inside_foreign",
+    "sharded_module_types",
+    "skipped_log",
+]
