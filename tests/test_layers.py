@@ -60,7 +60,14 @@ LAYERS: Layers = [
     (
         2,
         "model",
-        ("_sites", "checkpoint.fsdp1.*", "checkpoint.state_dicts", "checkpoint.train_loaders", "user_state"),
+        (
+            "_sites",
+            "checkpoint.fsdp1.*",
+            "checkpoint.shard_pieces",
+            "checkpoint.state_dicts",
+            "checkpoint.train_loaders",
+            "user_state",
+        ),
     ),
     (3, "integrity", ("checkpoint.integrity", "checkpoint.pickles")),
     (4, "load", ("checkpoint.load.*", "checkpoint.rank_state")),
