@@ -36,6 +36,7 @@ __all__ = [
     "agreed_entries",
     "candidates",
     "find_pieces",
+    "set_agreed_values",
     "template_entry",
     "unwrap_state",
     "wrap_state",
@@ -222,11 +223,21 @@ def agreed_entries(state: dict[str, Any], pieces: Mapping[str, Piece]) -> Descri
                 f" sharded value on some ranks but not on rank(s) {without} (the value's local tensors"
                 " are not views of the parameter there), so its state cannot be saved as one sharded tensor."
             )
-        for rank, (entries, _) in enumerate(gathered):
+        # Ranks holding part of the value first: a plain entry (``step``) is taken from them, since a
+        # rank with an empty piece may hold a state its optimizer never stepped (Adagrad's eager state).
+        order = sorted(range(len(gathered)), key=lambda r: (not gathered[r][1][name], r))
+        for rank in order:
+            entries, held = gathered[rank]
             for entry, info in sorted(entries.get(name, {}).items()):
                 known = merged.setdefault(name, {}).get(entry)
                 if known is None:
-                    merged[name][entry] = info
+                    merged[name][entry] = (*info, held[name])
+                elif known[0] == "value" and held[name] and not _same(known[1], info[1]):
+                    raise CheckpointError(
+                        f"Cannot save the optimizer state of {name!r}: its {entry!r} is {known[1]!r} on one"
+                        f" rank and {info[1]!r} on rank {rank}, both holding part of the parameter; it is"
+                        " saved once for the whole sharded value."
+                    )
                 elif known[0] == "sharded" and known[:2] != info[:2]:
                     raise CheckpointError(
                         f"Cannot save the optimizer state of {name!r}: its {entry!r} has the global shape"
@@ -246,6 +257,26 @@ def agreed_entries(state: dict[str, Any], pieces: Mapping[str, Piece]) -> Descri
                     " rank's part of the parameter (each needs a gradient)."
                 )
     return merged
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return bool(a == b) if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) else False
+
+
+def set_agreed_values(state: dict[str, Any], merged: Described) -> None:
+    """Each piece's plain entries (``step``) in ``state`` set to the agreed value (:func:`agreed_entries`),
+    on every rank that has the entry: DCP writes one rank's copy of a plain value, any of them."""
+    entries_by_name = state.get(STATE, {})
+    for name in sorted(merged):
+        entries = entries_by_name.get(name)
+        if not entries:
+            continue
+        entries = entries_by_name[name] = dict(entries)
+        for entry, info in merged[name].items():
+            if info[0] == "value" and entry in entries:
+                entries[entry] = info[1]
 
 
 def _shape_text(info: Any) -> str:

@@ -30,6 +30,7 @@ __all__ = [
     "optimizer_pieces",
     "optimizer_state_dict",
     "param_names",
+    "plain_optimizer",
     "torch_optimizer_template",
 ]
 
@@ -78,6 +79,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    optimizer = plain_optimizer(optimizer)
     pieces, over_plain = optimizer_pieces(model, optimizer)
     if full and _fsdp1_on_cpu(model):
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -99,6 +101,16 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
     if state:
         state = key_by_index(state)
     return state
+
+
+def plain_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer a wrapper steps, whose ``state_dict()`` has torch's form: TorchRec's
+    ``KeyedOptimizerWrapper`` keeps its state and parameter groups in the optimizer it wraps
+    (``_optimizer``), and its own ``state_dict()`` keys them differently; else ``optimizer`` itself."""
+    inner = getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
+        return inner
+    return optimizer
 
 
 def optimizer_pieces(
@@ -135,7 +147,7 @@ def _sharded_pieces(
     if not over_plain:
         return state
     shard_pieces.wrap_state(state, pieces)
-    shard_pieces.agreed_entries(state, pieces)
+    shard_pieces.set_agreed_values(state, shard_pieces.agreed_entries(state, pieces))
     return state
 
 
