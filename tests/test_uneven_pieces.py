@@ -76,6 +76,17 @@ def mp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 "--out",
                 str(root / "ragged.pt"),
                 "--ragged",
+                "--unwrapped",
+            ],
+            [
+                "fit",
+                "--strategy",
+                "mp",
+                "--ckpt",
+                str(root / "ragged-new"),
+                "--out",
+                str(root / "ragged-save.pt"),
+                "--ragged",
             ],
             [
                 "resume",
@@ -121,8 +132,9 @@ def test_state_saved_per_rank_is_refused_naming_key_and_shapes(mp_runs: Path) ->
 
 
 def test_plain_per_rank_parameter_is_refused_naming_key_and_shapes(mp_runs: Path) -> None:
-    """A plain parameter of another shape on each rank (nothing says how its pieces fit) is refused on
-    every rank with its key and both shapes (on main rank 1 raised alone and rank 0 read on: a hang)."""
+    """A checkpoint holding one rank's copy of a plain parameter of another shape on each rank (nothing
+    says how its pieces fit; saved as main did) is refused on every rank with its key and both shapes (on
+    main rank 1 raised alone and rank 0 read on: a hang)."""
     result = torch.load(mp_runs / "ragged-resume.pt", weights_only=False)
     assert result.get("error") == "CheckpointError", result
     assert "size mismatch for ragged: the checkpoint has shape [" in result["message"]
@@ -164,3 +176,14 @@ def test_fsdp1_pieces_state_continues_like_the_unbroken_run(tmp_path: Path) -> N
     final = _load(tmp_path / "resume.pt")["final"]
     assert _differ(_load(tmp_path / "fit5.pt"), final, "opt.pieces") == []
     assert _differ(_load(tmp_path / "fit5.pt"), final, "model.pieces") == []
+
+
+def test_plain_per_rank_parameter_is_refused_at_the_save(mp_runs: Path) -> None:
+    """Its save is refused on every rank, naming the key, both shapes and ranks (on main DCP wrote one
+    rank's copy without a word), and nothing is left at the path."""
+    result = torch.load(mp_runs / "ragged-save.pt", weights_only=False)
+    assert result.get("error") == "CheckpointError", result
+    assert (
+        "size mismatch for state_dict.ragged: rank 0 holds shape [1, 2], rank 1 [2, 2]" in result["message"]
+    )
+    assert not (mp_runs / "ragged-new").exists()

@@ -138,12 +138,16 @@ def run_job(argv: list[str]) -> dict[str, Any]:
         callbacks=[capture],
     )
     if args.phase == "fit":
-        if args.unwrapped:
-            from lightning_sharded.checkpoint import state_dicts
+        from lightning_sharded.checkpoint import state_dicts
 
+        original = state_dicts.optimizer_pieces
+        if args.unwrapped:  # for this job only
             state_dicts.optimizer_pieces = lambda *a, **k: ({}, [])  # type: ignore[assignment]
-        trainer.fit(model)
-        trainer.save_checkpoint(args.ckpt)
+        try:
+            trainer.fit(model)
+            trainer.save_checkpoint(args.ckpt)
+        finally:
+            state_dicts.optimizer_pieces = original  # type: ignore[assignment]
         return values(model, trainer.optimizers[0])
     trainer.fit(model, ckpt_path=args.ckpt)
     return {"restored": capture.values, "final": values(model, trainer.optimizers[0])}
