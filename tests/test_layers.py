@@ -65,6 +65,7 @@ LAYERS: Layers = [
             "_sites",
             "foreign",
             "checkpoint.fsdp1.*",
+            "checkpoint.shard_pieces",
             "checkpoint.state_dicts",
             "checkpoint.train_loaders",
             "user_state",

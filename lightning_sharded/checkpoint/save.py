@@ -23,6 +23,7 @@ from lightning_sharded.checkpoint import collective, commit, names, rank_index, 
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
+from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.manifest import FrozenPart
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WRITER_THREADS",
+    "check_same_shapes",
     "remove_checkpoint",
     "save_checkpoint",
     "split_sharded_checkpoint",
@@ -47,6 +49,41 @@ WRITER_THREADS = 1
 def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What the manifest records about the Lightning checkpoint (JSON values only)."""
     return {key: checkpoint[key] for key in ("epoch", "global_step") if isinstance(checkpoint.get(key), int)}
+
+
+def _planner() -> Any:
+    """DCP's default save planner that first refuses a key whose tensor has another global shape on
+    another rank: a plain tensor (a per-rank parameter) is written once, one rank's copy, so the other
+    ranks' values would be lost without a word. Checked on the coordinator from the plans it gathers
+    anyway (no collective); the error reaches every rank through DCP."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class SameShapes(DefaultSavePlanner):
+        def create_global_plan(self, all_plans: list[Any]) -> Any:
+            check_same_shapes(all_plans)
+            return super().create_global_plan(all_plans)
+
+    return SameShapes()
+
+
+def check_same_shapes(all_plans: list[Any]) -> None:
+    """Raise a ``CheckpointError`` naming the first key whose tensor's global shape differs between the
+    ranks' DCP save plans (``all_plans[r]`` is rank r's), with both shapes and ranks."""
+    seen: dict[str, tuple[tuple[int, ...], int]] = {}
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            if item.tensor_data is None:
+                continue
+            size = tuple(item.tensor_data.size)
+            known = seen.setdefault(item.index.fqn, (size, rank))
+            if known[0] != size:
+                raise CheckpointError(
+                    f"size mismatch for {item.index.fqn}: rank {known[1]} holds shape {list(known[0])}, rank"
+                    f" {rank} {list(size)}. A plain tensor is saved once for all ranks (one rank's copy), so"
+                    " a tensor whose shape differs per rank cannot be saved as one: make it a DTensor or a"
+                    " ShardedTensor (or put one in the module's state_dict()) so that every rank's piece is"
+                    " saved where it belongs."
+                )
 
 
 def write_sharded_checkpoint(
@@ -100,7 +137,7 @@ def write_sharded_checkpoint(
         collective.after(writer, "write_data", where, "DCP save: shards written")
         with collective.watched(where, "DCP save: planning"):
             run_dcp(
-                lambda: save(state, storage_writer=writer, process_group=where.group),
+                lambda: save(state, storage_writer=writer, process_group=where.group, planner=_planner()),
                 f"Saving the sharded checkpoint to {str(target)!r}",
                 saving=True,
             )

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded._fqn import clean_keys
+from lightning_sharded._fqn import clean_keys, parameter_names
+from lightning_sharded.checkpoint import shard_pieces
 from lightning_sharded.foreign import foreign_modules
-from lightning_sharded.tensors import gather_full_values
+from lightning_sharded.tensors import gather_full_values, to_full
 
 __all__ = [
     "PARAMS",
@@ -27,8 +28,10 @@ __all__ = [
     "STATE",
     "key_by_index",
     "model_state_dict",
+    "optimizer_pieces",
     "optimizer_state_dict",
     "param_names",
+    "plain_optimizer",
     "torch_optimizer_template",
 ]
 
@@ -84,26 +87,110 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
 
     With ``full=True`` the state is gathered (on rank 0 only, as for the model) and keyed by parameter
     index, the form ``torch.optim.Optimizer.state_dict()`` and stock Lightning use, so a plain
-    single-device Trainer can resume from it.
+    single-device Trainer can resume from it. The state of a parameter that is this rank's piece of a
+    sharded model value (TorchRec's tables, :mod:`~lightning_sharded.checkpoint.shard_pieces`) is laid
+    out like that value: every rank's piece is saved, or gathered for a full state (collective).
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    optimizer = plain_optimizer(optimizer)
+    pieces, over_plain = optimizer_pieces(model, optimizer)
     if full and _fsdp1_on_cpu(model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with _fsdp1_type(model, full=True):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
+        state = _full_pieces(optimizer, state, pieces, over_plain)
         return key_by_index(state) if state else {}
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1
 
         fast = fsdp1.optimizer_state_dict(model, optimizer)
         if fast is not None:
-            return fast
+            return _sharded_pieces(fast, pieces, over_plain)
     state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
-    if full and state:
+    if not full:
+        return _sharded_pieces(state, pieces, over_plain)
+    state = _full_pieces(optimizer, state, pieces, over_plain)
+    if state:
         state = key_by_index(state)
     return state
+
+
+def plain_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer a wrapper steps, whose ``state_dict()`` has torch's form: TorchRec's
+    ``KeyedOptimizerWrapper`` keeps its state and parameter groups in the optimizer it wraps
+    (``_optimizer``), and its own ``state_dict()`` keys them differently; else ``optimizer`` itself."""
+    inner = getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
+        return inner
+    return optimizer
+
+
+def optimizer_pieces(
+    model: nn.Module, optimizer: Optimizer, model_state: dict[str, Any] | None = None
+) -> tuple[dict[str, shard_pieces.Piece], list[str]]:
+    """The optimizer's parameters that are pieces of a sharded model value, by clean name, and the names
+    of its plain parameters whose model value is sharded (see :func:`~.shard_pieces.find_pieces`).
+
+    The model's state dict is made only when the optimizer has a plain parameter that no other path
+    handles (none under FSDP2 alone: every parameter is a ``DTensor``); ``model_state``: the model's
+    sharded state dict where the caller has it."""
+    names = parameter_names(model)
+    params = {names[id(p)]: p for group in optimizer.param_groups for p in group[PARAMS] if id(p) in names}
+    exclude = frozenset(_fsdp1_params(model))
+    if not shard_pieces.candidates(params, exclude):
+        return {}, []
+    if model_state is None:
+        model_state = model_state_dict(model, full=False)
+    return shard_pieces.find_pieces(params, model_state, exclude)
+
+
+def _fsdp1_params(model: nn.Module) -> set[int]:
+    if not has_fsdp1(model):
+        return set()
+    from lightning_sharded.checkpoint.fsdp1.layout import param_index
+
+    return set(param_index(model))
+
+
+def _sharded_pieces(
+    state: dict[str, Any], pieces: dict[str, shard_pieces.Piece], over_plain: list[str]
+) -> dict[str, Any]:
+    """``state`` with the pieces' state tensors as sharded views, once every rank agreed (collective)."""
+    if not over_plain:
+        return state
+    shard_pieces.wrap_state(state, pieces)
+    shard_pieces.set_agreed_values(state, shard_pieces.agreed_entries(state, pieces))
+    return state
+
+
+def _full_pieces(
+    optimizer: Optimizer, full: dict[str, Any], pieces: dict[str, shard_pieces.Piece], over_plain: list[str]
+) -> dict[str, Any]:
+    """The full (rank 0) name-keyed state ``full`` with every piece's state gathered whole (collective:
+    torch's full state holds rank 0's piece, or nothing where rank 0 has no state for it)."""
+    if not over_plain:
+        return full
+    local: dict[str, Any] = {
+        STATE: {name: dict(optimizer.state.get(piece.param) or {}) for name, piece in pieces.items()}
+    }
+    shard_pieces.wrap_state(local, pieces)
+    merged = shard_pieces.agreed_entries(local, pieces)
+    for name in sorted(merged):
+        entries = local[STATE].get(name) or {}
+        for entry, info in sorted(merged[name].items()):
+            if info[0] == "sharded":
+                value = entries.get(entry)
+                if value is None:  # this rank holds an empty piece (checked): it takes part with nothing
+                    empty = torch.empty_like(pieces[name].param, dtype=info[2], requires_grad=False)
+                    value = pieces[name].views(empty)
+                whole = to_full(value).cpu()
+            else:
+                whole = info[1]
+            if full:
+                full[STATE].setdefault(name, {})[entry] = whole
+    return full
 
 
 def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

@@ -61,6 +61,12 @@ class ShardedAdapter(Protocol):
         """The tensors holding this rank's part of ``value`` (its memory; not copies)."""
         ...
 
+    def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
+        """A value of this kind laid out like ``value`` (global shape, shards, ranks) whose local tensors
+        are ``pieces`` (one per :meth:`local_tensors` of ``value``, of the same shapes) of ``dtype``,
+        which may differ from ``value``'s. No communication."""
+        ...
+
     def groups(self, value: Any) -> list[Any]:
         """Process groups whose all-reduces, one after the other, reach every rank that holds ``value``.
 

@@ -68,6 +68,17 @@ class DTensorAdapter:
     def local_tensors(self, value: Any) -> list[torch.Tensor]:
         return [value._local_tensor]
 
+    def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
+        (piece,) = pieces
+        return DTensor.from_local(
+            piece,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+
     def groups(self, value: Any) -> list[Any]:
         mesh = value.device_mesh
         # Reducing along each mesh dimension in turn reaches the whole mesh.

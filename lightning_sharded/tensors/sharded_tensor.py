@@ -78,6 +78,27 @@ class ShardedTensorAdapter:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return full
 
+    def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
+        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+        from torch.distributed._shard.sharded_tensor.shard import Shard
+
+        meta = value.metadata()
+        properties = TensorProperties(
+            dtype=dtype,
+            layout=torch.strided,
+            requires_grad=False,
+            memory_format=torch.contiguous_format,
+            pin_memory=False,
+        )
+        shards = [
+            Shard(piece, shard.metadata) for piece, shard in zip(pieces, value.local_shards(), strict=True)
+        ]
+        metadata = ShardedTensorMetadata(list(meta.shards_metadata), meta.size, properties)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, metadata, process_group=value._process_group
+        )
+
     def groups(self, value: Any) -> list[Any]:
         group = value._process_group
         if not dist.is_initialized() or dist.get_world_size(group) <= 1:

@@ -35,6 +35,7 @@ from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart
 from lightning_sharded.checkpoint.presence import RanksLost
+from lightning_sharded.checkpoint.state_dicts import plain_optimizer
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
 
@@ -108,22 +109,34 @@ def restore_checkpoint(
             A :class:`~lightning_sharded.checkpoint.presence.RanksLost` when a rank died or did not
             reach a step of the load in time (the strategy's ``checkpoint_timeout``), naming it.
     """
+    plain = [plain_optimizer(optimizer) for optimizer in optimizers]
     try:
-        return _restore(
+        restored = _restore(
             path,
             model,
-            optimizers,
+            plain,
             strict=strict,
             weights_only=weights_only,
             verify=verify,
             read_metadata=read_metadata,
         )
+        _reattach(optimizers, plain)
+        return restored
     except RanksLost as err:
         raise RanksLost(
             f"Loading the checkpoint {str(path)!r} failed: {err} Nothing on disk was changed; the model may"
             " hold part of the checkpoint.",
             err.ranks,
         ) from err
+
+
+def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> None:
+    """A wrapper's state and parameter groups made the loaded ones of the optimizer it wraps again
+    (torch's ``load_state_dict`` replaces both objects; TorchRec's ``KeyedOptimizerWrapper`` shares them)."""
+    for outer, inner in zip(optimizers, plain, strict=True):
+        if outer is not inner:
+            outer.state = inner.state
+            outer.param_groups = inner.param_groups
 
 
 def _shares(found: Found, world_size: int) -> list[Found]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,6 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
+from lightning_sharded.checkpoint import shard_pieces
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.manifest import FrozenPart
@@ -187,15 +188,28 @@ def template_like(
     model: nn.Module,
     optimizer: Optimizer,
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+    pieces: Mapping[str, shard_pieces.Piece] | None = None,
+    backing: dict[int, torch.Tensor] | None = None,
+    where: str = "",
+    source: str = "the checkpoint",
 ) -> dict[str, Any] | None:
     """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
 
     ``stored`` maps parameter name -> state entry -> (global shape, dtype), or ``(None, None)`` for a
     non-tensor entry. Each state tensor with its parameter's global shape is made like the parameter (a
-    ``DTensor`` stays sharded the same way, so each rank holds only its piece); any other (``step``)
-    is a plain tensor of the stored shape. Unlike ``get_optimizer_state_dict`` this runs no optimizer
-    step. Only for models whose parameters are the optimizer's parameters (plain, FSDP2, tensor
-    parallel); ``None`` for FSDP1 (flat parameters) or a parameter the model does not name.
+    ``DTensor`` stays sharded the same way, so each rank holds only its piece). A parameter in
+    ``pieces`` (this rank's piece of a sharded model value, :mod:`~lightning_sharded.checkpoint.shard_pieces`)
+    gets, for a state of the value's global shape, a sharded value of its layout over a new tensor of the
+    parameter's shape (recorded in ``backing``: ``id(sharded) -> tensor``, what the optimizer then holds).
+    A zero-dimensional state (``step``) is a plain tensor; so is any other state of a plain parameter
+    (the model's own shape check vouches for the parameter). Unlike ``get_optimizer_state_dict`` this
+    runs no optimizer step. Only for models whose parameters are the optimizer's parameters (plain,
+    FSDP2, tensor parallel); ``None`` for FSDP1 (flat parameters) or a parameter the model does not name.
+
+    Raises:
+        CheckpointError: a state tensor that fits neither its parameter nor the sharded value it is a
+            piece of (a piece's state of another shape, a sharded parameter's state of another
+            non-scalar shape), naming each key (``where`` + name + entry), both shapes and ``source``.
     """
     if has_fsdp1(model):
         return None
@@ -204,19 +218,41 @@ def template_like(
     except KeyError:
         return None
     params = dict(named)
+    pieces = pieces or {}
     state: dict[str, dict[str, Any]] = {}
+    bad: list[str] = []
     for name in sorted(stored):
         param = params.get(name)
         if param is None:
             continue  # state of a parameter this optimizer does not have: not loaded
+        piece = pieces.get(name)
         for entry, (shape, dtype) in sorted(stored[name].items()):
             value: Any = None  # a non-tensor entry: the loader puts the stored object here
             if shape is not None and dtype is not None:
-                if len(shape) > 0 and tuple(shape) == tuple(param.shape):
+                if piece is not None and len(shape) > 0:
+                    made = shard_pieces.template_entry(piece, shape, dtype)
+                    if made is None:
+                        bad.append(
+                            _mismatch(f"{where}{name}.{entry}", shape, piece.global_shape, piece.param)
+                        )
+                        continue
+                    value, local = made
+                    if backing is not None:
+                        backing[id(value)] = local
+                elif len(shape) > 0 and tuple(shape) == tuple(param.shape):
                     value = torch.empty_like(param, dtype=dtype, requires_grad=False)
+                elif len(shape) > 0 and adapter_for(param) is not None:
+                    # A sharded parameter's state of another shape would be one rank's copy, read by all.
+                    bad.append(_mismatch(f"{where}{name}.{entry}", shape, tuple(param.shape), None))
+                    continue
                 else:
                     value = torch.empty(shape, dtype=dtype)
             state.setdefault(name, {})[entry] = value
+    if bad:
+        raise CheckpointError(
+            f"The optimizer state in {source} does not fit the optimizer: {'; '.join(bad)}. Resume with the"
+            " model and optimizer configuration that saved the checkpoint."
+        )
     groups = []
     position = 0
     for group in optimizer.param_groups:
@@ -225,3 +261,10 @@ def template_like(
         position += count
         groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: names})
     return {STATE: state, PARAM_GROUPS: groups}
+
+
+def _mismatch(key: str, stored: Sequence[int], expected: Sequence[int], piece: torch.Tensor | None) -> str:
+    local = f" (this rank holds a piece of shape {list(piece.shape)})" if piece is not None else ""
+    return (
+        f"size mismatch for {key}: the checkpoint has shape {list(stored)}, the model {list(expected)}{local}"
+    )

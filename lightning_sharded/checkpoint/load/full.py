@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1
+from lightning_sharded.checkpoint import collective, fsdp1, shard_pieces
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import read_failed
 from lightning_sharded.checkpoint.load.checks import (
@@ -40,6 +40,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     STATE,
     key_by_index,
     model_state_dict,
+    optimizer_pieces,
     param_names,
     torch_optimizer_template,
 )
@@ -104,11 +105,12 @@ def restore_full(
     report = KeyReport(list(target), [*source, *elsewhere])
     check_keys(path, report, strict)
     common = [key for key in report.common if key in source]
-    check_shapes(
-        path,
-        {key: target[key] for key in common},
-        {key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)},
-    )
+    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter); no rank raises alone.
+    shapes: dict[str, tuple[int, ...] | None] = {
+        key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)
+    }
+    targets = {key: target[key] for key in common}
+    collective.agree(lambda: check_shapes(path, targets, shapes), step="checking the shapes")
     if frozen is not None:
         frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in source), frozen.prefix)
     to_load: dict[str, Any] = {}
@@ -121,7 +123,9 @@ def restore_full(
     # A load of the model only (`optimizers` empty: evaluation, a warm start) reads no optimizer state.
     states = optimizer_states or [] if optimizers else []
     for index, (optimizer, optim_state) in enumerate(zip(optimizers, states, strict=True)):
-        _restore_full_optimizer(path, model, optimizer, optim_state, index, strict=strict, mapping=mapping)
+        _restore_full_optimizer(
+            path, model, optimizer, optim_state, index, strict=strict, mapping=mapping, model_state=target
+        )
     return checkpoint, report, frozen
 
 
@@ -134,8 +138,13 @@ def _restore_full_optimizer(
     *,
     strict: bool,
     mapping: FileMapping | None = None,
+    model_state: dict[str, Any] | None = None,
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
+    # A parameter that is this rank's piece of a sharded model value (TorchRec's tables): its full state
+    # is cut into the piece through a sharded value of that layout.
+    pieces, _ = optimizer_pieces(model, optimizer, model_state)
+    backing: dict[int, torch.Tensor] = {}
     source_groups = source.get(PARAM_GROUPS, [])
     if len(source_groups) != len(optimizer.param_groups):
         raise CheckpointError(
@@ -157,7 +166,10 @@ def _restore_full_optimizer(
             }
             for name, entries in source_state.items()
         }
-        template = template_like(model, optimizer, stored)
+        template = collective.agree(
+            lambda: template_like(model, optimizer, stored, pieces, backing, source=where),
+            step="checking the optimizer state",
+        )
         if template is None:  # FSDP1: the local pieces of the flat parameters (when it applies)
             fast = fsdp1.optimizer_template(model, optimizer, stored)
             if fast is not None:
@@ -166,6 +178,7 @@ def _restore_full_optimizer(
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step).
         template = torch_optimizer_template(model, optimizer)
+        backing = shard_pieces.wrap_state(template, pieces)
         names = param_names(template)
         source_state = _name_keyed(where, source, names)
     state: dict[str, dict[str, Any]] = template[STATE]
@@ -203,6 +216,7 @@ def _restore_full_optimizer(
         group.clear()
         group.update(source_group)
         group[PARAMS] = params
+    shard_pieces.unwrap_state(template, backing)
     if fsdp1_local is not None:
         optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
     elif with_helpers:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index
+from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
@@ -41,6 +41,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     STATE,
     key_by_index,
     model_state_dict,
+    optimizer_pieces,
     torch_optimizer_template,
 )
 from lightning_sharded.tensors import adapter_for
@@ -91,7 +92,9 @@ def restore_sharded(
     check_keys(path, report, strict)
     from_source = [key for key in report.common if key not in layout.model_entries]
     to_load = {key: target[key] for key in report.common if key in layout.model_entries}
-    check_shapes(path, to_load, layout.model_entries)
+    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
+    # not raise while the others go on to read.
+    collective.agree(lambda: check_shapes(path, to_load, layout.model_entries), step="checking the shapes")
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     metadata: dict[str, Any] = {}
@@ -108,7 +111,9 @@ def restore_sharded(
     into = StagingBuffers().stage(to_load, copy=False) if keep_model and verification is not None else to_load
     state: dict[str, Any] = {layout.model_key: into}
     finishes = [
-        _prepare_optimizer(path, layout, model, optimizer, index, strict=strict, into=state)
+        _prepare_optimizer(
+            path, layout, model, optimizer, index, strict=strict, into=state, model_state=target
+        )
         for index, optimizer in enumerate(optimizers)
     ]
     index = layout.metadata
@@ -157,12 +162,24 @@ def _prepare_optimizer(
     *,
     strict: bool,
     into: dict[str, Any],
+    model_state: dict[str, Any],
 ) -> Callable[[], None]:
     """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
-    it into the optimizer once read. Checks first."""
+    it into the optimizer once read. Checks first.
+
+    The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
+    read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
+    rank reads its own piece, resharded from whatever plan and world size saved it."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
-    template = template_like(model, optimizer, stored)
+    pieces, _ = optimizer_pieces(model, optimizer, model_state)
+    backing: dict[int, torch.Tensor] = {}
+    template = collective.agree(
+        lambda: template_like(
+            model, optimizer, stored, pieces, backing, where=f"{key}.{STATE}.", source=repr(str(path))
+        ),
+        step="checking the optimizer state",
+    )
     fsdp1_local = None
     if template is None:
         # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
@@ -174,6 +191,7 @@ def _prepare_optimizer(
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
         # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
         template = torch_optimizer_template(model, optimizer)
+        backing = shard_pieces.wrap_state(template, pieces)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
@@ -228,6 +246,7 @@ def _prepare_optimizer(
             template[PARAM_GROUPS][int(index)][name] = into[flat_key]
         for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
+        shard_pieces.unwrap_state(template, backing)
         if fsdp1_local is not None:
             optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
         elif from_index:
