@@ -126,6 +126,6 @@ def refuse_fsdp1_for_fsdp2(module: nn.Module, strategy: str) -> None:
             "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel`. The"
             f" `{strategy}` only supports the new FSDP2 APIs in PyTorch >= 2.4: this model was wrapped with"
             " FSDP1 (`FullyShardedDataParallel`, by `ShardedFSDPStrategy` or `FSDPStrategy` in an earlier"
-            f" Trainer, or by `configure_model`): its parameters are flat shards now.{_NEW_MODEL} For FSDP1, use"
-            " `ShardedFSDPStrategy`."
+            f" Trainer, or by `configure_model`): its parameters are flat shards now.{_NEW_MODEL}"
+            " For FSDP1, use `ShardedFSDPStrategy`."
         )
