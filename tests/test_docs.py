@@ -93,13 +93,18 @@ def run_python_blocks(doc: list[tuple[str, str]], cwd: Path) -> None:
             )
 
 
+KEEP_OR_PIN_TORCH = '$(python -c "import torch" 2>/dev/null || echo torch==2.13.0)'
+
+
 def test_readme(tmp_path: Path, demo_run: tuple[Path, str]) -> None:
     readme = blocks(REPO / "README.md")
     first = readme[0][1]
     main_job = next(line for line in first.splitlines() if line.startswith("pip install"))
     assert re.match(r"^pip install .*lightning-sharded demo$", main_job), main_job
     assert main_job.split(" && ")[-1] == DEMO  # what demo_run ran
-    assert "torch" not in main_job  # it keeps the torch the venv has (any supported one)
+    # It keeps the torch the venv has (any supported one) and asks for 2.13.0 only where there is none.
+    assert main_job.replace(KEEP_OR_PIN_TORCH, "").count("torch") == 0, main_job
+    assert KEEP_OR_PIN_TORCH in main_job, main_job
     assert "bash .ci/run" in first.splitlines()
     run_python_blocks(readme, workspace(tmp_path, demo_run[0]))
 
