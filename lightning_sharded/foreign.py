@@ -27,6 +27,8 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch import nn
 
+from lightning_sharded._compat import sharded_tensor_api
+
 _TORCHREC_TYPES = "torchrec.distributed.types"
 #: Prefix of the attributes that carry a fused optimizer's state.
 FUSED_PREFIX = "fused_optimizer__"
@@ -112,7 +114,7 @@ def attach_fused_state(root: nn.Module) -> None:
 
 
 def _local_fused_state(optimizer: Any) -> Iterator[tuple[str, Any]]:
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    ShardedTensor = sharded_tensor_api()[0]
 
     state = optimizer.state_dict().get("state", {})
     for param_key in sorted(state):
@@ -138,7 +140,7 @@ def _exchange_layouts(local: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
 
 def _empty_like_layout(metadata: Any, group: Any) -> Any:
     """A ``ShardedTensor`` with ``metadata``'s global layout and no shard on this rank."""
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    ShardedTensor = sharded_tensor_api()[0]
 
     return ShardedTensor._init_from_local_shards_and_global_metadata([], metadata, process_group=group)
 

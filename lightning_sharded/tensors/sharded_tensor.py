@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_sharded._compat import SHARDED_TENSOR_MODULE
+from lightning_sharded._compat import SHARDED_TENSOR_MODULE, sharded_tensor_api
 from lightning_sharded.tensors.base import full_if_sharded
 
 
@@ -79,9 +79,7 @@ class ShardedTensorAdapter:
         return full
 
     def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
-        from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-        from torch.distributed._shard.sharded_tensor.shard import Shard
+        ShardedTensor, Shard, _, ShardedTensorMetadata, TensorProperties = sharded_tensor_api()
 
         meta = value.metadata()
         properties = TensorProperties(
