@@ -242,7 +242,8 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
         dirs = backend.list_dirs(data)
         if not files and not dirs:
             raise CheckpointError(
-                f"The {backend.noun} {shown!r} is empty: it holds no checkpoint. {_WHAT_A_CHECKPOINT_IS}"
+                f"The {backend.noun} {shown!r} is empty: it holds no checkpoint, so it does not point to a"
+                f" valid checkpoint. {_WHAT_A_CHECKPOINT_IS}"
             )
         if not any(names.is_checkpoint_member(n) for n in files):
             _refuse_part(backend, data, shown)
@@ -259,13 +260,15 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
             raise CheckpointError(
                 f"The {backend.noun} {shown!r} is not a checkpoint: it is not a sharded checkpoint (it has no"
                 f" `.metadata`, no `__<rank>_0.distcp` shard file and no {names.MANIFEST_NAME}; it holds"
-                f" {held}) and not a file. {_WHAT_A_CHECKPOINT_IS}"
+                f" {held}) and not a file, so it does not point to a valid checkpoint."
+                f" {_WHAT_A_CHECKPOINT_IS}"
             )
     if names.DCP_METADATA not in files:
         raise CheckpointError(
             f"The sharded checkpoint {shown!r} has no `.metadata` file, which torch.distributed.checkpoint"
             " writes last (its index, '.metadata'): the save that wrote it did not finish, or the file was"
-            " deleted. Restore the directory from a copy or load an earlier checkpoint."
+            " deleted, so it does not point to a valid checkpoint. Restore the directory from a copy or load"
+            " an earlier checkpoint."
         )
     if names.LIGHTNING_METADATA not in files:
         raise CheckpointError(

@@ -92,6 +92,29 @@ def test_a_path_with_nothing_there(flavour: str, tmp_path: Path) -> None:
         assert isinstance(raised.value, FileNotFoundError)  # what it was before, kept
 
 
+@STOCK_AND_OURS
+@pytest.mark.parametrize("holds", ["nothing", "other files"])
+def test_a_directory_that_is_not_a_checkpoint(flavour: str, holds: str, tmp_path: Path) -> None:
+    """Stock refuses a directory without DCP's ``.metadata`` with its ValueError; ours, whatever it says
+    of the directory, holds its words (also for shards without ``.metadata``, which stock tries to read)."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    if holds == "other files":
+        (directory / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="does not point to a valid checkpoint"):
+        if flavour == "stock":
+            _ready(FSDPStrategy()).load_checkpoint(directory)
+        else:
+            lightning_sharded.load_checkpoint(directory)
+    if flavour == "ours":
+        (directory / "__0_0.distcp").write_bytes(b"x")
+        (directory / "meta.pt").write_bytes(b"x")
+        with pytest.raises(
+            CheckpointError, match=r"no `\.metadata` file.*does not point to a valid checkpoint"
+        ):
+            lightning_sharded.load_checkpoint(directory)
+
+
 def test_the_optimizer_count() -> None:
     """Stock raises it inside a full load of a fitted model (not cheap): its words are read from the
     installed Lightning's source, and ours must hold them."""
