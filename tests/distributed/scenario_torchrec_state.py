@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_sharded import ShardedModelParallelStrategy  # noqa: E402
+from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
 from tests.distributed.torchrec_models import (  # noqa: E402
     ROWS,
     TABLES,
@@ -43,12 +43,13 @@ RANK = int(os.environ.get("RANK", "0"))
 
 
 class StateModel(RecModel):
-    """``RecModel`` (dense kernel, MLP under FSDP2); its optimizer may be ``KeyedOptimizerWrapper``."""
+    """``RecModel`` (dense kernel, MLP under FSDP2, or under FSDP1 by the strategy); its optimizer may be
+    ``KeyedOptimizerWrapper``."""
 
-    def __init__(self, plan: dict[str, str], optimizer: str) -> None:
+    def __init__(self, plan: dict[str, str], optimizer: str, wrap_dense: bool = True) -> None:
         self.keyed = optimizer == "keyed"
         super().__init__(
-            plan=plan, optimizer="adam" if self.keyed else optimizer, wrap_dense=True, data_size=16
+            plan=plan, optimizer="adam" if self.keyed else optimizer, wrap_dense=wrap_dense, data_size=16
         )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -122,14 +123,18 @@ def run_job(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--optimizer", default="adam")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--unwrapped", action="store_true")
+    parser.add_argument("--strategy", choices=["model-parallel", "fsdp"], default="model-parallel")
     args = parser.parse_args(argv)
     plan = dict(item.split("=") for item in args.plan.split(","))
-    model = StateModel(plan, args.optimizer)
+    fsdp = args.strategy == "fsdp"
+    model = StateModel(plan, args.optimizer, wrap_dense=not fsdp)
     capture = Capture()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=ShardedModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+        strategy=ShardedFSDPStrategy()
+        if fsdp
+        else ShardedModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
         max_steps=args.steps,
         logger=False,
         enable_progress_bar=False,
