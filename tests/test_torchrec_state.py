@@ -111,6 +111,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     fsdp = ("--strategy", "fsdp")
     runs.add(2, "fit", "ck-fsdp", "saved-fsdp", PLAN, "adam", 2, *fsdp)
     runs.add(2, "resume", "ck-fsdp", "same-fsdp", PLAN, "adam", 4, *fsdp)
+    runs.add(2, "fit", "ck-combined", "saved-combined", PLAN, "combined", 2)
     runs.add(2, "fit", "ck4-fsdp", "unbroken-fsdp", PLAN, "adam", 4, *fsdp)
     runs.launch(2)
     for opt in OPTIMIZERS:
@@ -148,6 +149,16 @@ def test_tables_adam_state_restored_exactly_under_fsdp1(runs: Runs) -> None:
     result = runs["same-fsdp"]
     assert _differ(saved, result["restored"]) == []
     assert _differ(runs["unbroken-fsdp"], result["final"]) == []
+
+
+def test_combined_optimizer_is_refused_on_every_rank_with_what_to_do(runs: Runs) -> None:
+    """TorchRec's ``CombinedOptimizer`` (its state keyed by its optimizers' names too) is refused at the
+    save with a message saying what works instead; it failed with ``KeyError: 'sparse.sparse...'``."""
+    result = torch.load(runs.root / "saved-combined.pt", weights_only=False)
+    assert result.get("error") == "TypeError", result
+    assert "`CombinedOptimizer` is not supported" in result["message"]
+    assert "KeyedOptimizerWrapper" in result["message"]
+    assert not (runs.root / "ck-combined").exists()  # nothing written
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

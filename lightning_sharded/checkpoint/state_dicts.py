@@ -120,10 +120,24 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
 def plain_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer a wrapper steps, whose ``state_dict()`` has torch's form: TorchRec's
     ``KeyedOptimizerWrapper`` keeps its state and parameter groups in the optimizer it wraps
-    (``_optimizer``), and its own ``state_dict()`` keys them differently; else ``optimizer`` itself."""
+    (``_optimizer``), and its own ``state_dict()`` keys them differently; else ``optimizer`` itself.
+
+    Raises:
+        TypeError: TorchRec's ``CombinedOptimizer``, whose state is not matched to parameters yet.
+    """
     inner = getattr(optimizer, "_optimizer", None)
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
+    kind = type(optimizer)
+    if kind.__name__ == "CombinedOptimizer" and kind.__module__.startswith("torchrec."):
+        # Its state_dict() keys each entry by its optimizer's name too, which no state-dict API of torch
+        # maps back to the model's parameters. Every rank has the same optimizer: every rank raises.
+        raise TypeError(
+            "TorchRec's `CombinedOptimizer` is not supported by lightning_sharded's checkpoints yet: its"
+            " state cannot be matched to the model's parameters. Return one torch optimizer over"
+            " `self.parameters()` (e.g. `torch.optim.Adam`) or one `KeyedOptimizerWrapper` from"
+            " `configure_optimizers`, or use TorchRec's fused kernels for the tables (their state is saved)."
+        )
     return optimizer
 
 

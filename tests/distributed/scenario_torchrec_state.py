@@ -47,7 +47,8 @@ class StateModel(RecModel):
     ``KeyedOptimizerWrapper``."""
 
     def __init__(self, plan: dict[str, str], optimizer: str, wrap_dense: bool = True) -> None:
-        self.keyed = optimizer == "keyed"
+        self.keyed = optimizer in ("keyed", "combined")
+        self.combined = optimizer == "combined"
         super().__init__(
             plan=plan, optimizer="adam" if self.keyed else optimizer, wrap_dense=wrap_dense, data_size=16
         )
@@ -55,8 +56,18 @@ class StateModel(RecModel):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if not self.keyed:
             return super().configure_optimizers()
-        from torchrec.optim.keyed import KeyedOptimizerWrapper
+        from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
+        if self.combined:  # TorchRec's usual pairing: one optimizer for the tables, one for the dense part
+            named = dict(self.named_parameters())
+            sparse = {n: p for n, p in named.items() if n.startswith("sparse.")}
+            dense = {n: p for n, p in named.items() if not n.startswith("sparse.")}
+            return CombinedOptimizer(
+                [
+                    ("sparse", KeyedOptimizerWrapper(sparse, lambda ps: torch.optim.Adam(ps, lr=self.lr))),
+                    ("dense", KeyedOptimizerWrapper(dense, lambda ps: torch.optim.Adam(ps, lr=self.lr))),
+                ]
+            )
         return KeyedOptimizerWrapper(
             dict(self.named_parameters()), lambda params: torch.optim.Adam(params, lr=self.lr)
         )
