@@ -1,5 +1,5 @@
 """TorchRec tables trained by the Lightning optimizer (dense kernel): their optimizer state (Adam, Adagrad,
-TorchRec's ``KeyedOptimizerWrapper``) is saved whole and restored exactly under
+TorchRec's ``KeyedOptimizerWrapper`` and ``CombinedOptimizer``) is saved whole and restored exactly under
 ``ShardedModelParallelStrategy``, with the same plan, another plan, 2 -> 1 and 1 -> 2 processes.
 
 Two launches of ``tests/distributed/scenario_torchrec_state.py`` at 2 processes and one at 1 (gloo). Every
@@ -46,7 +46,7 @@ PLANS_SCRIPT = Path(__file__).parent / "distributed" / "torchrec_plans_script.py
 PLAN = "t0=row,t1=table:0,t2=table:1"
 #: Every table in another layout: row-wise <-> column-wise <-> table-wise.
 OTHER = "t0=column,t1=row,t2=table:0"
-OPTIMIZERS = ("adam", "adagrad", "keyed")
+OPTIMIZERS = ("adam", "adagrad", "keyed", "combined")
 
 
 class Runs:
@@ -111,7 +111,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     fsdp = ("--strategy", "fsdp")
     runs.add(2, "fit", "ck-fsdp", "saved-fsdp", PLAN, "adam", 2, *fsdp)
     runs.add(2, "resume", "ck-fsdp", "same-fsdp", PLAN, "adam", 4, *fsdp)
-    runs.add(2, "fit", "ck-combined", "saved-combined", PLAN, "combined", 2)
     runs.add(2, "fit", "ck4-fsdp", "unbroken-fsdp", PLAN, "adam", 4, *fsdp)
     runs.launch(2)
     for opt in OPTIMIZERS:
@@ -149,16 +148,6 @@ def test_tables_adam_state_restored_exactly_under_fsdp1(runs: Runs) -> None:
     result = runs["same-fsdp"]
     assert _differ(saved, result["restored"]) == []
     assert _differ(runs["unbroken-fsdp"], result["final"]) == []
-
-
-def test_combined_optimizer_is_refused_on_every_rank_with_what_to_do(runs: Runs) -> None:
-    """TorchRec's ``CombinedOptimizer`` (its state keyed by its optimizers' names too) is refused at the
-    save with a message saying what works instead; it failed with ``KeyError: 'sparse.sparse...'``."""
-    result = torch.load(runs.root / "saved-combined.pt", weights_only=False)
-    assert result.get("error") == "TypeError", result
-    assert "`CombinedOptimizer` is not supported" in result["message"]
-    assert "KeyedOptimizerWrapper" in result["message"]
-    assert not (runs.root / "ck-combined").exists()  # nothing written
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,23 +123,50 @@ def plain_optimizer(optimizer: Optimizer) -> Optimizer:
     ``KeyedOptimizerWrapper`` keeps its state and parameter groups in the optimizer it wraps
     (``_optimizer``), and its own ``state_dict()`` keys them differently; else ``optimizer`` itself.
 
-    Raises:
-        TypeError: TorchRec's ``CombinedOptimizer``, whose state is not matched to parameters yet.
+    TorchRec's ``CombinedOptimizer`` (one keyed optimizer per part of the model) gives a
+    :class:`CombinedView` of the torch optimizers inside it.
     """
     inner = getattr(optimizer, "_optimizer", None)
     if isinstance(inner, Optimizer) and inner.param_groups is optimizer.param_groups:
         return inner
-    kind = type(optimizer)
-    if kind.__name__ == "CombinedOptimizer" and kind.__module__.startswith("torchrec."):
-        # Its state_dict() keys each entry by its optimizer's name too, which no state-dict API of torch
-        # maps back to the model's parameters. Every rank has the same optimizer: every rank raises.
-        raise TypeError(
-            "TorchRec's `CombinedOptimizer` is not supported by lightning_sharded's checkpoints yet: its"
-            " state cannot be matched to the model's parameters. Return one torch optimizer over"
-            " `self.parameters()` (e.g. `torch.optim.Adam`) or one `KeyedOptimizerWrapper` from"
-            " `configure_optimizers`, or use TorchRec's fused kernels for the tables (their state is saved)."
-        )
+    inners = getattr(optimizer, "optimizers", None)
+    if type(optimizer).__name__ == "CombinedOptimizer" and isinstance(inners, list):
+        return CombinedView([inner for _, inner in inners])
     return optimizer
+
+
+class CombinedView(Optimizer):
+    """TorchRec's ``CombinedOptimizer`` as one torch optimizer: its optimizers' parameter groups in order
+    and their state, the same objects (its own ``state_dict()`` keys every entry by its optimizer's name
+    too, which no state-dict API of torch maps back to the model's parameters). Never stepped; after a
+    load into it, :meth:`give_back` hands each optimizer its part of the loaded groups and state."""
+
+    def __init__(self, optimizers: list[Optimizer]) -> None:
+        self.inners = [plain_optimizer(inner) for inner in optimizers]
+        self.outers = optimizers
+        groups = [group for inner in self.inners for group in inner.param_groups]
+        super().__init__([{**group} for group in groups], {})
+        self.param_groups = groups
+        for inner in self.inners:
+            self.state.update(inner.state)
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError("A CombinedView is never stepped: its optimizers are.")
+
+    def give_back(self) -> None:
+        """Each optimizer's groups and state made the loaded ones (``load_state_dict`` replaced both)."""
+        position = 0
+        for outer, inner in zip(self.outers, self.inners, strict=True):
+            count = len(inner.param_groups)
+            inner.param_groups = self.param_groups[position : position + count]
+            position += count
+            mine = {id(p) for group in inner.param_groups for p in group[PARAMS]}
+            state: defaultdict[Any, Any] = defaultdict(dict)
+            state.update({p: v for p, v in self.state.items() if id(p) in mine})
+            inner.state = state
+            if outer is not inner:
+                outer.state = inner.state
+                outer.param_groups = inner.param_groups
 
 
 def optimizer_pieces(

@@ -35,7 +35,7 @@ from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
 from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart
 from lightning_sharded.checkpoint.presence import RanksLost
-from lightning_sharded.checkpoint.state_dicts import plain_optimizer
+from lightning_sharded.checkpoint.state_dicts import CombinedView, plain_optimizer
 
 __all__ = ["KeyReport", "Restored", "VerifyMode", "restore_checkpoint"]
 
@@ -134,7 +134,9 @@ def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> No
     """A wrapper's state and parameter groups made the loaded ones of the optimizer it wraps again
     (torch's ``load_state_dict`` replaces both objects; TorchRec's ``KeyedOptimizerWrapper`` shares them)."""
     for outer, inner in zip(optimizers, plain, strict=True):
-        if outer is not inner:
+        if isinstance(inner, CombinedView):
+            inner.give_back()
+        elif outer is not inner:
             outer.state = inner.state
             outer.param_groups = inner.param_groups
 
