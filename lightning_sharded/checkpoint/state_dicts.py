@@ -150,9 +150,6 @@ class CombinedView(Optimizer):
         for inner in self.inners:
             self.state.update(inner.state)
 
-    def step(self, closure: Any = None) -> None:
-        raise RuntimeError("A CombinedView is never stepped: its optimizers are.")
-
     def give_back(self) -> None:
         """Each optimizer's groups and state made the loaded ones (``load_state_dict`` replaced both)."""
         position = 0
