@@ -47,6 +47,12 @@ PLAN = "t0=row,t1=table:0,t2=table:1"
 #: Every table in another layout: row-wise <-> column-wise <-> table-wise.
 OTHER = "t0=column,t1=row,t2=table:0"
 OPTIMIZERS = ("adam", "adagrad", "keyed", "combined")
+#: Plain Adam's tables' state through a full checkpoint file and an async sharded save (fsdp: FSDP1).
+VARIANTS = {
+    "full": ("--state-dict-type", "full"),
+    "async": ("--async-save",),
+    "fsdp-full": ("--strategy", "fsdp", "--state-dict-type", "full"),
+}
 
 
 class Runs:
@@ -112,6 +118,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     runs.add(2, "fit", "ck-fsdp", "saved-fsdp", PLAN, "adam", 2, *fsdp)
     runs.add(2, "resume", "ck-fsdp", "same-fsdp", PLAN, "adam", 4, *fsdp)
     runs.add(2, "fit", "ck4-fsdp", "unbroken-fsdp", PLAN, "adam", 4, *fsdp)
+    for variant, flags in VARIANTS.items():  # the unbroken run is unbroken-adam
+        runs.add(2, "fit", f"ck-{variant}", f"saved-{variant}", PLAN, "adam", 2, *flags)
+        runs.add(2, "resume", f"ck-{variant}", f"same-{variant}", PLAN, "adam", 4, *flags)
+        runs.add(2, "resume", f"ck-{variant}", f"other-{variant}", OTHER, "adam", 4, *flags)
     runs.launch(2)
     for opt in OPTIMIZERS:
         runs.add(1, "resume", f"ck-{opt}", f"to1-{opt}", PLAN, opt, 4)
@@ -148,6 +158,20 @@ def test_tables_adam_state_restored_exactly_under_fsdp1(runs: Runs) -> None:
     result = runs["same-fsdp"]
     assert _differ(saved, result["restored"]) == []
     assert _differ(runs["unbroken-fsdp"], result["final"]) == []
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("resume", ["same", "other"])
+def test_tables_state_through_full_and_async_checkpoints(runs: Runs, variant: str, resume: str) -> None:
+    """A full checkpoint file (the tables' state gathered whole on rank 0) and an async sharded save restore
+    the tables' Adam state bit for bit, under the same plan and under another."""
+    saved = runs[f"saved-{variant}"]
+    assert saved["opt.t2.step"].item() == 2 and saved["opt.t0.exp_avg"].abs().sum() > 0
+    result = runs[f"{resume}-{variant}"]
+    assert _differ(saved, result["restored"]) == []
+    if resume == "same":
+        unbroken = runs["unbroken-fsdp" if variant.startswith("fsdp") else "unbroken-adam"]
+        assert _differ(unbroken, result["final"]) == []
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)

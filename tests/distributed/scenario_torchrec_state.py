@@ -135,17 +135,20 @@ def run_job(argv: list[str]) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--unwrapped", action="store_true")
     parser.add_argument("--strategy", choices=["model-parallel", "fsdp"], default="model-parallel")
+    parser.add_argument("--state-dict-type", choices=["sharded", "full"], default="sharded")
+    parser.add_argument("--async-save", action="store_true")
     args = parser.parse_args(argv)
     plan = dict(item.split("=") for item in args.plan.split(","))
     fsdp = args.strategy == "fsdp"
     model = StateModel(plan, args.optimizer, wrap_dense=not fsdp)
+    common: dict[str, Any] = {"state_dict_type": args.state_dict_type, "async_save": args.async_save}
     capture = Capture()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=WORLD,
-        strategy=ShardedFSDPStrategy()
+        strategy=ShardedFSDPStrategy(**common)
         if fsdp
-        else ShardedModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+        else ShardedModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1, **common),
         max_steps=args.steps,
         logger=False,
         enable_progress_bar=False,
