@@ -445,3 +445,33 @@ def test_only_what_the_optimizers_update_is_deferred() -> None:
     state["view"] = model.trained.weight.detach()[1:3]  # a view of a trained parameter's memory
     state["copy"] = model.trained.weight.detach().clone()  # equal values, its own memory
     assert _updated_by(state, [optimizer]) == ["trained.bias", "trained.weight", "view"]
+
+
+def test_a_load_waits_for_another_savers_save_to_its_path_only(tmp_path: Path) -> None:
+    # A new Trainer's strategy loads what the previous Trainer's strategy still writes in the background.
+    from lightning_sharded.checkpoint.async_save import wait_for_saves_to
+
+    release = threading.Event()
+    written: list[Path] = []
+
+    def blocked(path: Path, state: Any, group: Any) -> None:
+        assert release.wait(30)
+        written.append(path)
+
+    def failing(path: Path, state: Any, group: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    first, second = AsyncSaver(), AsyncSaver()
+    first.save(tmp_path / "a", {"x": torch.zeros(3)}, blocked)
+    wait_for_saves_to(tmp_path / "other")  # another path: returns at once
+    assert first.writing
+    threading.Timer(0.3, release.set).start()
+    wait_for_saves_to(Path(os.path.relpath(tmp_path / "a")))  # the same path, spelled another way
+    assert written == [tmp_path / "a"]
+    assert first.in_flight is None  # waited for: nothing left to raise
+    second.save(tmp_path / "b", {"x": torch.zeros(3)}, failing)
+    with pytest.raises(CheckpointError, match=r"'.*b'.*No space left on device"):
+        wait_for_saves_to(tmp_path / "b")
+    wait_for_saves_to(tmp_path / "b")  # raised once
+    first.close()
+    second.close()

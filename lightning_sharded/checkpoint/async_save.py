@@ -18,7 +18,9 @@
 What happens to a save in flight:
 
 - the next save, a load (:meth:`~AsyncSaver.wait` before reading), the removal of the same path, and
-  the end of training (:meth:`~AsyncSaver.close` from the strategy's ``teardown``) wait for it;
+  the end of training (:meth:`~AsyncSaver.close` from the strategy's ``teardown``) wait for it; a load
+  of its path by another saver's owner in the same process (a new ``Trainer`` reading what the last one
+  saved after ``fit``) waits for it too (:func:`wait_for_saves_to`);
 - an error in the background (disk full, a rank that failed) is kept and raised, as a
   :class:`~lightning_sharded.CheckpointError` naming the path, by the next of those calls in the
   training process; it is never lost (:meth:`close` raises it at the end of training at the latest);
@@ -38,6 +40,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -45,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.backends import Location
+from lightning_sharded.checkpoint.backends import Location, absolute
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import background_failed
 from lightning_sharded.checkpoint.staging import StagingBuffers
@@ -53,12 +56,30 @@ from lightning_sharded.checkpoint.staging import StagingBuffers
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["AsyncSaver"]
+__all__ = ["AsyncSaver", "wait_for_saves_to"]
 
 log = logging.getLogger(__name__)
 
 #: ``write(path, staged_state, group)``: writes (and publishes) the staged state at ``path``.
 WriteFn = Callable[[Location, Any, "ProcessGroup | None"], None]
+
+#: The savers of this process with a save in flight (not yet waited for).
+_SAVING: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def wait_for_saves_to(path: Location) -> None:
+    """Wait until every save in flight to ``path`` in this process, whichever saver started it, is
+    published: the checkpoint a new ``Trainer`` loads may be the one its predecessor's
+    ``trainer.save_checkpoint(path)`` still writes in the background.
+
+    Raises:
+        CheckpointError: that save failed (the message names the path); what is at ``path`` is not it.
+    """
+    key = str(absolute(path))
+    for saver in list(_SAVING):
+        in_flight = saver.in_flight
+        if in_flight is not None and str(absolute(in_flight)) == key:
+            saver.wait()
 
 
 class AsyncSaver:
@@ -189,6 +210,7 @@ class AsyncSaver:
             self._path = path
             self._staging = staging
             self._future = self._worker().submit(self._run, write, path, staged, group, staging)
+            _SAVING.add(self)
         self.last_stall_s = time.perf_counter() - start
         log.info(
             "Staged checkpoint %s in %.2f s (%.2f GB, %.2f GB newly allocated, %.2f GB of optimizer state"
@@ -320,6 +342,7 @@ class AsyncSaver:
         with self._lock:
             future, path = self._future, self._path
             self._future = self._path = None
+            _SAVING.discard(self)
         if future is None:
             return
         try:

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
-from lightning_sharded.checkpoint.async_save import AsyncSaver
+from lightning_sharded.checkpoint.async_save import AsyncSaver, wait_for_saves_to
 from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -205,6 +205,8 @@ class ShardedCheckpointing(PartialCheckpoints):
         *,
         read_metadata: bool = True,
     ) -> load.Restored:
+        # It may be one that an earlier Trainer's strategy still writes in the background (after `fit`).
+        wait_for_saves_to(path)
         # Every load (a resume, a warm start, a trainable-only checkpoint's frozen part) is bounded too.
         with self._bounded():
             return super()._restore(path, optimizers, weights_only, read_metadata=read_metadata)

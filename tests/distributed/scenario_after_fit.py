@@ -20,7 +20,11 @@ every case; results go to ``OUT/<case>.rank<R>.pt`` (a case that raised: ``{"fai
   ``FSDPStrategy``'s wrapping; ``then-other-options``: FSDP1, then FSDP1 with ``SHARD_GRAD_OP``;
 - ``async-failure-*``: ``async_save=True``; the background write of the final ``last.ckpt`` (step 6) fails
   on rank 1 (a full disk, injected); records what ``fit`` raised, then what ``validate(ckpt_path="last")``
-  raises (``last.ckpt`` on disk still holds step 4) and ``validate(ckpt_path="best")`` (step 2).
+  raises (``last.ckpt`` on disk still holds step 4) and ``validate(ckpt_path="best")`` (step 2);
+- ``manual-async-*``: ``async_save=True`` and no ``ModelCheckpoint``: ``fit`` 4 steps, then
+  ``trainer.save_checkpoint(path)`` after ``fit`` (its background write slowed down by 1.5 s), then at
+  once a new Trainer ``fit(model, ckpt_path=path)`` to step 6: records the values at the save and right
+  after the restore (the path does not exist until the first Trainer's save is published).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Callable
@@ -45,7 +50,7 @@ from torch import nn  # noqa: E402
 
 from lightning_sharded import ShardedFSDPStrategy  # noqa: E402
 from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader  # noqa: E402
-from tests.distributed.scenario_async import fail_next_background_write_on  # noqa: E402
+from tests.distributed.scenario_async import fail_next_background_write_on, writer_module  # noqa: E402
 from tests.distributed.scenario_resume import make_model, make_parser, make_strategy  # noqa: E402
 
 #: case -> (strategy, state_dict_type, async_save)
@@ -61,6 +66,10 @@ VARIANTS = {
 WEIGHTS_ONLY = {
     "weights-only-fsdp1-sharded": VARIANTS["fsdp1-sharded"],
     "weights-only-fsdp2-full": VARIANTS["fsdp2-full"],
+}
+MANUAL = {
+    "manual-async-fsdp1": VARIANTS["fsdp1-sharded-async"],
+    "manual-async-fsdp2": VARIANTS["fsdp2-sharded-async"],
 }
 FAILURES = {
     "async-failure-fsdp1": VARIANTS["fsdp1-sharded-async"],
@@ -304,6 +313,35 @@ def async_failure(out: Path, args: Any) -> dict[str, Any]:
     return result
 
 
+def slow_next_background_write(seconds: float) -> None:
+    """Make the next shard write of this process sleep ``seconds`` first (a slow disk)."""
+    original = writer_module.HashingStream.write
+    state = {"armed": True}
+
+    def write(self: Any, b: Any) -> int:
+        if state["armed"]:
+            state["armed"] = False
+            time.sleep(seconds)
+        return original(self, b)
+
+    writer_module.HashingStream.write = write  # type: ignore[method-assign]
+
+
+def manual_async(out: Path, args: Any) -> dict[str, Any]:
+    """``trainer.save_checkpoint`` (async) after ``fit``, then a new Trainer resumes from it at once."""
+    model = make_model(args)
+    trainer = trainer_for(args, [], max_steps=4, enable_checkpointing=False)
+    trainer.fit(model)
+    saved = snapshot(trainer, model)
+    path = out / "manual.ckpt"
+    slow_next_background_write(1.5)
+    trainer.save_checkpoint(path)
+    capture = Capture()
+    trainer = trainer_for(args, [capture], max_steps=STEPS, enable_checkpointing=False)
+    trainer.fit(model, ckpt_path=path)
+    return {"saved": saved, "restored": capture.values}
+
+
 def run(out: Path, case: str, body: Callable[[Path], dict[str, Any]]) -> None:
     folder = out / case
     folder.mkdir(parents=True, exist_ok=True)
@@ -335,6 +373,8 @@ def main() -> None:
     grad_op = options(*VARIANTS["fsdp1-sharded"])
     grad_op.sharding_strategy = "SHARD_GRAD_OP"
     run(out, "then-other-options", functools.partial(then_other, first=fsdp1, second=grad_op))
+    for case, variant in MANUAL.items():
+        run(out, case, functools.partial(manual_async, args=options(*variant)))
     for case, variant in FAILURES.items():
         run(out, case, functools.partial(async_failure, args=options(*variant)))
     dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch
 from lightning_sharded import load_checkpoint
 from tests.distributed.harness import assert_same, model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks
-from tests.distributed.scenario_after_fit import EVALUATIONS, FAILURES, VARIANTS, WEIGHTS_ONLY
+from tests.distributed.scenario_after_fit import EVALUATIONS, FAILURES, MANUAL, VARIANTS, WEIGHTS_ONLY
 
 SCRIPT = Path(__file__).parents[1] / "distributed" / "scenario_after_fit.py"
 RANKS = [0, 1]
@@ -178,3 +178,14 @@ def test_a_failed_async_save_is_raised_by_a_load_of_its_path(out: Path, case: st
             model_keys(outcome["saved"][2]),
             step=False,
         )
+
+
+@pytest.mark.parametrize("rank", RANKS)
+@pytest.mark.parametrize("case", list(MANUAL))
+def test_a_new_trainer_resumes_from_an_async_save_made_after_fit(out: Path, case: str, rank: int) -> None:
+    # trainer.save_checkpoint(path) after fit writes in the background (slowed down here); a new Trainer's
+    # fit(ckpt_path=path) at once waits for it to be published instead of finding no checkpoint there.
+    values = result(out, case, rank)
+    assert optimizer_keys(values["saved"]), "nothing of the optimizer recorded"
+    assert values["saved"]["global_step"] == 4
+    assert_same(values["saved"], values["restored"])

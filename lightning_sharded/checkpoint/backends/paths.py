@@ -64,8 +64,9 @@ def parent(loc: Location) -> Location:
 
 
 def absolute(loc: Location) -> Location:
-    """``loc`` with a local path made absolute (against the current directory); a URL as it is."""
-    return loc.absolute() if isinstance(loc, Path) else loc
+    """``loc`` with a local path made absolute (against the current directory) and normalized (``a/../b``
+    is ``b``: one spelling per path, for comparisons); a URL as it is."""
+    return Path(os.path.abspath(loc)) if isinstance(loc, Path) else loc
 
 
 def local_path(loc: Location) -> Path | None:
