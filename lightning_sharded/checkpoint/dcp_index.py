@@ -41,10 +41,11 @@ def read_index(backend: Backend, data: Location, *, weights_only: bool | None = 
     Args:
         backend: Its storage.
         data: Where its files are.
-        weights_only: ``False`` (the default): read by DCP's own reader, with plain ``pickle``, as a
-            resume reads it (Lightning's rule). ``True`` or ``None`` (the offline tools): read with the
-            restricted unpickler of :func:`~lightning_sharded.checkpoint.unpickling.load_pickle`, which
-            builds DCP's metadata classes only, so no code from the file runs.
+        weights_only: ``False`` (the default): read by DCP's own reader, with plain ``pickle`` (a
+            resume with ``weights_only=False``). ``True`` or ``None`` (the offline tools, a resume by
+            default): read with the restricted unpickler of
+            :func:`~lightning_sharded.checkpoint.unpickling.load_pickle`, which builds
+            DCP's metadata classes only, so no code from the file runs.
 
     Raises:
         CheckpointError: ``.metadata`` is missing, truncated or corrupt, or holds something that is not
@@ -168,12 +169,15 @@ class ShardedLayout:
     index: rank_index.IndexLayout | None = field(default=None, repr=False, compare=False)
 
 
-def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLayout:
+def read_sharded_layout(
+    path: Any, backend: Backend | None = None, *, weights_only: bool | None = False
+) -> ShardedLayout:
     """Read the DCP index of a sharded directory, check its shard files, find the model key and optimizers.
 
     Args:
         path: the directory (where its files are).
         backend: its storage; ``None``: ``path`` is found by the detector (its backend, where its files are).
+        weights_only: how ``.metadata`` is unpickled, as :func:`read_index` says (a resume passes its own).
 
     Raises:
         CheckpointError: the index cannot be read, a shard file it names is missing or short, it holds
@@ -188,7 +192,7 @@ def read_sharded_layout(path: Any, backend: Backend | None = None) -> ShardedLay
         backend, data = found.backend, found.data
     else:
         data = path
-    metadata = read_index(backend, data)
+    metadata = read_index(backend, data, weights_only=weights_only)
     problems = index_problems(backend, data, metadata)
     if problems:
         listed = [

@@ -1,8 +1,9 @@
 """Hostile checkpoints built from what an attacker reaches for first: ``eval``, ``exec``, ``getattr`` (on an
 allowed class), ``__import__``, ``functools.partial``, ``os.system``, ``subprocess.Popen`` and a refused
 call nested in an allowed one (:func:`tests.hostile.payloads`). Each is put in a full file's
-hyperparameters, in a sharded checkpoint's ``meta.pt`` and as its ``.metadata`` (the manifest rewritten
-to match), and every reader refuses it, naming the global, with no side effect: ``load_checkpoint``,
+hyperparameters, in a sharded checkpoint's ``meta.pt``, as its ``.metadata`` and as one of the values
+DCP stores as bytes in a shard file (the manifest rewritten to match), and every reader refuses it,
+naming the global, with no side effect: ``load_checkpoint``,
 ``verify_checkpoint``, ``consolidate_checkpoint``, a resume (``restore_checkpoint``, the strategies'
 load) and ``inspect_checkpoint`` (which lists a refused object as not unpickled where it can describe
 the rest). Each payload is first unpickled plainly, to show it really creates the marker file.
@@ -10,6 +11,9 @@ the rest). Each payload is first unpickled plainly, to show it really creates th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
 import pickle
 import re
@@ -116,8 +120,7 @@ def test_every_reader_refuses_it_and_nothing_runs(
             "load_checkpoint": lambda p=path: load_checkpoint(p),
             "verify_checkpoint": lambda p=path: verify_checkpoint(p),
         }
-        if path is not metadata:  # a resume reads .metadata with DCP's own reader (plain pickle), as
-            readers["resume"] = lambda p=path: _resume(p)  # documented; see docs/checkpoint-format.md
+        readers["resume"] = lambda p=path: _resume(p)
         if path is not full:  # consolidating a full file is refused before it is read
             readers["consolidate_checkpoint"] = lambda p=path: consolidate_checkpoint(p, out, progress=False)
         if path is metadata:  # inspect needs .metadata to describe the shards
@@ -139,3 +142,54 @@ def test_every_reader_refuses_it_and_nothing_runs(
     assert not marker.exists() and not out.exists()
     assert "tests.hostile_import" not in sys.modules
     assert os.environ[IMPORT_MARKER_ENV] == str(marker)
+
+
+def hostile_bytes_entry(
+    src: Path, dst: Path, payload: Any, fqn: str = "optimizer_0.param_groups.0.lr"
+) -> None:
+    """A copy of the sharded checkpoint ``src`` whose value ``fqn`` (stored by DCP as bytes: a pickle)
+    is ``payload``: its bytes appended to the shard file, the index and the manifest rewritten to match."""
+    shutil.copytree(src, dst)
+    index = pickle.loads((dst / ".metadata").read_bytes())
+    key = next(k for k in index.storage_data if k.fqn == fqn)
+    info = index.storage_data[key]
+    data = io.BytesIO()
+    torch.save(payload, data)
+    shard = dst / str(info.relative_path)
+    offset = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(data.getvalue())
+    index.storage_data[key] = dataclasses.replace(info, offset=offset, length=len(data.getvalue()))
+    (dst / ".metadata").write_bytes(pickle.dumps(index))
+    rewrite_manifest_entry(dst, ".metadata")
+    rewrite_manifest_entry(dst, str(info.relative_path))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_value_stored_as_bytes_in_a_shard_file_is_refused_by_every_reader(
+    kind: str, marker: Path, sharded_ckpt: Path, tmp_path: Path
+) -> None:
+    # DCP's own load planner unpickles such a value with weights_only=False: a resume ran its code.
+    payload, names = payloads(marker)[kind]
+    path = tmp_path / "bytes.ckpt"
+    hostile_bytes_entry(sharded_ckpt, path, payload)
+    sys.modules.pop("tests.hostile_import", None)
+    out = tmp_path / "out.ckpt"
+    readers: dict[str, Callable[[], Any]] = {
+        "resume": lambda: _resume(path),
+        "load_checkpoint": lambda: load_checkpoint(path),
+        "consolidate_checkpoint": lambda: consolidate_checkpoint(path, out, progress=False),
+    }
+    for reader, call in readers.items():
+        _refused(call, names, reader)
+        assert not marker.exists(), f"{reader} ran the checkpoint's code"
+    assert not out.exists()
+    # With weights_only=False (the user trusts the file), the resume reads it as DCP does: the code runs.
+    model = nn.Module()
+    model.layer = nn.Linear(6, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # What the payload builds is no learning rate: the optimizer may reject it afterwards.
+        with contextlib.suppress(Exception):
+            restore_checkpoint(path, model, [torch.optim.Adam(model.parameters())], weights_only=False)
+    assert _ran(marker, {}), "the trusted resume did not read the value"

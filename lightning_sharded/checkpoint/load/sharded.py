@@ -8,6 +8,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import contextlib
+import io
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces
+from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
@@ -81,7 +82,11 @@ def restore_sharded(
     indexed = found.manifest is not None and any(e.path == names.INDEX_LAYOUT for e in found.manifest.files)
     with reading():
         layout = collective.decide(
-            lambda: read_indexed_layout(backend, path) if indexed else read_sharded_layout(path, backend),
+            lambda: (
+                read_indexed_layout(backend, path)
+                if indexed
+                else read_sharded_layout(path, backend, weights_only=weights_only)
+            ),
             step="reading the index",
         )
     if optimizers:
@@ -126,7 +131,7 @@ def restore_sharded(
             )
     fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
     with reading():
-        _dcp_load(backend, state, path, index, verification)
+        _dcp_load(backend, state, path, index, verification, weights_only)
     if verification is not None:
         verification.check()
     if into is not to_load:
@@ -291,14 +296,39 @@ def _rank_metadata(backend: Backend, path: Location, layout: ShardedLayout, stat
     )
 
 
+def _safe_bytes_planner(path: Location, weights_only: bool | None) -> Any:
+    """DCP's default load planner, except that the entries saved as bytes (pickled objects: optimizer
+    settings, anything not a tensor) are unpickled as ``weights_only`` says, as ``meta.pt`` and a full
+    file are; DCP's own planner unpickles them with ``weights_only=False``, running a hostile file's
+    code (torch/distributed/checkpoint/default_planner.py, ``load_bytes``)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class SafeBytesPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            what = f"The value {fqn!r} of the sharded checkpoint {str(path)!r}"
+            obj = unpickling.safe_load(value, what=what, weights_only=weights_only)
+            if not self.flatten_state_dict:
+                self.state_dict[fqn] = obj
+                return
+            # Where the flattened key sits in the nested state (it is there: the plan comes from it).
+            container: Any = self.original_state_dict
+            *parents, last = self.mappings[fqn]
+            for key in parents:
+                container = container[key]
+            container[last] = obj
+
+    return SafeBytesPlanner(allow_partial_load=True)
+
+
 def _dcp_load(
     backend: Backend,
     state: dict[str, Any],
     path: Location,
     metadata: Any,
     verification: ReadVerification | None,
+    weights_only: bool | None,
 ) -> None:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
     where = collective.ranks()
@@ -311,7 +341,7 @@ def _dcp_load(
             lambda: load(
                 state,
                 storage_reader=reader,
-                planner=DefaultLoadPlanner(allow_partial_load=True),
+                planner=_safe_bytes_planner(path, weights_only),
                 process_group=where.group,
             ),
             f"Loading the sharded checkpoint {str(path)!r}",
