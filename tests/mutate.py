@@ -63,7 +63,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     ),
     "integrity": (
         ["checkpoint/integrity.py"],
-        ["tests/checkpoint/test_io.py", "tests/test_verify_errors.py"],
+        ["tests/checkpoint/test_io.py", "tests/test_verify_errors.py", "tests/checkpoint/test_bit_flips.py"],
         ["tests/test_reader.py", "tests/test_tools_safety.py", "tests/test_decisions.py"],
     ),
     "hooks": (
@@ -90,13 +90,24 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
             "tests/test_core_contracts.py",
             "tests/checkpoint/test_partial_reads.py",
             "tests/test_verify_errors.py",
+            "tests/checkpoint/test_optimizer_states.py",
+            "tests/checkpoint/test_strict_keys.py",
         ],
-        ["tests/checkpoint/test_rank_index.py", "tests/test_reader.py"],
+        [
+            "tests/checkpoint/test_rank_index.py",
+            "tests/test_reader.py",
+            "tests/checkpoint/test_param_groups.py",
+            "tests/checkpoint/test_fsdp1_views.py",
+        ],
     ),
     "fsdp1": (
         [f"checkpoint/fsdp1/{name}.py" for name in ("__init__", "layout", "optimizer", "views")],
-        ["tests/checkpoint/test_fsdp1_views.py", "tests/test_decisions.py"],
-        ["tests/strategies/test_fsdp.py"],
+        [
+            "tests/checkpoint/test_fsdp1_views.py",
+            "tests/test_decisions.py",
+            "tests/checkpoint/test_param_groups.py",
+        ],
+        ["tests/test_uneven_pieces.py", "tests/strategies/test_fsdp.py"],
     ),
     "async_save": (
         ["checkpoint/async_save.py"],

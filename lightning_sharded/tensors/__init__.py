@@ -1,7 +1,7 @@
 """One adapter per kind of sharded tensor, behind the :class:`ShardedAdapter` protocol.
 
-``ADAPTERS`` lists them; :func:`adapter_for` finds the one for a value and :func:`sharded_types` gives
-the classes that exist right now (the legacy ShardedTensor only once torch imported it).
+``ADAPTERS`` lists them; :func:`adapter_for` finds the one for a value (the legacy ShardedTensor only
+once torch imported it).
 """
 
 from __future__ import annotations
@@ -21,11 +21,6 @@ ADAPTERS: tuple[ShardedAdapter, ...] = register(DTensorAdapter(), ShardedTensorA
 def is_sharded(value: Any) -> bool:
     """Whether ``value`` is a sharded tensor of a kind this library knows."""
     return adapter_for(value) is not None
-
-
-def sharded_types() -> tuple[type, ...]:
-    """The sharded tensor classes that currently exist in this process."""
-    return tuple(t for adapter in ADAPTERS for t in adapter.types())
 
 
 def to_full(value: Any) -> Any:
@@ -77,6 +72,5 @@ __all__ = [
     "agree",
     "gather_full_values",
     "is_sharded",
-    "sharded_types",
     "to_full",
 ]

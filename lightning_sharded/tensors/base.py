@@ -19,10 +19,6 @@ class ShardedAdapter(Protocol):
     #: A short human-readable name, used in messages ("DTensor", "ShardedTensor").
     name: str
 
-    def types(self) -> tuple[type, ...]:
-        """The classes of this kind that currently exist (empty if the kind is not importable/loaded)."""
-        ...
-
     def is_sharded(self, value: Any) -> bool:
         """Whether ``value`` is of this kind."""
         ...

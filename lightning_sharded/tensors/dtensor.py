@@ -18,9 +18,6 @@ class DTensorAdapter:
 
     name = "DTensor"
 
-    def types(self) -> tuple[type, ...]:
-        return (DTensor,)
-
     def is_sharded(self, value: Any) -> bool:
         return isinstance(value, DTensor)
 

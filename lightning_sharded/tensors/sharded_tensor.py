@@ -27,10 +27,6 @@ class ShardedTensorAdapter:
 
     name = "ShardedTensor"
 
-    def types(self) -> tuple[type, ...]:
-        cls = _sharded_tensor_type()
-        return (cls,) if cls is not None else ()
-
     def is_sharded(self, value: Any) -> bool:
         cls = _sharded_tensor_type()
         return cls is not None and isinstance(value, cls)

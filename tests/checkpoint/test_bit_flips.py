@@ -1,6 +1,7 @@
 """One bit flipped in the data region of any file of a checkpoint, the last in manifest order included,
 is a checksum mismatch of that file for every checking reader: ``verify_checkpoint``,
-``load_checkpoint(verify=True)`` and a restore with ``verify=True`` or ``verify="during"``.
+``load_checkpoint(verify=True)``, a restore with ``verify=True`` or ``verify="during"``, and the
+safetensors export (which checks every checksum before it reads).
 
 The flip lands mid-file (for a shard file: inside a tensor's bytes), where no reader's own parsing
 notices it first: only the checksum can. Two checkpoints: one of this library's one-process save
@@ -19,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sharded import CheckpointError, load_checkpoint, verify_checkpoint
+from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import load, read_manifest, save, state_dicts
 
 #: The files of :func:`_one_rank`'s checkpoint, in manifest order (the test below holds the order).
@@ -88,6 +89,10 @@ def test_the_files_are_those_listed_in_manifest_order(one_rank: Path, sharded_ck
 
 READERS = {
     "verify_checkpoint": lambda path: verify_checkpoint(path),
+    # the checksum pass before the first read (no reads that record checksums: the export's own)
+    "consolidate(format='safetensors')": lambda path: consolidate_checkpoint(
+        path, path.parent / "hf", format="safetensors", progress=False
+    ),
     "load_checkpoint(verify=True)": lambda path: load_checkpoint(path, verify=True, weights_only=False),
     "restore(verify=True)": lambda path: _restore(path, True),
     "restore(verify='during')": lambda path: _restore(path, "during"),
@@ -119,3 +124,19 @@ def test_a_flipped_bit_in_any_file_of_two_ranks_is_its_checksum_mismatch(
     source = tmp_path / "intact"
     sharded_ckpt.rename(source)
     _assert_mismatch_of(_damaged(source, tmp_path, name), name, 1 if name.startswith("__1_") else 0)
+
+
+@pytest.mark.parametrize("verify", [True, "during"])
+def test_a_file_of_another_size_and_a_flipped_bit_elsewhere_are_both_named(
+    one_rank: Path, tmp_path: Path, verify: Any
+) -> None:
+    # The size check before the first read fails on meta.pt; the checksums are then computed too, so the
+    # error also names the shard file whose size is right and whose bytes are not.
+    path = _damaged(one_rank, tmp_path, "__0_0.distcp")
+    with (path / "meta.pt").open("ab") as f:
+        f.write(b"\0")
+    with pytest.raises(CheckpointError) as raised:
+        _restore(path, verify)
+    message = str(raised.value)
+    assert "'meta.pt'" in message and "'__0_0.distcp'" in message, message
+    assert re.search(r"'__0_0.distcp' \(written by rank 0\) is corrupted", message), message

@@ -39,3 +39,32 @@ def test_plain_sgd_without_state_resumes_with_its_parameter_groups(tmp_path: Pat
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters(), strict=True))
     assert resumed.param_groups[0]["lr"] == 0.25
     assert not resumed.state
+
+
+def test_adam_state_resumes_as_it_was_saved_values_dtypes_and_no_grad(tmp_path: Path) -> None:
+    # Every state tensor comes back equal, of its dtype and not requiring grad (as the optimizer made it):
+    # a template that required grad would hand autograd leaves to the optimizer, saved so again later.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.25)
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    checkpoint = {
+        "state_dict": state_dicts.model_state_dict(model, full=False),
+        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=False)],
+        "global_step": 1,
+    }
+    path = tmp_path / "sharded.ckpt"
+    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+
+    fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    resumed = torch.optim.Adam(fresh.parameters(), lr=1.0)
+    restore_checkpoint(path, fresh, [resumed])
+    saved, restored = optimizer.state_dict()["state"], resumed.state_dict()["state"]
+    assert sorted(saved) == sorted(restored)
+    for index, state in saved.items():
+        assert sorted(state) == sorted(restored[index])
+        for name, value in state.items():
+            back = restored[index][name]
+            assert torch.equal(back, value) and back.dtype == value.dtype, (index, name)
+            assert not back.requires_grad, (index, name)

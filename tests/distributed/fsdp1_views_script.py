@@ -35,6 +35,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded.checkpoint import collective, fsdp1, load, save, state_dicts  # noqa: E402
+from lightning_sharded.checkpoint.load.checks import set_model_state  # noqa: E402
 from lightning_sharded.tensors import to_full  # noqa: E402
 
 
@@ -167,6 +168,12 @@ def main() -> None:
                         slice(o, o + s) for o, s in zip(m.shard_offsets, m.shard_sizes, strict=True)
                     )
                     assert torch.equal(shard.tensor, now_optim[(name, entry)][index]), (name, entry)
+
+    # 2c. one model's view state dict loaded into another of the same layout (other memory): copied
+    twin, _ = build(4)
+    load_views = state_dicts.model_state_dict(model, full=False)
+    set_model_state(twin, {k: v for k, v in load_views.items() if k != "buf"})
+    same(full_model(twin), full_model(model), "a view state dict loaded into another model")
 
     # 3. a checkpoint in torch's own chunking restores through the views
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
