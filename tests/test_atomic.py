@@ -250,3 +250,32 @@ def test_checksums_computed_while_writing_match_and_skip_the_read_back(
     for entry in manifest.files:
         assert (entry.size, entry.checksum) == file_checksum(target / entry.path), entry
     verify_checkpoint(target)
+
+
+def test_a_rank_that_failed_itself_reports_its_own_failure_when_rank_0_is_lost_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 0 dies after gathering the failures, before broadcasting the outcome: a rank whose own write
+    # failed says why it failed (its disk), not only that a collective failed.
+    from lightning_sharded.checkpoint import collective
+    from lightning_sharded.checkpoint import commit as commit_module
+
+    target = tmp_path / "ckpt"
+    commit_directory(target, write_dir({"meta.pt": b"old"}))
+    real = collective.broadcast
+
+    def broadcast(obj: object, where: object, step: str = "broadcast") -> object:
+        if step == "publishing":
+            raise RuntimeError("Connection closed by peer (rank 0)")
+        return real(obj, where, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commit_module.collective, "broadcast", broadcast)
+
+    def fail(staging: Path) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(CheckpointError) as raised:
+        commit_directory(target, fail)
+    message = str(raised.value)
+    assert "Input/output error" in message and "another rank died" not in message, message
+    assert (target / "meta.pt").read_bytes() == b"old"
