@@ -53,8 +53,8 @@ PKG = "lightning_sharded"
 MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "unpickling": (
         [f"checkpoint/unpickling/{name}.py" for name in ("__init__", "allowed", "inert", "loaders")],
-        ["tests/checkpoint/test_unpickling.py"],
-        ["tests/test_tools_safety.py", "tests/test_reader.py"],
+        ["tests/checkpoint/test_unpickling.py", "tests/checkpoint/test_allow_lists.py"],
+        ["tests/test_tools_safety.py", "tests/test_reader.py", "tests/checkpoint/test_hostile_payloads.py"],
     ),
     "rank_state": (
         ["checkpoint/rank_state.py"],

@@ -223,3 +223,17 @@ def test_generators_that_differ_between_saved_ranks_drop_the_loader_state_at_ano
         and " The train dataloader state was not restored either" in outcome.warning
     )
     assert "registered" not in outcome.warning
+
+
+def test_one_saved_rank_resumed_on_two_gives_its_loader_state_and_generators_to_every_rank() -> None:
+    gen = [{"generator": torch.Generator().manual_seed(7).get_state()}]
+    metadata = loop_checkpoint([{"pos": 6}])
+    metadata[names.RANK_STATE_KEY] = entries_with([[{"pos": 6}]], [gen], [{"mix": {"w": 0.25}}])
+    outcome = rank_state.restore(
+        metadata, found_at(Path("x.ckpt")), rank=1, world_size=2, weights_only=True, path="x"
+    )
+    assert outcome.rng is None and outcome.registered == {"mix": {"w": 0.25}}
+    assert outcome.generators is not None and torch.equal(
+        outcome.generators[0]["generator"], gen[0]["generator"]
+    )
+    assert outcome.warning is not None and "was restored on every rank" in outcome.warning

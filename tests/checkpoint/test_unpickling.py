@@ -364,11 +364,13 @@ def test_the_context_keeps_the_users_safe_globals() -> None:
         pass
 
     torch.serialization.add_safe_globals([Mine, argparse.Namespace])
+    before = torch.serialization.get_safe_globals()
     try:
         with unpickling.safe_globals():
             names = {g[1] if isinstance(g, tuple) else g for g in torch.serialization.get_safe_globals()}
             assert "pathlib.PosixPath" in names and unpickling.ATTRIBUTE_DICT_NAMES[0] in names
         after = torch.serialization.get_safe_globals()
+        assert set(after) == set(before)  # exactly what it was (torch keeps a set: no order)
         assert Mine in after and argparse.Namespace in after
         assert not [g for g in after if isinstance(g, tuple) and g[1] == "pathlib.PosixPath"]
     finally:
