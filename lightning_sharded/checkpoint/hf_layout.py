@@ -8,7 +8,8 @@ offsets relative to the end of the header) and the tensors' bytes
 ``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` (``{"weight_map":
 {key: file}}``). The detector tells such weights from a checkpoint here; ``verify`` checks what can be
 checked without reading a tensor (every header reads, every file is as long as its header says, the
-index names files that are there and keys that they hold); ``inspect`` lists the tensors.
+index names files that are there and keys that they hold); ``inspect`` and ``load_pretrained`` list
+the tensors.
 """
 
 from __future__ import annotations
