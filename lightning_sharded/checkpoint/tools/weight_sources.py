@@ -159,8 +159,8 @@ def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool |
     what = f"Loading the pretrained weights {listing.shown!r}"
     if listing.kind == "sharded":
         assert listing.found is not None
-        reader = listing.found.backend.dcp_reader(listing.found.data)
-        reader.read_metadata = lambda *args, **kwargs: listing.metadata  # read once, safely, on rank 0
+        # The metadata was read once, safely, on rank 0.
+        reader = listing.found.backend.dcp_reader(listing.found.data, listing.metadata)
         state: dict[str, Any] = {listing.model_key: targets}
         run_dcp(
             lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)),
