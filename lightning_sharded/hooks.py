@@ -40,7 +40,7 @@ from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
 from lightning_sharded._sites import MARKER, SiteIndex
 from lightning_sharded.foreign import attach_fused_state
-from lightning_sharded.tensors import adapter_for, agree
+from lightning_sharded.tensors import adapter_for, exchange_codes
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
 
@@ -178,7 +178,7 @@ class _LoadPreHook:
             value = state_dict.pop(key)  # popped: never reported as unexpected, here or in a submodule
             error = _check(target, shown, value)
             code = _INVALID if error is not None else _OK
-        codes = agree(target, code)  # one decision for every rank that holds the attribute
+        codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
         invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
         missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
         if invalid:
@@ -200,7 +200,7 @@ class _LoadPreHook:
                 f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an exception'
                 f" occurred: {ex!r}."
             )
-        outcome = agree(target, _FAILED if failure else _OK)
+        outcome = exchange_codes(target, _FAILED if failure else _OK)
         failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
         if failed:
             if failure is None:
