@@ -24,10 +24,12 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
+
+if TYPE_CHECKING:  # DCP imports ShardedTensor, which importing the library must not
+    from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = ["register_rank_state", "registered_rank_state", "stateful"]
 
