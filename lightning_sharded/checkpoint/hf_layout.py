@@ -31,8 +31,8 @@ __all__ = [
     "WeightsListing",
     "is_safetensors_head",
     "is_weights_listing",
+    "list_weights",
     "parse_header",
-    "read_weights",
 ]
 
 #: The largest JSON header read (the safetensors package's own limit is 100 MB).
@@ -153,7 +153,7 @@ def _tensor_problem(name: str, tensor: StoredTensor) -> Problem | None:
     return None
 
 
-def read_weights(backend: Backend, data: Location) -> WeightsListing:
+def list_weights(backend: Backend, data: Location) -> WeightsListing:
     """The weights at ``data`` (a directory or one ``.safetensors`` file): files, tensors, problems.
 
     A directory with an index is read through its ``weight_map``; without one, every ``.safetensors``

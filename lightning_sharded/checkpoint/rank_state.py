@@ -247,7 +247,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Shared:
+class _Alike:
     """What every saved rank had alike, for a resume at another world size (decided on rank 0)."""
 
     has_loader: bool  # a train dataloader state or generator states on some rank
@@ -257,7 +257,7 @@ class _Shared:
     differing: list[str]  # the names of those that differ (or that some rank lacks)
 
 
-def _shared(states: list[dict[str, Any]]) -> _Shared:
+def _alike(states: list[dict[str, Any]]) -> _Alike:
     def loader(s: dict[str, Any]) -> Any:
         return (s.get(LOADER), s.get(GENERATORS) or None)
 
@@ -266,7 +266,7 @@ def _shared(states: list[dict[str, Any]]) -> _Shared:
     keys = sorted({k for s in states for k in (s.get(REGISTERED) or {})})
     per_name = {k: [(s.get(REGISTERED) or {}).get(k, _ABSENT) for s in states] for k in keys}
     alike = [k for k, v in per_name.items() if all(x is not _ABSENT and _same(v[0], x) for x in v)]
-    return _Shared(
+    return _Alike(
         has_loader=has_loader,
         same_loader=same_loader,
         generators=states[0].get(GENERATORS) if same_loader else None,
@@ -343,10 +343,10 @@ def restore(
             saved_world_size=saved,
         )
 
-    def every_rank() -> _Shared:  # a full file: rank 0's copy; a directory: rank 0 reads every file
+    def every_rank() -> _Alike:  # a full file: rank 0's copy; a directory: rank 0 reads every file
         if full:
-            return _shared([_own_entry(states, r, path) for r in range(saved)])
-        return _shared([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
+            return _alike([_own_entry(states, r, path) for r in range(saved)])
+        return _alike([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
 
     shared = collective.decide(every_rank)
     what = (

@@ -9,7 +9,7 @@ file. A directory holds ``model.safetensors``, or ``model-0000K-of-0000N.safeten
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
 
 Standard library and torch only: what is written. A directory's index and headers are read by
-:mod:`~lightning_sharded.checkpoint.hf_layout` (``read_weights``), for the detector, ``verify``,
+:mod:`~lightning_sharded.checkpoint.hf_layout` (``list_weights``), for the detector, ``verify``,
 ``inspect`` and ``load_pretrained`` alike.
 """
 

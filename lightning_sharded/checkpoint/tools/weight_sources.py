@@ -97,7 +97,7 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
 
 
 def _list_safetensors(path: Path) -> Listing:
-    weights = hf_layout.read_weights(backend_for(path), path)
+    weights = hf_layout.list_weights(backend_for(path), path)
     error = damaged(path, weights.problems, "Copy the whole directory again.")
     if error is not None:
         raise error
