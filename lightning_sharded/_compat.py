@@ -254,8 +254,8 @@ def load_module_from(
     """
     import torch
     from lightning.pytorch.core.saving import _load_state, load_hparams_from_tags_csv, load_hparams_from_yaml
+    from lightning.pytorch.utilities import rank_zero_warn
     from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)
     if hparams_file is not None:
@@ -265,7 +265,7 @@ def load_module_from(
         read = load_hparams_from_tags_csv if extension == "csv" else load_hparams_from_yaml
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = read(hparams_file)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
-    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    model: Any = _load_state(cls, checkpoint, strict=strict, **kwargs)
     state_dict = checkpoint["state_dict"]
     if not state_dict:
         rank_zero_warn(f"The state dict in {path!r} contains no parameters.")

@@ -77,7 +77,7 @@ _COMBINED_LOADER = "combined_loader"
 
 def _module_generators() -> dict[str, Stateful]:
     """The generators behind ``random``'s and NumPy's module functions (NumPy's when it is imported)."""
-    found = {PYTHON: random.getstate.__self__}
+    found = {PYTHON: random.getstate.__self__}  # type: ignore[attr-defined]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         found[NUMPY] = numpy.random.get_state.__self__
