@@ -25,7 +25,6 @@ from lightning_sharded.checkpoint.backends import Backend, Location, backend_for
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import run_dcp
-from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
 
@@ -98,9 +97,11 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
 
 def _list_safetensors(path: Path) -> Listing:
     weights = hf_layout.list_weights(backend_for(path), path)
-    error = damaged(path, weights.problems, "Copy the whole directory again.")
-    if error is not None:
-        raise error
+    if weights.problems:
+        also = "".join(f"; {p}" for p in weights.problems[1:])
+        raise CheckpointError(
+            f"The weights {str(path)!r} are damaged: {weights.problems[0]}{also}. Copy them again."
+        )
     listing = Listing("safetensors", str(path))
     for key, (name, tensor) in sorted(weights.tensors.items()):
         dtype = torch_dtype(tensor.dtype)
