@@ -12,7 +12,7 @@ Each save then keeps ``{name: obj.state_dict()}`` in every rank's own state (see
 ``docs/checkpoint-format.md#per-rank-state-exact-resume``), and a resume gives each rank its own back
 before the first resumed batch. ``torch.Generator``, ``numpy.random.Generator``,
 ``numpy.random.RandomState`` and ``random.Random`` are accepted as they are (their states are kept as
-tensors and plain lists, which a ``weights_only`` load reads); any other object needs ``state_dict()``
+tensors and plain data, which a ``weights_only`` load reads); any other object needs ``state_dict()``
 returning tensors and plain Python data, and ``load_state_dict(state)``.
 
 The same adapters (:func:`stateful`) keep the process-wide ``random`` and ``np.random`` generators in
@@ -53,8 +53,7 @@ class _PythonRandom:
         self.obj = rng
 
     def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.obj.getstate()
-        return {"state": [version, list(internal), gauss]}
+        return {"state": self.obj.getstate()}  # a tuple of ints, as the per-rank state keeps random's
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         version, internal, gauss = state["state"]
