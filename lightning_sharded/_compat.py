@@ -36,6 +36,7 @@ __all__ = [
     "gather_state_dict",
     "load_call",
     "load_frames",
+    "load_module_from",
     "materialize_distributed_module",
     "object_collective_device",
     "optimizers_to_device",
@@ -239,6 +240,39 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
+
+
+def load_module_from(
+    cls: Any, checkpoint: dict[str, Any], path: Any, hparams_file: Any, strict: bool | None, **kwargs: Any
+) -> Any:
+    """Lightning's ``cls.load_from_checkpoint(path, ...)`` of a checkpoint dict already read: what
+    ``lightning.pytorch.core.saving._load_from_checkpoint`` does after its read (migration, ``hparams_file``
+    and ``kwargs`` over the saved hyperparameters, the model built and loaded, moved to its state's device).
+
+    Public replacement: none in Lightning 2.6 (``load_from_checkpoint`` reads the checkpoint itself,
+    through the module-level ``pl_load``).
+    """
+    import torch
+    from lightning.pytorch.core.saving import _load_state, load_hparams_from_tags_csv, load_hparams_from_yaml
+    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.pytorch.utilities.migration.utils import _pl_migrate_checkpoint
+
+    checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)
+    if hparams_file is not None:
+        extension = str(hparams_file).split(".")[-1].lower()
+        if extension not in ("csv", "yml", "yaml"):
+            raise ValueError(".csv, .yml or .yaml is required for `hparams_file`")
+        read = load_hparams_from_tags_csv if extension == "csv" else load_hparams_from_yaml
+        checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = read(hparams_file)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {}).update(kwargs)
+    model: Any = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    state_dict = checkpoint["state_dict"]
+    if not state_dict:
+        rank_zero_warn(f"The state dict in {path!r} contains no parameters.")
+        return model
+    return model.to(
+        next((t for t in state_dict.values() if isinstance(t, torch.Tensor)), torch.tensor(0)).device
+    )
 
 
 # -- nn.Module.load_state_dict's arguments, read from its frames ----------------------------------------

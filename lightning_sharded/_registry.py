@@ -30,7 +30,7 @@ __all__ = ["STRATEGIES", "install", "register"]
 REGISTRY_MODULE = "lightning.pytorch.strategies"
 
 
-class Entry(NamedTuple):
+class Registration(NamedTuple):
     """One registered name: the class (module and name) it makes, with these init arguments."""
 
     module: str
@@ -43,20 +43,20 @@ _FSDP = "lightning_sharded.strategies.fsdp"
 _MP = "lightning_sharded.strategies.model_parallel"
 
 #: Every name this library registers.
-STRATEGIES: dict[str, Entry] = {
-    "sharded_fsdp": Entry(
+STRATEGIES: dict[str, Registration] = {
+    "sharded_fsdp": Registration(
         _FSDP,
         "ShardedFSDPStrategy",
         "FSDP1 with sharded attributes and sharded checkpoints (lightning_sharded)",
         {},
     ),
-    "sharded_fsdp_cpu_offload": Entry(
+    "sharded_fsdp_cpu_offload": Registration(
         _FSDP,
         "ShardedFSDPStrategy",
         "FSDP1 with CPU offloading, sharded attributes and sharded checkpoints (lightning_sharded)",
         {"cpu_offload": True},
     ),
-    "sharded_model_parallel": Entry(
+    "sharded_model_parallel": Registration(
         _MP,
         "ShardedModelParallelStrategy",
         "FSDP2 / tensor parallelism with sharded attributes and sharded checkpoints (lightning_sharded)",

@@ -40,7 +40,7 @@ from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
 from lightning_sharded._sites import MARKER, SiteIndex
 from lightning_sharded.foreign import attach_fused_state
-from lightning_sharded.tensors import adapter_for, agree
+from lightning_sharded.tensors import adapter_for, exchange_codes
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
 
@@ -79,7 +79,7 @@ def _live_frames(frame: FrameType | None) -> set[int]:
 
 
 class _StateDictPreHook:
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -96,7 +96,7 @@ class _StateDictPreHook:
 
 
 class _StateDictHook:
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
     def __call__(
@@ -118,7 +118,7 @@ class _StateDictHook:
 class _LoadPreHook:
     """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
 
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
     def __call__(
@@ -178,7 +178,7 @@ class _LoadPreHook:
             value = state_dict.pop(key)  # popped: never reported as unexpected, here or in a submodule
             error = _check(target, shown, value)
             code = _INVALID if error is not None else _OK
-        codes = agree(target, code)  # one decision for every rank that holds the attribute
+        codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
         invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
         missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
         if invalid:
@@ -200,7 +200,7 @@ class _LoadPreHook:
                 f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an exception'
                 f" occurred: {ex!r}."
             )
-        outcome = agree(target, _FAILED if failure else _OK)
+        outcome = exchange_codes(target, _FAILED if failure else _OK)
         failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
         if failed:
             if failure is None:
@@ -236,7 +236,7 @@ class _LoadPostHook:
     ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
     """
 
-    def __init__(self, shared: _Shared) -> None:
+    def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
@@ -283,7 +283,7 @@ class _LoadPostHook:
             unexpected[:] = [key for key in unexpected if key not in assigned]
 
 
-class _Shared:
+class _HookState:
     """State the hooks of one root share: the site index and the ``keep_vars`` of running calls."""
 
     def __init__(self) -> None:
@@ -381,7 +381,7 @@ def register_sharded_state_hooks(module: nn.Module) -> nn.Module:
     drain_at_exit()
     if has_sharded_state_hooks(module):
         return module
-    shared = _Shared()
+    shared = _HookState()
     module.register_state_dict_pre_hook(_StateDictPreHook(shared))
     module.register_state_dict_post_hook(_StateDictHook(shared))
     module.register_load_state_dict_pre_hook(_LoadPreHook(shared))

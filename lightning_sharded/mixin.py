@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
 
+from lightning_sharded._compat import load_module_from
 from lightning_sharded.foreign import ddp_ignored_names, foreign_modules, skipped_log
 from lightning_sharded.hooks import receiving_full_values, register_sharded_state_hooks
 from lightning_sharded.tensors import gather_full_values
@@ -159,16 +158,10 @@ class ShardedStateMixin:
 
                 # Its frozen parameters are read from the source it names: the model gets every key.
                 merged = load_checkpoint(checkpoint_path, location or "cpu", weights_only=weights_only)
-                with _preloaded(checkpoint_path, merged):
-                    return parent.load_from_checkpoint(
-                        checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-                    )
+                return load_module_from(cls, merged, checkpoint_path, hparams_file, strict, **kwargs)
             if location is not None and torch.device(location).type != "cpu" and file is not None:
                 model_only = _model_state_to(checkpoint_path, location, weights_only)
-                with _preloaded(checkpoint_path, model_only):
-                    return parent.load_from_checkpoint(
-                        checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-                    )
+                return load_module_from(cls, model_only, checkpoint_path, hparams_file, strict, **kwargs)
             return parent.load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
@@ -180,10 +173,8 @@ class ShardedStateMixin:
         )
         assert issubclass(cls, LightningModule)
         try:
-            with _preloaded(checkpoint_path, checkpoint), receiving_full_values():
-                return parent.load_from_checkpoint(
-                    checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-                )
+            with receiving_full_values():
+                return load_module_from(cls, checkpoint, checkpoint_path, hparams_file, strict, **kwargs)
         except RuntimeError as err:
             if "state_dict" not in str(err):
                 raise
@@ -192,25 +183,6 @@ class ShardedStateMixin:
                 " with the hyperparameters it was trained with (they set the shapes); for missing or"
                 " unexpected keys only, strict=False loads the keys that match."
             ) from err
-
-
-@contextlib.contextmanager
-def _preloaded(path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> Iterator[None]:
-    """Make Lightning's checkpoint reader return ``checkpoint`` for ``path`` (and only for it)."""
-    from lightning.pytorch.core import saving
-
-    original = saving.pl_load  # type: ignore[attr-defined]
-
-    def pl_load(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
-        if path_or_url is path:
-            return checkpoint
-        return original(path_or_url, *args, **kwargs)
-
-    saving.pl_load = pl_load  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        saving.pl_load = original  # type: ignore[attr-defined]
 
 
 def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) -> bool:

@@ -12,10 +12,11 @@ Each save then keeps ``{name: obj.state_dict()}`` in every rank's own state (see
 ``docs/checkpoint-format.md#per-rank-state-exact-resume``), and a resume gives each rank its own back
 before the first resumed batch. ``torch.Generator``, ``numpy.random.Generator``,
 ``numpy.random.RandomState`` and ``random.Random`` are accepted as they are (their states are kept as
-tensors and plain lists, which a ``weights_only`` load reads); any other object needs ``state_dict()``
+tensors and plain data, which a ``weights_only`` load reads); any other object needs ``state_dict()``
 returning tensors and plain Python data, and ``load_state_dict(state)``.
 
-This module imports torch only (NumPy when an object of it is registered): the registry is cheap.
+The same adapters (:func:`stateful`) keep the process-wide ``random`` and ``np.random`` generators in
+the per-rank state. This module imports torch only (NumPy when an object of it is registered).
 """
 
 from __future__ import annotations
@@ -23,23 +24,17 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["RankStateful", "register_rank_state", "registered_rank_state"]
+if TYPE_CHECKING:  # DCP imports ShardedTensor, which importing the library must not
+    from torch.distributed.checkpoint.stateful import Stateful
+
+__all__ = ["register_rank_state", "registered_rank_state", "stateful"]
 
 #: Where the registry lives in the module's ``__dict__`` (a plain dict: no state_dict key, no submodule).
 _REGISTRY = "_lightning_sharded_rank_state"
-
-
-@runtime_checkable
-class RankStateful(Protocol):
-    """What :func:`register_rank_state` keeps: an object with ``state_dict()`` and ``load_state_dict()``."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> Any: ...
 
 
 class _TorchGenerator:
@@ -58,8 +53,7 @@ class _PythonRandom:
         self.obj = rng
 
     def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.obj.getstate()
-        return {"state": [version, list(internal), gauss]}
+        return {"state": self.obj.getstate()}  # a tuple of ints, as the per-rank state keeps random's
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         version, internal, gauss = state["state"]
@@ -116,8 +110,9 @@ class _NumpyRandomState:
         self.obj.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
-def _adapted(obj: Any) -> RankStateful | None:
-    """``obj`` if it has ``state_dict``/``load_state_dict``, an adapter for a known RNG, else ``None``."""
+def stateful(obj: Any) -> Stateful | None:
+    """``obj`` as DCP's ``Stateful``: itself if it has ``state_dict``/``load_state_dict``, an adapter for a
+    ``torch.Generator``, ``random.Random``, ``numpy.random.Generator`` or ``RandomState``, else ``None``."""
     if isinstance(obj, torch.Generator):
         return _TorchGenerator(obj)
     if isinstance(obj, random.Random):
@@ -169,7 +164,7 @@ def register_rank_state(module: Any, name: str, obj: Any, *, replace: bool = Fal
         raise TypeError(f"The name of a per-rank state must be a string, got {type(name).__name__}.")
     if not name:
         raise ValueError("The name of a per-rank state must not be empty: it is its key in the checkpoint.")
-    entry = _adapted(obj)
+    entry = stateful(obj)
     if entry is None:
         raise TypeError(
             f"Cannot register {type(obj).__name__} as the per-rank state {name!r}: it has no `state_dict()`"
@@ -189,7 +184,7 @@ def register_rank_state(module: Any, name: str, obj: Any, *, replace: bool = Fal
     registry[name] = entry
 
 
-def registered_rank_state(module: Any) -> dict[str, RankStateful]:
+def registered_rank_state(module: Any) -> dict[str, Stateful]:
     """The objects registered on ``module`` with :func:`register_rank_state`, by name, sorted by name.
 
     Each value has ``state_dict()`` and ``load_state_dict()`` (generators through a small adapter).

@@ -133,7 +133,7 @@ def read_like(
                         raise OSError(f"{extent.path} ended at {extent.offset + done}, before {extent}")
                     done += n
                     if extent.length >= SMALL:
-                        libc.drop_cached(fd, extent.offset, done)
+                        libc.fadvise(fd, extent.offset, done, "DONTNEED")
         except BaseException as err:
             errors.append(err)
         finally:

@@ -231,7 +231,7 @@ def copy_like(sources: list[Path], target: Path, size: int) -> int:
                 at = 0
                 while n := os.readv(fd, [buffer]):
                     at += n
-                    libc.drop_cached(fd, 0, at)
+                    libc.fadvise(fd, 0, at, "DONTNEED")
                     write(buffer[:n])
                 read += at
             finally:

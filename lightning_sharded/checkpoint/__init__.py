@@ -14,9 +14,8 @@ from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from lightning_sharded.checkpoint.backends import ChecksummingWriter
+    from lightning_sharded.checkpoint.backends import ChecksummingWriter, read_manifest
     from lightning_sharded.checkpoint.commit import commit_directory, commit_file, remove_checkpoint, resolve
-    from lightning_sharded.checkpoint.detect import read_manifest
     from lightning_sharded.checkpoint.integrity import check_files
     from lightning_sharded.checkpoint.manifest import Manifest
     from lightning_sharded.checkpoint.names import MANIFEST_NAME
@@ -31,7 +30,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "MANIFEST_NAME": "lightning_sharded.checkpoint.names",
     "Manifest": "lightning_sharded.checkpoint.manifest",
-    "read_manifest": "lightning_sharded.checkpoint.detect",
+    "read_manifest": "lightning_sharded.checkpoint.backends",
     "commit_directory": "lightning_sharded.checkpoint.commit",
     "commit_file": "lightning_sharded.checkpoint.commit",
     "remove_checkpoint": "lightning_sharded.checkpoint.commit",

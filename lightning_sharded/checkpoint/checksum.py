@@ -17,13 +17,13 @@ Standard library only.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
+from lightning_sharded.checkpoint import libc
 from lightning_sharded.checkpoint.manifest import CHECKSUM_ALGORITHM
 
 try:  # ISA-L's CRC-32: the same checksum as zlib's, about 3x as fast (a dependency on Linux)
@@ -191,10 +191,7 @@ def _overlapped_checksum(f: Any) -> tuple[int, str]:
     ``zlib.crc32`` release the GIL), and the kernel is told the file is read sequentially (a larger
     read-ahead), so checksumming a cold file runs at about the disk's read speed.
     """
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is not None:
-        with contextlib.suppress(OSError):
-            advise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    libc.fadvise(f.fileno(), 0, 0, "SEQUENTIAL")
     buffers = [bytearray(CHUNK_SIZE), bytearray(CHUNK_SIZE)]
     crc = 0
     size = 0

@@ -40,7 +40,7 @@ from lightning_sharded.checkpoint.backends import (
 from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError
 from lightning_sharded.checkpoint.manifest import Manifest
 
-__all__ = ["CheckpointKind", "Found", "checkpoint_files", "detect", "not_a_checkpoint", "read_manifest"]
+__all__ = ["CheckpointKind", "Found", "checkpoint_files", "detect", "not_a_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -309,17 +309,3 @@ def checkpoint_files(found: Found) -> dict[str, int]:
         }
     members = (names.DCP_METADATA, names.LIGHTNING_METADATA)
     return {n: size for n, size in sorted(present.items()) if n in members or names.SHARD_FILE.match(n)}
-
-
-def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
-    """The manifest of a sharded checkpoint directory (local path, URL, or a published version's prefix).
-
-    Returns:
-        The manifest, or ``None`` when there is none (a checkpoint written by stock Lightning).
-
-    Raises:
-        CheckpointError: the manifest exists but cannot be parsed, or ``directory`` is an unpublished
-            version on object storage.
-    """
-    data = location(directory)
-    return backend_for(data).manifest_at(data)

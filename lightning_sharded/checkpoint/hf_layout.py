@@ -8,7 +8,8 @@ offsets relative to the end of the header) and the tensors' bytes
 ``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` (``{"weight_map":
 {key: file}}``). The detector tells such weights from a checkpoint here; ``verify`` checks what can be
 checked without reading a tensor (every header reads, every file is as long as its header says, the
-index names files that are there and keys that they hold); ``inspect`` lists the tensors.
+index names files that are there and keys that they hold); ``inspect`` and ``load_pretrained`` list
+the tensors.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ __all__ = [
     "WeightsListing",
     "is_safetensors_head",
     "is_weights_listing",
+    "list_weights",
     "parse_header",
-    "read_weights",
 ]
 
 #: The largest JSON header read (the safetensors package's own limit is 100 MB).
@@ -152,7 +153,7 @@ def _tensor_problem(name: str, tensor: StoredTensor) -> Problem | None:
     return None
 
 
-def read_weights(backend: Backend, data: Location) -> WeightsListing:
+def list_weights(backend: Backend, data: Location) -> WeightsListing:
     """The weights at ``data`` (a directory or one ``.safetensors`` file): files, tensors, problems.
 
     A directory with an index is read through its ``weight_map``; without one, every ``.safetensors``

@@ -2,7 +2,7 @@
 
 ``renameat2`` (publish by exchange), ``madvise`` (give back or fault in the pages of a tensor) and
 ``sync_file_range`` (start a write-back) are Linux calls with no binding in :mod:`os`. A function libc
-does not have is ``None``: every caller then does without it. :func:`drop_cached` is :mod:`os`'s
+does not have is ``None``: every caller then does without it. :func:`fadvise` is :mod:`os`'s
 ``posix_fadvise``, with the same rule (nothing where it is missing or fails).
 """
 
@@ -21,7 +21,7 @@ __all__ = [
     "SYNC_FILE_RANGE_WAIT_AFTER",
     "SYNC_FILE_RANGE_WAIT_BEFORE",
     "SYNC_FILE_RANGE_WRITE",
-    "drop_cached",
+    "fadvise",
     "function",
     "madvise",
     "populate_write_works",
@@ -62,14 +62,15 @@ def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> bool:
     return call is not None and call(fd, offset, nbytes, flags) == 0
 
 
-def drop_cached(fd: int, offset: int, nbytes: int) -> bool:
-    """Drop a file range's clean pages from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``);
-    ``False`` if it did nothing (no such call here, or an error). The kernel drops only the folios wholly
-    inside the range (large ones: 2 MiB on the project's machine), and no dirty page."""
+def fadvise(fd: int, offset: int, nbytes: int, advice: str) -> bool:
+    """``posix_fadvise(POSIX_FADV_<advice>)`` on a file range (``nbytes`` 0: to the end); ``False`` if it
+    did nothing (no such call here, or an error). ``"DONTNEED"`` drops the range's clean pages from the
+    page cache: only the folios wholly inside it (large ones: 2 MiB on the project's machine), no dirty
+    page; ``"SEQUENTIAL"`` asks for a larger read-ahead."""
     if not hasattr(os, "posix_fadvise"):
         return False
     try:
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, offset, nbytes, getattr(os, f"POSIX_FADV_{advice}"))
     except OSError:
         return False
     return True

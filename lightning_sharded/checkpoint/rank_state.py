@@ -29,14 +29,16 @@ import random
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.user_state import stateful
 
 __all__ = [
     "FORMAT",
@@ -73,18 +75,25 @@ _LOOP_PATH = ("loops", "fit_loop", "state_dict")
 _COMBINED_LOADER = "combined_loader"
 
 
+def _module_generators() -> dict[str, Stateful]:
+    """The generators behind ``random``'s and NumPy's module functions (NumPy's when it is imported)."""
+    found = {PYTHON: random.getstate.__self__}  # type: ignore[attr-defined]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        found[NUMPY] = numpy.random.get_state.__self__
+    return {key: cast(Stateful, stateful(rng)) for key, rng in found.items()}
+
+
 def rng_states() -> dict[str, Any]:
     """This process's RNG states: torch CPU, CUDA (when initialized), ``random``, NumPy (when imported).
 
     Every value is a tensor or plain Python data, so ``torch.load(weights_only=True)`` reads it.
     """
-    states: dict[str, Any] = {TORCH: torch.get_rng_state(), PYTHON: random.getstate()}
+    states: dict[str, Any] = {TORCH: torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states[CUDA] = torch.cuda.get_rng_state_all()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        name, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
-        states[NUMPY] = [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
+    for key, rng in _module_generators().items():
+        states[key] = rng.state_dict()["state"]
     return states
 
 
@@ -92,13 +101,11 @@ def set_rng_states(states: Mapping[str, Any]) -> list[str]:
     """Set the RNG states :func:`rng_states` returned; returns the ones that could not be set, with why."""
     skipped: list[str] = []
     torch.set_rng_state(states[TORCH])
-    version, internal, gauss = states[PYTHON]
-    random.setstate((version, tuple(internal), gauss))
     if NUMPY in states:
-        import numpy
-
-        name, keys, pos, has_gauss, cached = states[NUMPY]
-        numpy.random.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+        import numpy  # noqa: F401 - its generator is set below
+    for key, rng in _module_generators().items():
+        if key in states:
+            rng.load_state_dict({"state": states[key]})
     cuda = states.get(CUDA)
     if cuda:
         if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
@@ -240,7 +247,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Shared:
+class _Alike:
     """What every saved rank had alike, for a resume at another world size (decided on rank 0)."""
 
     has_loader: bool  # a train dataloader state or generator states on some rank
@@ -250,7 +257,7 @@ class _Shared:
     differing: list[str]  # the names of those that differ (or that some rank lacks)
 
 
-def _shared(states: list[dict[str, Any]]) -> _Shared:
+def _alike(states: list[dict[str, Any]]) -> _Alike:
     def loader(s: dict[str, Any]) -> Any:
         return (s.get(LOADER), s.get(GENERATORS) or None)
 
@@ -259,7 +266,7 @@ def _shared(states: list[dict[str, Any]]) -> _Shared:
     keys = sorted({k for s in states for k in (s.get(REGISTERED) or {})})
     per_name = {k: [(s.get(REGISTERED) or {}).get(k, _ABSENT) for s in states] for k in keys}
     alike = [k for k, v in per_name.items() if all(x is not _ABSENT and _same(v[0], x) for x in v)]
-    return _Shared(
+    return _Alike(
         has_loader=has_loader,
         same_loader=same_loader,
         generators=states[0].get(GENERATORS) if same_loader else None,
@@ -336,10 +343,10 @@ def restore(
             saved_world_size=saved,
         )
 
-    def every_rank() -> _Shared:  # a full file: rank 0's copy; a directory: rank 0 reads every file
+    def every_rank() -> _Alike:  # a full file: rank 0's copy; a directory: rank 0 reads every file
         if full:
-            return _shared([_own_entry(states, r, path) for r in range(saved)])
-        return _shared([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
+            return _alike([_own_entry(states, r, path) for r in range(saved)])
+        return _alike([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
 
     shared = collective.decide(every_rank)
     what = (

@@ -106,7 +106,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
     if not full and _fsdp1_views(model):
         from lightning_sharded.checkpoint import fsdp1
 
-        fast = fsdp1.optimizer_state_dict(model, optimizer)
+        fast = fsdp1.optimizer_state_views(model, optimizer)
         if fast is not None:
             return _sharded_pieces(fast, pieces, over_plain)
     state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))

@@ -151,7 +151,7 @@ def verify_checkpoint(
     weights = found.kind is CheckpointKind.SAFETENSORS
     # Hugging Face weights: every header reads, every file as long as its header says; with a manifest
     # (our export) the checksums too, below.
-    header_problems = hf_layout.read_weights(backend, real).problems if weights else []
+    header_problems = hf_layout.list_weights(backend, real).problems if weights else []
     if found.kind is CheckpointKind.FULL:
         _raise(real, _full_file_problems(backend, real, progress))
     elif weights and manifest is None:

@@ -77,5 +77,5 @@ class WriteBehind:
             libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
         )
         libc.sync_file_range(self._fd, self._dropped, nbytes, waits)
-        libc.drop_cached(self._fd, self._dropped, nbytes)
+        libc.fadvise(self._fd, self._dropped, nbytes, "DONTNEED")
         self._dropped = upto

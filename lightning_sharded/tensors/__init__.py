@@ -1,7 +1,7 @@
 """One adapter per kind of sharded tensor, behind the :class:`ShardedAdapter` protocol.
 
-``ADAPTERS`` lists them; :func:`adapter_for` finds the one for a value (the legacy ShardedTensor only
-once torch imported it).
+The package registers them in :data:`~lightning_sharded.tensors.base.KINDS`; :func:`adapter_for` finds
+the one for a value (the legacy ShardedTensor only once torch imported it), :func:`to_full` gathers one.
 """
 
 from __future__ import annotations
@@ -11,22 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_sharded.tensors.base import ShardedAdapter, adapter_for, register
+from lightning_sharded.tensors.base import KINDS, ShardedAdapter, adapter_for, to_full
 from lightning_sharded.tensors.dtensor import DTensorAdapter
 from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter
 
-ADAPTERS: tuple[ShardedAdapter, ...] = register(DTensorAdapter(), ShardedTensorAdapter())
-
-
-def is_sharded(value: Any) -> bool:
-    """Whether ``value`` is a sharded tensor of a kind this library knows."""
-    return adapter_for(value) is not None
-
-
-def to_full(value: Any) -> Any:
-    """The whole tensor for a sharded value (collective), or ``value`` itself for anything else."""
-    adapter = adapter_for(value)
-    return adapter.to_full(value) if adapter is not None else value
+KINDS[:] = [DTensorAdapter(), ShardedTensorAdapter()]
 
 
 def gather_full_values(state: dict[str, Any]) -> dict[str, Any]:
@@ -36,14 +25,14 @@ def gather_full_values(state: dict[str, Any]) -> dict[str, Any]:
     so the gathers line up on every rank.
     """
     for key in sorted(state):
-        adapter = adapter_for(state[key])
-        if adapter is not None:
-            state[key] = adapter.to_full(state[key]).cpu()
+        if adapter_for(state[key]) is not None:
+            state[key] = to_full(state[key]).cpu()
     return state
 
 
-def agree(value: Any, code: int) -> dict[int, int]:
-    """Every rank's ``code`` (a positive int) among the ranks that hold the sharded ``value`` (collective).
+def exchange_codes(value: Any, code: int) -> dict[int, int]:
+    """Every rank's ``code`` (a positive int) among the ranks that hold the sharded ``value``: a MAX
+    all-reduce over the value's groups (collective; :func:`~.checkpoint.collective.agree` gathers errors).
 
     Returns ``{global rank: code}`` for each rank holding ``value``, the same dict on all of them; just
     ``{this rank: code}`` when ``value`` lives on one rank. Every rank holding ``value`` must call it,
@@ -65,12 +54,4 @@ def agree(value: Any, code: int) -> dict[int, int]:
     return {r: int(c) for r, c in enumerate(codes.tolist()) if c}
 
 
-__all__ = [
-    "ADAPTERS",
-    "ShardedAdapter",
-    "adapter_for",
-    "agree",
-    "gather_full_values",
-    "is_sharded",
-    "to_full",
-]
+__all__ = ["ShardedAdapter", "adapter_for", "exchange_codes", "gather_full_values", "to_full"]

@@ -71,15 +71,9 @@ class ShardedAdapter(Protocol):
         ...
 
 
-#: The adapters of every kind, in the order they are asked; the package registers them
-#: (``lightning_sharded.tensors.ADAPTERS``), so an adapter can find another kind's without importing it.
+#: The adapters of every kind, in the order they are asked: the one registry. The package fills it
+#: (:mod:`lightning_sharded.tensors`), so an adapter finds another kind's without importing it.
 KINDS: list[ShardedAdapter] = []
-
-
-def register(*adapters: ShardedAdapter) -> tuple[ShardedAdapter, ...]:
-    """Add ``adapters`` to :data:`KINDS` (once each); returns every registered adapter."""
-    KINDS.extend(a for a in adapters if a not in KINDS)
-    return tuple(KINDS)
 
 
 def adapter_for(value: Any) -> ShardedAdapter | None:
@@ -90,11 +84,7 @@ def adapter_for(value: Any) -> ShardedAdapter | None:
     return None
 
 
-def full_if_sharded(source: Any) -> torch.Tensor:
-    """``source`` as a global tensor: gathered if it is sharded (of any kind), as it is otherwise."""
-    adapter = adapter_for(source)
-    if adapter is not None:
-        return adapter.to_full(source)
-    if not isinstance(source, torch.Tensor):
-        raise TypeError(f"Expected a tensor to load into a sharded attribute, got {type(source).__name__}")
-    return source
+def to_full(value: Any) -> Any:
+    """The whole tensor for a sharded value of any kind (collective), or ``value`` itself otherwise."""
+    adapter = adapter_for(value)
+    return adapter.to_full(value) if adapter is not None else value

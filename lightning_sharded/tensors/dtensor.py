@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_sharded._compat import strided_shard
-from lightning_sharded.tensors.base import full_if_sharded
+from lightning_sharded.tensors.base import to_full
 
 _StridedShard: Any = strided_shard()
 
@@ -56,7 +56,7 @@ class DTensorAdapter:
                 return
             # Every rank holds the same global value: cut this rank's part where the value is (a
             # full file's tensors are on CPU), then copy only that part to the device.
-            full = full_if_sharded(source).detach()
+            full = to_full(source).detach()
             local.copy_(local_part(full, target.device_mesh, target.placements))
 
     def to_full(self, value: Any) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sharded._compat import SHARDED_TENSOR_MODULE, sharded_tensor_api
-from lightning_sharded.tensors.base import full_if_sharded
+from lightning_sharded.tensors.base import to_full
 
 
 def _sharded_tensor_type() -> type | None:
@@ -53,7 +53,7 @@ class ShardedTensorAdapter:
                 for dst, src in zip(target.local_shards(), source.local_shards(), strict=True):
                     dst.tensor.copy_(src.tensor)
                 return
-            source = full_if_sharded(source)
+            source = to_full(source)
             for shard in target.local_shards():
                 index = _index(shard.metadata)
                 shard.tensor.copy_(source[index].to(device=shard.tensor.device))

@@ -49,6 +49,7 @@ __all__ = [
     "local_path",
     "location",
     "parent",
+    "read_manifest",
     "resolve",
 ]
 
@@ -242,3 +243,17 @@ def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:
     if isinstance(loc, str) and is_url(loc):
         return ObjectStoreBackend()
     return LocalBackend()
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest of a sharded checkpoint directory (local path, URL, or a published version's prefix).
+
+    Returns:
+        The manifest, or ``None`` when there is none (a checkpoint written by stock Lightning).
+
+    Raises:
+        CheckpointError: the manifest exists but cannot be parsed, or ``directory`` is an unpublished
+            version on object storage.
+    """
+    data = location(directory)
+    return backend_for(data).manifest_at(data)

@@ -130,7 +130,7 @@ def _readinto(
         if drop:
             # From the read's start every time: the kernel drops only whole (large) folios, so one that
             # began before the last call's end goes once the read has passed its end.
-            libc.drop_cached(file.fileno(), offset, done)
+            libc.fadvise(file.fileno(), offset, done, "DONTNEED")
     return True, checksum
 
 

@@ -23,7 +23,7 @@ shared parameters, no device mesh); anything else takes torch's path.
 from lightning_sharded.checkpoint.fsdp1.layout import boxes, supported
 from lightning_sharded.checkpoint.fsdp1.optimizer import (
     loaded_optimizer_state,
-    optimizer_state_dict,
+    optimizer_state_views,
     optimizer_template,
 )
 from lightning_sharded.checkpoint.fsdp1.views import views
@@ -31,7 +31,7 @@ from lightning_sharded.checkpoint.fsdp1.views import views
 __all__ = [
     "boxes",
     "loaded_optimizer_state",
-    "optimizer_state_dict",
+    "optimizer_state_views",
     "optimizer_template",
     "supported",
     "views",

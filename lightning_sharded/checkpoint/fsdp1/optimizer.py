@@ -20,7 +20,7 @@ from lightning_sharded.checkpoint.fsdp1.layout import (
 )
 from lightning_sharded.tensors import adapter_for
 
-__all__ = ["loaded_optimizer_state", "optimizer_state_dict", "optimizer_template"]
+__all__ = ["loaded_optimizer_state", "optimizer_state_views", "optimizer_template"]
 
 STATE = "state"
 PARAM_GROUPS = "param_groups"
@@ -77,7 +77,7 @@ def _state_views(
     return state
 
 
-def optimizer_state_dict(model: nn.Module, optimizer: Optimizer) -> dict[str, Any] | None:
+def optimizer_state_views(model: nn.Module, optimizer: Optimizer) -> dict[str, Any] | None:
     """The optimizer's sharded state keyed by clean parameter name, as ``FSDP.optim_state_dict`` gives it,
     without communication; ``None`` where the fast form does not apply (on every rank alike).
 

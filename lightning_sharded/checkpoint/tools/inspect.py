@@ -294,7 +294,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
 
 def _inspect_safetensors(found: Found) -> CheckpointInfo:
     """Hugging Face weights: every tensor's key, dtype and shape from the headers; no tensor read."""
-    listing = hf_layout.read_weights(found.backend, found.data)
+    listing = hf_layout.list_weights(found.backend, found.data)
     error = damaged(found.data, listing.problems)
     if error is not None:
         raise error

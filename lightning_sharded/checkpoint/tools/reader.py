@@ -141,8 +141,7 @@ class OfflineReader:
 
         planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
         checksums = self.verification.checksums if self.verification is not None else None
-        reader = self.backend.dcp_reader(self.root, checksums=checksums)
-        reader.read_metadata = lambda *args, **kwargs: self.metadata  # already read, safely
+        reader = self.backend.dcp_reader(self.root, self.metadata, checksums)  # metadata: read safely
         with self.reading():
             try:
                 dcp_load_state_dict(state, storage_reader=reader, planner=planner)

@@ -8,26 +8,23 @@ writer can put the header down, then stream the tensors one by one: memory holds
 file. A directory holds ``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` files and
 ``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
 
-Standard library and torch only (the ``safetensors`` package is needed to read slices lazily only);
-the header itself is parsed by :mod:`~lightning_sharded.checkpoint.hf_layout`, which the detector and
-``verify`` use too.
+Standard library and torch only: what is written. A directory's index and headers are read by
+:mod:`~lightning_sharded.checkpoint.hf_layout` (``list_weights``), for the detector, ``verify``,
+``inspect`` and ``load_pretrained`` alike.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.hf_layout import parse_header
 
 __all__ = [
     "CONFIG_NAME",
@@ -37,13 +34,10 @@ __all__ = [
     "Entry",
     "encode_header",
     "file_name",
-    "is_weights_dir",
     "parse_dtype",
     "parse_size",
     "plan_files",
-    "read_header",
     "torch_dtype",
-    "weight_files",
 ]
 
 SINGLE_NAME = names.SAFETENSORS_FILE
@@ -187,69 +181,3 @@ def encode_header(entries: Sequence[Entry], metadata: Mapping[str, str] | None =
 def torch_dtype(name: str) -> torch.dtype | None:
     """The torch dtype of a safetensors dtype name (``"BF16"``), ``None`` for one torch cannot hold."""
     return _DTYPES.get(name)
-
-
-def read_header(path: str | os.PathLike[str]) -> dict[str, Entry]:
-    """The tensors a ``.safetensors`` file holds, from its header (reads the header only).
-
-    Raises:
-        ValueError: the file is not a safetensors file (its message names it).
-    """
-    with open(path, "rb") as f:
-        header = parse_header(f, str(path))
-    out: dict[str, Entry] = {}
-    for key, tensor in header.tensors.items():
-        dtype = _DTYPES.get(tensor.dtype)
-        if dtype is None:
-            raise ValueError(
-                f"{str(path)!r}: the tensor {key!r} has a dtype this library does not read: {tensor.dtype!r}."
-            )
-        out[key] = Entry(key, tensor.shape, dtype)
-    return out
-
-
-def is_weights_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory in Hugging Face's layout (an index or ``.safetensors`` files)."""
-    return path.is_dir() and ((path / INDEX_NAME).is_file() or any(path.glob(f"*{SUFFIX}")))
-
-
-def weight_files(path: Path) -> dict[str, Path]:
-    """``{key: file}`` for a Hugging Face weights directory or one ``.safetensors`` file.
-
-    A directory with an index is read through its ``weight_map``; without one, its
-    ``model.safetensors`` (or its only ``.safetensors`` file) is read.
-
-    Raises:
-        FileNotFoundError: the index names a file that is not there, or there is no weights file.
-        ValueError: the index is not Hugging Face's.
-    """
-    if path.is_file():
-        return dict.fromkeys(read_header(path), path)
-    index = path / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise ValueError(
-                f"{str(index)!r} is not a Hugging Face index: it has no 'weight_map' object."
-            ) from None
-        files = {name: path / name for name in sorted(set(weight_map.values()))}
-        for name, file in files.items():
-            if not file.is_file():
-                raise FileNotFoundError(
-                    f"{str(index)!r} names the weights file {name!r}, which is not in {str(path)!r}. Copy the"
-                    " whole directory again."
-                )
-        return {key: files[name] for key, name in weight_map.items()}
-    candidates = sorted(path.glob(f"*{SUFFIX}"))
-    single = path / SINGLE_NAME
-    if single.is_file():
-        candidates = [single]
-    if len(candidates) != 1:
-        raise FileNotFoundError(
-            f"{str(path)!r} has no {INDEX_NAME} and {len(candidates)} .safetensors files"
-            f" ({', '.join(p.name for p in candidates[:5])}): expected {SINGLE_NAME}, or an index that"
-            " names the files."
-        )
-    return dict.fromkeys(read_header(candidates[0]), candidates[0])

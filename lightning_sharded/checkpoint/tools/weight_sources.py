@@ -20,18 +20,13 @@ import torch
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends import Backend, Location, local_path, location
+from lightning_sharded.checkpoint import hf_layout, names
+from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, local_path, location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import run_dcp
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
-from lightning_sharded.checkpoint.tools.safetensors_format import (
-    SUFFIX,
-    is_weights_dir,
-    read_header,
-    weight_files,
-)
+from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
 
 __all__ = [
     "FullSlices",
@@ -75,7 +70,8 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
     given = location(path)
     on_disk = local_path(given)  # safetensors files are read with safetensors' own (local) reader
     if on_disk is not None and (
-        is_weights_dir(on_disk) or (on_disk.is_file() and on_disk.name.endswith(SUFFIX))
+        (on_disk.is_dir() and hf_layout.is_weights_listing(os.listdir(on_disk)))
+        or (on_disk.is_file() and on_disk.name.endswith(names.SAFETENSORS_SUFFIX))
     ):
         return _list_safetensors(on_disk)
     found = detect(path)
@@ -100,26 +96,23 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
 
 
 def _list_safetensors(path: Path) -> Listing:
-    try:
-        files = weight_files(path)
-        listing = Listing("safetensors", str(path))
-        headers: dict[Path, Any] = {}
-        for key, file in sorted(files.items()):
-            if file not in headers:
-                headers[file] = read_header(file)
-            entry = headers[file].get(key)
-            if entry is None:
-                raise CheckpointError(
-                    f"The index of {str(path)!r} puts {key!r} in {file.name!r}, which does not hold it. Copy"
-                    " the whole directory again."
-                )
-            listing.shapes[key] = entry.shape
-            listing.dtypes[key] = entry.dtype
-            listing.files[key] = str(file)
-    except ValueError as err:
-        if isinstance(err, CheckpointError):
-            raise
-        raise CheckpointError(str(err)) from None
+    weights = hf_layout.list_weights(backend_for(path), path)
+    if weights.problems:
+        also = "".join(f"; {p}" for p in weights.problems[1:])
+        raise CheckpointError(
+            f"The weights {str(path)!r} are damaged: {weights.problems[0]}{also}. Copy them again."
+        )
+    listing = Listing("safetensors", str(path))
+    for key, (name, tensor) in sorted(weights.tensors.items()):
+        dtype = torch_dtype(tensor.dtype)
+        if dtype is None:
+            raise CheckpointError(
+                f"{name!r} of {str(path)!r}: the tensor {key!r} has a dtype this library does not read:"
+                f" {tensor.dtype!r}."
+            )
+        listing.shapes[key] = tensor.shape
+        listing.dtypes[key] = dtype
+        listing.files[key] = str(path / name if path.is_dir() else path)
     if not listing.shapes:
         raise CheckpointError(f"The weights {str(path)!r} hold no tensor.")
     return listing
@@ -167,8 +160,8 @@ def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool |
     what = f"Loading the pretrained weights {listing.shown!r}"
     if listing.kind == "sharded":
         assert listing.found is not None
-        reader = listing.found.backend.dcp_reader(listing.found.data)
-        reader.read_metadata = lambda *args, **kwargs: listing.metadata  # read once, safely, on rank 0
+        # The metadata was read once, safely, on rank 0.
+        reader = listing.found.backend.dcp_reader(listing.found.data, listing.metadata)
         state: dict[str, Any] = {listing.model_key: targets}
         run_dcp(
             lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)),
