@@ -505,3 +505,10 @@ def test_verify_reports_an_object_entry_it_cannot_read(hostile_item: Path, marke
         f" its entry {ITEM} at byte {int(info.offset)} cannot be read (ValueError: "
     )
     assert not marker.exists()
+
+
+def test_a_refusal_survives_pickling_as_dcp_gathers_it_from_rank_to_rank() -> None:
+    err = unpickling.refused("The entry 'x' of 'ckpt'", "builtins.eval")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err)
+    assert (back.what, back.name) == (err.what, err.name)

@@ -60,6 +60,10 @@ class RefusedPickleError(CheckpointError):
         self.what = what
         self.name = name
 
+    def __reduce__(self) -> tuple[type[RefusedPickleError], tuple[str, str]]:
+        # Rebuilt from its two fields: DCP gathers a rank's error to every rank by pickling it.
+        return type(self), (self.what, self.name)
+
 
 def refused(what: str, name: str) -> RefusedPickleError:
     """The one error for a checkpoint that holds something not on the list.
