@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import assert_same
-from tests.distributed.torchrun import run_torchrun
+from tests.distributed.launch import run_torchrun
 
 SCRIPT = Path(__file__).parent / "distributed" / "scenario_multinode.py"
 STRATEGIES = ("mp", "fsdp")

@@ -28,8 +28,8 @@ from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
 from lightning_sharded.cli import main as cli
-from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
-from tests.distributed.launch import run_ranks
+from tests.distributed.harness import assert_same, model_keys, optimizer_keys
+from tests.distributed.launch import SCENARIO, Batch, Results, run_ranks
 from tests.s3_server import S3Server
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")

@@ -99,7 +99,8 @@ def test_the_strategy_s_checkpoint_timeout_bounds_a_save_and_a_resume(tmp_path: 
     import signal
     import time
 
-    from tests.distributed.launch import free_port, rank_env, run_ranks, start_rank
+    from lightning_sharded._launch import free_port
+    from tests.distributed.launch import rank_env, run_ranks, start_rank
 
     ckpt = tmp_path / "ckpt"
     args = ["--ckpt", str(ckpt), "--timeout", str(STRATEGY_TIMEOUT_S)]

@@ -52,7 +52,7 @@ from lightning_sharded import (  # noqa: E402
     ShardedModelParallelStrategy,
     ShardedStateMixin,
 )
-from tests.distributed.forks import fork  # noqa: E402
+from tests.distributed.launch import fork  # noqa: E402
 
 #: case -> (strategy, state_dict_type, async_save)
 CASES = {

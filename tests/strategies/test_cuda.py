@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import Batch, Results, assert_same
+from tests.distributed.harness import assert_same
+from tests.distributed.launch import Batch, Results
 
 KINDS = {
     "sharded": (),
