@@ -1,26 +1,32 @@
-"""Exact, structural comparison of checkpoint dicts (tensors by dtype, shape and every value)."""
+"""The tests' exact comparisons: checkpoint dicts by structure (tensors by dtype, shape and every value),
+and the values a scenario gathered after a restore against those it saved."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 
-def assert_same(actual: Any, expected: Any, where: str = "checkpoint") -> None:
-    """Assert two nested structures of dicts, lists, tensors and plain values are exactly equal."""
+def assert_same(actual: Any, expected: Any, where: str = "checkpoint", ordered: bool = False) -> None:
+    """Assert two nested structures of dicts, lists, tensors and plain values are exactly equal.
+
+    With ``ordered``, each dict's keys in the same order too.
+    """
     if isinstance(expected, dict):
         assert isinstance(actual, dict), f"{where}: {type(actual).__name__}, expected a dict"
-        assert sorted(map(str, actual)) == sorted(map(str, expected)), (
+        order = list if ordered else sorted
+        assert order(map(str, actual)) == order(map(str, expected)), (
             f"{where}: keys {list(actual)} != {list(expected)}"
         )
         for key in expected:
-            assert_same(actual[key], expected[key], f"{where}[{key!r}]")
+            assert_same(actual[key], expected[key], f"{where}[{key!r}]", ordered)
     elif isinstance(expected, (list, tuple)):
         assert isinstance(actual, (list, tuple)), f"{where}: {type(actual).__name__}, expected a sequence"
         assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_same(a, e, f"{where}[{i}]")
+            assert_same(a, e, f"{where}[{i}]", ordered)
     elif isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__}, expected a tensor"
         assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
@@ -30,3 +36,29 @@ def assert_same(actual: Any, expected: Any, where: str = "checkpoint") -> None:
         assert torch.equal(actual.cpu(), expected.cpu()), f"{where}: values differ"
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def assert_restored(
+    saved: dict[str, Any], restored: dict[str, Any], keys: Sequence[str] | None = None, step: bool = True
+) -> None:
+    """Every model and optimizer value of ``saved`` (or the given keys) equals the restored one exactly.
+
+    With ``step``, the restored global step too (the loops are restored only when fitting).
+    """
+    keys = model_keys(saved) + optimizer_keys(saved) if keys is None else list(keys)
+    assert keys, "nothing to compare"
+    missing = [k for k in keys if k not in restored]
+    assert not missing, f"not restored: {missing}"
+    differ = [k for k in keys if not torch.equal(torch.as_tensor(saved[k]), torch.as_tensor(restored[k]))]
+    assert not differ, f"restored values differ from the saved ones for {differ}"
+    if step:
+        assert restored["global_step"] == saved["global_step"]
+
+
+def model_keys(values: dict[str, Any]) -> list[str]:
+    return sorted(k for k in values if k.startswith("model."))
+
+
+def optimizer_keys(values: dict[str, Any]) -> list[str]:
+    return sorted(k for k in values if k.startswith("opt"))
+
