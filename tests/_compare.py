@@ -1,11 +1,13 @@
-"""The tests' exact comparisons: checkpoint dicts by structure (tensors by dtype, shape and every value),
-and the values a scenario gathered after a restore against those it saved."""
+"""The tests' shared checks: exact comparisons of checkpoint dicts by structure (tensors by dtype, shape
+and every value) and of the values a scenario gathered after a restore against those it saved; the
+command line run in this process."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -62,3 +64,11 @@ def model_keys(values: dict[str, Any]) -> list[str]:
 def optimizer_keys(values: dict[str, Any]) -> list[str]:
     return sorted(k for k in values if k.startswith("opt"))
 
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``lightning-sharded ARGV`` in this process: its exit code, stdout and stderr."""
+    from lightning_sharded.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err

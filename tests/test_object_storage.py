@@ -27,8 +27,7 @@ from lightning_sharded.checkpoint.backends import backend_for
 from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
-from lightning_sharded.cli import main as cli
-from tests._compare import assert_restored, model_keys, optimizer_keys
+from tests._compare import assert_restored, model_keys, optimizer_keys, run_cli
 from tests.distributed.launch import SCENARIO, Batch, Results, run_ranks
 from tests.s3_server import S3Server
 
@@ -76,12 +75,6 @@ def copy(fs: Any, src: str, dst: str) -> None:
     fs.invalidate_cache()
     fs.copy(src, dst, recursive=True)
     fs.invalidate_cache()
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # ---------------------------------------------------------------------------------- save, resume
