@@ -1,6 +1,6 @@
 """The tests' shared checks: exact comparisons of checkpoint dicts by structure (tensors by dtype, shape
-and every value) and of the values a scenario gathered after a restore against those it saved; the
-command line run in this process."""
+and every value) and of the values a scenario gathered after a restore against those it saved; which
+version a checkpoint holds; the command line run in this process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+
+from lightning_sharded import load_checkpoint, verify_checkpoint
+from lightning_sharded.cli import main
 
 
 def assert_same(actual: Any, expected: Any, where: str = "checkpoint", ordered: bool = False) -> None:
@@ -65,10 +68,25 @@ def optimizer_keys(values: dict[str, Any]) -> list[str]:
     return sorted(k for k in values if k.startswith("opt"))
 
 
+def assert_version(
+    path: Any, version: int, weights: dict[str, torch.Tensor], verify_while_loading: bool = False
+) -> None:
+    """The checkpoint at ``path`` is whole and is version ``version``: its ``global_step`` is ``version``
+    and each of ``weights`` equals its ``state_dict`` entry exactly.
+
+    Whole: ``verify_checkpoint`` passes first, or (``verify_while_loading``) the load checks every
+    checksum as it reads.
+    """
+    if not verify_while_loading:
+        verify_checkpoint(path)
+    loaded = load_checkpoint(path, verify=verify_while_loading)
+    assert loaded["global_step"] == version
+    for name, value in weights.items():
+        assert torch.equal(loaded["state_dict"][name], value), name
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``lightning-sharded ARGV`` in this process: its exit code, stdout and stderr."""
-    from lightning_sharded.cli import main
-
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
