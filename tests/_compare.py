@@ -1,17 +1,18 @@
 """The tests' shared checks: exact comparisons of checkpoint dicts by structure (tensors by dtype, shape
-and every value) and of the values a scenario gathered after a restore against those it saved; which
-version a checkpoint holds; the command line run in this process."""
+and every value) and of the values a scenario gathered after a restore against those it saved; a sharded
+model's full values to compare; which version a checkpoint holds; the command line run in this process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-import pytest
 import torch
 
 from lightning_sharded import load_checkpoint, verify_checkpoint
-from lightning_sharded.cli import main
+
+if TYPE_CHECKING:
+    import pytest
 
 
 def assert_same(actual: Any, expected: Any, where: str = "checkpoint", ordered: bool = False) -> None:
@@ -68,6 +69,43 @@ def optimizer_keys(values: dict[str, Any]) -> list[str]:
     return sorted(k for k in values if k.startswith("opt"))
 
 
+def full_values(
+    model: torch.nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    skip: Callable[[str], bool] = lambda key: False,
+    optimizer_key: str = "opt{index}",
+    lr: bool = False,
+) -> dict[str, Any]:
+    """A sharded model's full model and optimizer state as plain CPU tensors, gathered with torch's
+    helpers (collective over the model's ranks), for exact comparisons.
+
+    Keys: ``model.KEY`` for each model key but those ``skip(KEY)`` holds for (the caller records them
+    itself), ``<optimizer_key>.PARAM.ENTRY`` for each optimizer's state (``optimizer_key`` formatted with
+    the optimizer's ``index``), and with ``lr``, ``<optimizer_key>.lr``: each parameter group's rate.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    values: dict[str, Any] = {
+        f"model.{key}": value.detach().cpu().clone()  # in one process it can be the live tensor
+        for key, value in get_model_state_dict(model, options=options).items()
+        if not skip(key)
+    }
+    for index, optimizer in enumerate(optimizers):
+        name = optimizer_key.format(index=index)
+        state = get_optimizer_state_dict(model, optimizer, options=options)
+        for param, entries in state.get("state", {}).items():
+            for entry, value in entries.items():
+                values[f"{name}.{param}.{entry}"] = torch.as_tensor(value).cpu().clone()
+        if lr and state:
+            values[f"{name}.lr"] = torch.tensor([group["lr"] for group in state["param_groups"]])
+    return values
+
+
 def assert_version(
     path: Any, version: int, weights: dict[str, torch.Tensor], verify_while_loading: bool = False
 ) -> None:
@@ -87,6 +125,8 @@ def assert_version(
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``lightning-sharded ARGV`` in this process: its exit code, stdout and stderr."""
+    from lightning_sharded.cli import main
+
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
