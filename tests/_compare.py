@@ -1,6 +1,7 @@
 """The tests' shared checks: exact comparisons of checkpoint dicts by structure (tensors by dtype, shape
 and every value) and of the values a scenario gathered after a restore against those it saved; a sharded
-model's full values to compare; which version a checkpoint holds; the command line run in this process."""
+model's full values to compare; which version a checkpoint holds; the command line run in this process;
+a quiet Trainer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from lightning_sharded import load_checkpoint, verify_checkpoint
 
 if TYPE_CHECKING:
+    import lightning as L
     import pytest
 
 
@@ -130,3 +132,20 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def quiet_trainer(callbacks: Sequence[Any] = (), **settings: Any) -> L.Trainer:
+    """A CPU ``Trainer`` with ``settings`` that logs and shows nothing (no logger, progress bar or model
+    summary) and checkpoints only with a ``ModelCheckpoint`` among ``callbacks``."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return L.Trainer(
+        accelerator="cpu",
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **settings,
+    )

@@ -87,17 +87,7 @@ def strategy(name: str, async_save: bool) -> Any:
 
 
 def trainer(name: str, steps: int, callbacks: list[Any], async_save: bool = False) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy(name, async_save),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    return compare.quiet_trainer(callbacks, devices=2, strategy=strategy(name, async_save), max_steps=steps)
 
 
 def full_values(trainer: L.Trainer) -> dict[str, torch.Tensor]:
