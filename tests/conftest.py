@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_sharded._launch import free_port
 from tests._pages import drops_pages
-from tests.distributed.launch import free_port
 from tests.doc_sessions import run_demo
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"

@@ -21,12 +21,13 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.staging import StagingBuffers
-from tests.distributed.launch import Rank, free_port, rank_env, run_ranks, start_rank
+from tests.distributed.launch import Rank, rank_env, run_ranks, start_rank
 
 SCENARIO = Path(__file__).with_name("distributed") / "scenario_async.py"
 MODEL_KEY = {"mp": "state_dict", "fsdp": "model"}

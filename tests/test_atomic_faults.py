@@ -63,7 +63,9 @@ def read_dcp_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def assert_version(path: Path, version: int) -> None:
+def assert_published_version(path: Path, version: int) -> None:
+    """What the commit published at ``path`` is version ``version``, whole: its manifest's epoch and file
+    sizes, and its values as DCP alone reads them."""
     real = resolve(path)
     assert real.is_dir(), f"no checkpoint at {path} (resolved to {real})"
     manifest = read_manifest(real)
@@ -88,7 +90,7 @@ def test_crash_leaves_old_or_new_whole(crashes: tuple[Path, dict[str, Any]], cas
         assert not resolve(ckpt).exists(), "a crashed first save must leave nothing at the path"
         assert not ckpt.exists()
     else:
-        assert_version(ckpt, version)
+        assert_published_version(ckpt, version)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -96,7 +98,7 @@ def test_next_save_succeeds_and_cleans_up(crashes: tuple[Path, dict[str, Any]], 
     out, results = crashes
     assert results[case]["recover"] == [0, 0]
     ckpt = out / case / "recovered" / "ckpt"
-    assert_version(ckpt, 3)
+    assert_published_version(ckpt, 3)
     verify_checkpoint(ckpt)  # the CRC-32s computed while writing match the bytes on disk
     assert leftovers(ckpt) == []
     assert sorted(p.name for p in ckpt.parent.iterdir() if not p.name.startswith("error.")) == ["ckpt"]

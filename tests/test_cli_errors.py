@@ -16,6 +16,7 @@ from lightning_sharded import CheckpointError
 from lightning_sharded.checkpoint import progress
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
 from lightning_sharded.cli import main
+from tests._compare import run_cli
 from tests.distributed.launch import REPO
 from tests.test_tools_safety import flip_a_bit_of_the_weight, unwritable
 from tests.test_verify_errors import truncate
@@ -27,15 +28,9 @@ NOT_A_CHECKPOINT = (
 )
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     """Run a failing command: exit 1, nothing on stdout, one line on stderr; returns that line's message."""
-    code, out, err = run(capsys, *argv)
+    code, out, err = run_cli(capsys, *argv)
     assert code == 1, (code, out, err)
     assert out == "" and err.endswith("\n") and err.count("\n") == 1, err
     assert "Traceback" not in err
@@ -163,9 +158,9 @@ def test_a_directory_destination_and_an_unwritable_one(
 
 def test_no_verify_and_force(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     flip_a_bit_of_the_weight(workdir / "ckpt")
-    code, out, err = run(capsys, "consolidate", "--no-verify", "ckpt", "out.ckpt")
+    code, out, err = run_cli(capsys, "consolidate", "--no-verify", "ckpt", "out.ckpt")
     assert (code, err) == (0, "") and out.startswith("Wrote out.ckpt (")
-    code, out, _ = run(capsys, "consolidate", "ckpt", "out.ckpt", "--no-verify", "--force")
+    code, out, _ = run_cli(capsys, "consolidate", "ckpt", "out.ckpt", "--no-verify", "--force")
     assert code == 0 and out.startswith("Wrote out.ckpt (")
 
 
@@ -193,7 +188,7 @@ def test_an_unexpected_error_is_one_line_too(
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.setattr(tools, "inspect_checkpoint", boom)
-    code, _, err = run(capsys, "inspect", "ckpt")
+    code, _, err = run_cli(capsys, "inspect", "ckpt")
     assert code == 1
     assert err == (
         "lightning-sharded inspect: unexpected error: RuntimeError: boom second line (this is a bug in"
@@ -211,14 +206,14 @@ def test_debug_before_and_after_the_command(workdir: Path) -> None:
 
 def test_verbose_before_and_after_the_command(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["-v", "verify", "ckpt"], ["verify", "ckpt", "-v"], ["verify", "-v", "ckpt"]):
-        code, out, err = run(capsys, *argv)
+        code, out, err = run_cli(capsys, *argv)
         assert code == 0 and out.startswith("OK: ckpt (sharded, 5 files, ")  # the manifest counts
         assert err.startswith("Verified ckpt (sharded, 5 files, ") and " KiB) in " in err, err
-    code, _, err = run(capsys, "inspect", "ckpt", "--verbose")
+    code, _, err = run_cli(capsys, "inspect", "ckpt", "--verbose")
     assert code == 0 and err.startswith("Inspected ckpt (8 entries) in ")
-    code, _, err = run(capsys, "consolidate", "-v", "ckpt", "full.ckpt")
+    code, _, err = run_cli(capsys, "consolidate", "-v", "ckpt", "full.ckpt")
     assert code == 0 and err.startswith("Consolidated ckpt into full.ckpt (456 B of tensors) in ")
-    code, _, err = run(capsys, "verify", "ckpt")
+    code, _, err = run_cli(capsys, "verify", "ckpt")
     assert (code, err) == (0, "")  # quiet without -v
 
 
@@ -226,14 +221,14 @@ def test_progress_bars(
     workdir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(progress, "PROGRESS_MIN_BYTES", 1)  # every checkpoint is "large"
-    code, _, err = run(capsys, "verify", "ckpt")
+    code, _, err = run_cli(capsys, "verify", "ckpt")
     assert code == 0 and "verifying ckpt: 100%" in err and " MiB [" in err, err
-    code, _, err = run(capsys, "consolidate", "ckpt", "full.ckpt")
+    code, _, err = run_cli(capsys, "consolidate", "ckpt", "full.ckpt")
     assert code == 0 and "consolidating ckpt: 100%" in err, err
-    code, _, err = run(capsys, "verify", "full.ckpt")
+    code, _, err = run_cli(capsys, "verify", "full.ckpt")
     assert code == 0 and "verifying full.ckpt: 100%" in err, err
     for argv in (["verify", "ckpt", "--no-progress"], ["consolidate", "ckpt", "f2.ckpt", "--no-progress"]):
-        code, _, err = run(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert (code, err) == (0, ""), err
 
 
@@ -251,22 +246,22 @@ def test_the_console_script_shows_no_traceback(workdir: Path) -> None:
 
 def test_demo_help(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["demo", "--help"], ["-v", "demo", "--help"]):
-        code, out, _ = run(capsys, *argv)
+        code, out, _ = run_cli(capsys, *argv)
         assert code == 0 and out.startswith("usage: lightning-sharded demo [-h]")
         flat = " ".join(out.split())
         assert "--strategy {fsdp,model-parallel} fsdp: ShardedFSDPStrategy (FSDP1, default)" in flat
         assert "ShardedModelParallelStrategy (FSDP2, DTensor parameters)" in flat
         assert "--state-dict-type {sharded,full} sharded: a directory of shards" in flat
-    code, out, _ = run(capsys, "--help")
+    code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "--debug" in out and "--verbose" in out
-    code, out, _ = run(capsys, "consolidate", "--help")
+    code, out, _ = run_cli(capsys, "consolidate", "--help")
     assert code == 0 and "--force" in out and "--no-verify" in out and "--debug" in out
 
 
 def test_demo_writes_only_into_its_own_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "saved.pt").write_text("someone's file")
-    code, _, err = run(capsys, "demo", "--output", str(tmp_path / "mine"))
+    code, _, err = run_cli(capsys, "demo", "--output", str(tmp_path / "mine"))
     assert code == 2
     assert (
         "is a folder the demo did not create, and not empty: the demo writes only into its own folder" in err

@@ -22,7 +22,7 @@ import torch
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_pretrained
 from lightning_sharded.cli import main
 from tests.distributed import scenario_llama
-from tests.distributed.harness import Results, run_batch
+from tests.distributed.launch import Results, run_batch
 from tests.test_docs import blocks
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_dev
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sharded import ShardedStateMixin, has_sharded_state_hooks
+from tests._compare import quiet_trainer
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -57,16 +58,7 @@ def data() -> DataLoader:
 
 
 def trainer(root: Path, epochs: int) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        default_root_dir=root,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    return quiet_trainer(devices=1, max_epochs=epochs, default_root_dir=root)
 
 
 def test_hyperparameters_and_hooks() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import assert_same
-from tests.distributed.torchrun import run_torchrun
+from tests._compare import assert_restored
+from tests.distributed.launch import run_torchrun
 
 SCRIPT = Path(__file__).parent / "distributed" / "scenario_multinode.py"
 STRATEGIES = ("mp", "fsdp")
@@ -28,4 +28,4 @@ def test_two_nodes_save_one_node_resumes(tmp_path: Path) -> None:
         before = torch.load(saved / f"{strategy}.pt", weights_only=False)
         after = torch.load(restored / f"{strategy}.pt", weights_only=False)
         assert "model.table" in before and any(k.startswith("opt0.") for k in before), strategy
-        assert_same(before, after)
+        assert_restored(before, after)

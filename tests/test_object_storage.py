@@ -27,9 +27,8 @@ from lightning_sharded.checkpoint.backends import backend_for
 from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
-from lightning_sharded.cli import main as cli
-from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
-from tests.distributed.launch import run_ranks
+from tests._compare import assert_restored, model_keys, optimizer_keys, run_cli
+from tests.distributed.launch import SCENARIO, Batch, Results, run_ranks
 from tests.s3_server import S3Server
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")
@@ -78,12 +77,6 @@ def copy(fs: Any, src: str, dst: str) -> None:
     fs.invalidate_cache()
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = cli(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 # ---------------------------------------------------------------------------------- save, resume
 
 
@@ -92,7 +85,7 @@ def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, s
 def test_save_to_s3_and_resume_from_it_at_two_ranks(
     fitted: Results, fs: Any, s3: S3Server, strategy: str, kind: str
 ) -> None:
-    assert_same(fitted[f"{strategy}-{kind}"], fitted[f"{strategy}-{kind}/resume"])
+    assert_restored(fitted[f"{strategy}-{kind}"], fitted[f"{strategy}-{kind}/resume"])
     url = s3.url(f"fits/{strategy}-{kind}")
     if kind == "full":
         assert fs.isfile(url), "a full checkpoint is one object"
@@ -168,7 +161,7 @@ def test_a_rank_killed_before_the_publish_leaves_the_previous_checkpoint(
     batch.add("new", 2, "fit", *MP, "--ckpt", url, "--steps", "4")
     batch.run()
     results = Results(batch.outs)
-    assert_same(old, results["resume"])
+    assert_restored(old, results["resume"])
     final = names(fs, url)
     assert len(final) == 2 and final[1] == MANIFEST_NAME and final[0] not in after, final
     assert load_checkpoint(url)["global_step"] == results["new"]["global_step"] == 4
@@ -306,7 +299,7 @@ def test_consolidate_from_s3_then_a_stock_single_device_resume(
     batch.run()
     saved = fitted["fsdp-sharded"]
     keys = [k for k in model_keys(saved) + optimizer_keys(saved) if k != "opt0.lr"]  # not gathered at 1
-    assert_same(saved, Results(batch.outs)["single"], keys)
+    assert_restored(saved, Results(batch.outs)["single"], keys)
 
 
 def test_errors_name_the_url(s3: S3Server, fs: Any, capsys: pytest.CaptureFixture[str]) -> None:

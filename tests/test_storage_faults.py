@@ -29,6 +29,7 @@ from lightning_sharded.checkpoint.backends.retry import BACKOFF_ENV, RETRIES_ENV
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.errors import StorageError
 from lightning_sharded.checkpoint.failures import Failure
+from tests._compare import assert_version
 from tests.faulty_storage import FlakyFileSystem, filling_disk
 
 
@@ -44,13 +45,6 @@ def state(version: int) -> dict[str, Any]:
 
 def save(path: Any, version: int, **kwargs: Any) -> None:
     io.write_sharded_checkpoint(path, state(version), {"global_step": version}, rank=0, **kwargs)
-
-
-def assert_version(path: Any, version: int) -> None:
-    loaded = load_checkpoint(path, verify=True)
-    assert loaded["global_step"] == version
-    assert torch.equal(loaded["state_dict"]["w"], state(version)["model"]["w"])
-    assert torch.equal(loaded["state_dict"]["b"], state(version)["model"]["b"])
 
 
 def assert_clean(path: Path) -> None:
@@ -84,7 +78,7 @@ def test_a_disk_that_fills_up_names_the_cause_and_the_file(tmp_path: Path, patte
     assert f"{FILES[pattern]}'" in message, message
     assert "save_top_k" in message and "The partial save was removed" in message, message
     assert "unexpected pos" not in message and ".metadata names" not in message, message  # no load hint
-    assert_version(path, 1)
+    assert_version(path, 1, state(1)["model"], verify_while_loading=True)
     assert_clean(path)
 
 
@@ -118,7 +112,7 @@ def test_a_quota(tmp_path: Path) -> None:
     message = str(raised.value)
     assert message.startswith("Disk quota exceeded (EDQUOT): saving the checkpoint"), message
     assert "quota -s" in message and raised.value.errno == errno.EDQUOT
-    assert_version(path, 1)
+    assert_version(path, 1, state(1)["model"], verify_while_loading=True)
     assert_clean(path)
 
 
@@ -161,12 +155,12 @@ def test_a_save_that_cannot_fit_is_refused_before_writing(
     ), message
     assert "check_space=False" in message and raised.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path)) == before, "a refused save created something"
-    assert_version(path, 1)
+    assert_version(path, 1, state(1)["model"], verify_while_loading=True)
     save(path, 2, check_space=False)  # the check can be turned off
-    assert_version(path, 2)
+    assert_version(path, 2, state(2)["model"], verify_while_loading=True)
     free["bytes"] = space.required(needed)
     save(path, 3)  # just enough
-    assert_version(path, 3)
+    assert_version(path, 3, state(3)["model"], verify_while_loading=True)
     # a full file, the same way
     monkeypatch.setattr(LocalBackend, "free_space", lambda self, target: 1000)
     with pytest.raises(
@@ -228,7 +222,7 @@ def test_a_target_that_cannot_be_written(
     assert hint in message and "Nothing was written" in message, message
     with pytest.raises(StorageError, match=re.escape(first)):
         io.write_full_checkpoint(tmp_path / "full.ckpt", {"state_dict": state(1)["model"]}, rank=0)
-    assert_version(path, 1)
+    assert_version(path, 1, state(1)["model"], verify_while_loading=True)
     assert_clean(path)
 
 
@@ -247,7 +241,7 @@ def test_a_directory_put_where_the_save_writes(tmp_path: Path) -> None:
     message = str(raised.value)
     assert message.startswith("Is a directory (EISDIR): saving the checkpoint"), message
     assert "meta.pt': Is a directory" in message and "one job at a time" in message, message
-    assert_version(path, 1)
+    assert_version(path, 1, state(1)["model"], verify_while_loading=True)
     assert_clean(path)
 
     full = tmp_path / "full.ckpt"
@@ -290,7 +284,7 @@ def test_an_object_store_that_throttles_or_drops(flaky: type[FlakyFileSystem], k
     save(url, 2)
     assert len(flaky.failed) == 4, flaky.failed
     flaky.failures = 3
-    assert_version(url, 2)
+    assert_version(url, 2, state(2)["model"], verify_while_loading=True)
     flaky.failures = 1000  # a store that never recovers: a bounded number of tries, then a clear error
     flaky.failed = []
     with pytest.raises(StorageError) as raised:
@@ -307,7 +301,7 @@ def test_an_object_store_that_throttles_or_drops(flaky: type[FlakyFileSystem], k
     assert "failed 5 time(s) over" in message and RETRIES_ENV in message, message
     assert len(flaky.failed) == 5, flaky.failed
     flaky.failures = 0
-    assert_version(url, 2)
+    assert_version(url, 2, state(2)["model"], verify_while_loading=True)
 
 
 def test_what_is_worth_another_try() -> None:

@@ -16,7 +16,7 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint, load_chec
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from lightning_sharded.cli import main
-from tests._compare import assert_same
+from tests._compare import assert_same, run_cli
 from tests.distributed.fault_driver import expected
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,12 +231,6 @@ def test_consolidate_memory_is_bounded_by_one_tensor(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------- CLI
-
-
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_inspect_table_and_json(sharded_ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,8 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.harness import Results, run_batch
-from tests.distributed.launch import run_ranks
+from tests.distributed.launch import Results, run_batch, run_ranks
 
 REQUIRE_ENV = "LIGHTNING_SHARDED_REQUIRE_TORCHREC"
 HAVE_TORCHREC = importlib.util.find_spec("torchrec") is not None

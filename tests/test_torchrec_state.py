@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.harness import run_batch
+from tests.distributed.launch import run_batch
 
 REQUIRE_ENV = "LIGHTNING_SHARDED_REQUIRE_TORCHREC"
 HAVE_TORCHREC = importlib.util.find_spec("torchrec") is not None

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.harness import run_batch
+from tests.distributed.launch import run_batch
 
 SCRIPT = Path(__file__).with_name("distributed") / "scenario_uneven.py"
 

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.harness import Results, run_batch
-from tests.distributed.launch import launcher_env
+from tests.distributed.launch import Results, launcher_env, run_batch
 from tests.distributed.wrap_models import WRAPPINGS
 
 pytestmark = pytest.mark.slow

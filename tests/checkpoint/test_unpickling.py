@@ -36,7 +36,7 @@ from lightning_sharded.checkpoint import unpickling
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.names import MANIFEST_NAME
-from lightning_sharded.cli import main
+from tests._compare import run_cli
 from tests.distributed.launch import run_ranks
 from tests.distributed.lightning_pickles import HPARAMS, PickleModel, callbacks
 from tests.distributed.tiny_models import TinyShardedModel
@@ -48,12 +48,6 @@ STRATEGIES = ("mp", "fsdp", "stock-mp", "stock-fsdp")
 
 def message(what: str) -> str:
     return str(unpickling.refused(what, HOSTILE_NAME))
-
-
-def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def rewrite_manifest_entry(directory: Path, name: str) -> None:
@@ -142,7 +136,7 @@ def test_hostile_full_file(
         with pytest.raises(CheckpointError) as info:
             tool(hostile_file)
         assert str(info.value) == expected, tool
-    code, out, err = cli(capsys, "verify", str(hostile_file))
+    code, out, err = run_cli(capsys, "verify", str(hostile_file))
     assert (code, out) == (1, "") and expected in err
     # inspect lists the rest and marks what it did not unpickle
     info = inspect_checkpoint(hostile_file)
@@ -152,10 +146,10 @@ def test_hostile_full_file(
         ("state_dict.net.0.weight", "torch.float32"),
     ]
     assert (info.epoch, info.global_step) == (0, 1)
-    code, out, _ = cli(capsys, "inspect", str(hostile_file))
+    code, out, _ = run_cli(capsys, "inspect", str(hostile_file))
     assert code == 0 and f"not unpickled: hyper_parameters.notes holds {HOSTILE_NAME}" in out
     assert "If you trust the file, use --unsafe-unpickle." in out
-    code, _, err = cli(capsys, "consolidate", str(hostile_file), str(tmp_path / "out.ckpt"))
+    code, _, err = run_cli(capsys, "consolidate", str(hostile_file), str(tmp_path / "out.ckpt"))
     assert code == 1 and "already a full checkpoint file" in err
     with pytest.raises(pickle.UnpicklingError, match=HOSTILE_NAME):  # a file: stock Lightning's torch.load
         TinyShardedModel.load_from_checkpoint(hostile_file)
@@ -163,10 +157,10 @@ def test_hostile_full_file(
         torch.load(hostile_file)
     assert not marker.exists()
 
-    code, out, _ = cli(capsys, "verify", str(hostile_file), "--unsafe-unpickle")
+    code, out, _ = run_cli(capsys, "verify", str(hostile_file), "--unsafe-unpickle")
     assert code == 0 and f"holds {HOSTILE_NAME}, which a safe load refuses" in out
     assert not marker.exists()  # verify reads pickles statically, even with the flag
-    code, out, _ = cli(capsys, "inspect", str(hostile_file), "--unsafe-unpickle")
+    code, out, _ = run_cli(capsys, "inspect", str(hostile_file), "--unsafe-unpickle")
     assert code == 0 and "global step: 1" in out and "not unpickled" not in out and marker.exists()
     marker.unlink()
     assert load_checkpoint(hostile_file, weights_only=False)["global_step"] == 1 and marker.exists()
@@ -187,10 +181,10 @@ def test_hostile_meta_pt_with_a_matching_manifest(
             call()
         assert str(info.value) == expected
     for argv in (["verify", str(hostile_meta)], ["consolidate", str(hostile_meta), str(out_file)]):
-        code, out, err = cli(capsys, *argv)
+        code, out, err = run_cli(capsys, *argv)
         assert code == 1 and expected in err, argv
     # inspect takes epoch and step from the manifest: it does not unpickle meta.pt at all
-    code, out, _ = cli(capsys, "inspect", str(hostile_meta))
+    code, out, _ = run_cli(capsys, "inspect", str(hostile_meta))
     assert code == 0 and "global step: 10" in out and "not unpickled" not in out
     # without a manifest it reads meta.pt, and marks what it did not unpickle
     bare = tmp_path / "bare.ckpt"
@@ -225,17 +219,17 @@ def test_hostile_item_inside_a_distcp_file(
             call()
         assert str(info.value) == expected
     for argv in (["verify", str(hostile_item)], ["consolidate", str(hostile_item), str(out_file)]):
-        code, _, err = cli(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == 1 and expected in err, argv
     # inspect shows the other entries' values and marks the refused one, without unpickling it
-    code, out, _ = cli(capsys, "inspect", str(hostile_item))
+    code, out, _ = run_cli(capsys, "inspect", str(hostile_item))
     assert code == 0 and any(
         line.split()[:4] == [ITEM[1:-1], "-", "not", "unpickled"] for line in out.splitlines()
     )
     assert inspect_checkpoint(hostile_item).not_unpickled == {ITEM[1:-1]: HOSTILE_NAME}
     assert not marker.exists() and not out_file.exists()
 
-    code, _, _ = cli(capsys, "consolidate", str(hostile_item), str(out_file), "--unsafe-unpickle")
+    code, _, _ = run_cli(capsys, "consolidate", str(hostile_item), str(out_file), "--unsafe-unpickle")
     assert code == 0 and marker.exists()
 
 
@@ -248,7 +242,7 @@ def test_hostile_dcp_metadata(
             tool(hostile_metadata)
         assert str(info.value) == expected, tool
     for command in ("inspect", "verify"):
-        code, _, err = cli(capsys, command, str(hostile_metadata))
+        code, _, err = run_cli(capsys, command, str(hostile_metadata))
         assert code == 1 and expected in err, command
     assert not marker.exists()
     with pytest.raises(CheckpointError):  # not a DCP Metadata once unpickled
@@ -273,7 +267,7 @@ def test_hostile_dcp_metadata_without_a_manifest(
         with pytest.raises(CheckpointError) as info:
             call()
         assert str(info.value) == expected
-    code, out, _ = cli(capsys, "verify", str(hostile_metadata), "--unsafe-unpickle")
+    code, out, _ = run_cli(capsys, "verify", str(hostile_metadata), "--unsafe-unpickle")
     what = f"The DCP metadata {str(hostile_metadata / '.metadata')!r}"
     assert code == 0 and f"note: {what} holds {HOSTILE_NAME}, which a safe load refuses" in out
     assert "note: the shard files were not checked against `.metadata`: reading it would run code" in out
@@ -326,7 +320,7 @@ def test_checkpoints_of_every_strategy_open_without_the_flag(
     assert inspect_checkpoint(ckpt).global_step == 4
     out_file = tmp_path / "full.ckpt"
     for argv in (["inspect", str(ckpt)], ["verify", str(ckpt)], ["consolidate", str(ckpt), str(out_file)]):
-        code, _, err = cli(capsys, *argv)
+        code, _, err = run_cli(capsys, *argv)
         assert code == 0, (argv, err)
     full = load_checkpoint(out_file)
     check_lightning_state(full)

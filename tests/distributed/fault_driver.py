@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -57,9 +56,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.commit import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
-from tests.distributed.forks import fork
+from tests.distributed.launch import fork
 
 WORLD_SIZE = 2
 ROWS = 8
@@ -211,18 +211,12 @@ def save_rank(rank: int, port: int, ckpt: Path, version: int, kill: str) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_save(
     ckpt: Path, version: int, kill: str = "", fault: str = "", no_exchange: bool = False
 ) -> list[int]:
     """Fork the ranks of one save and wait for them; a rank still alive after another was killed is
     given ``GRACE_S`` seconds, then killed. Returns each rank's exit code (negative: signal)."""
-    port = _free_port()
+    port = free_port()
 
     def the_rank(rank: int) -> int:
         os.environ[FAULT_ENV] = fault

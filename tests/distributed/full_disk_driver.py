@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.failures import free_space
-from tests.distributed.forks import fork
+from tests.distributed.launch import fork
 
 WORLD_SIZE = 2
 ROWS, COLS = 256, 512  # 512 KiB of float32, twice (weight and its optimizer state): 1 MiB a checkpoint

@@ -42,7 +42,7 @@ from lightning_sharded.checkpoint import collective, faults
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.faults import FAULT_ENV
 from lightning_sharded.checkpoint.load import restore_checkpoint
-from tests.distributed.forks import fork
+from tests.distributed.launch import fork
 
 WORLD_SIZE = 3
 ROWS, COLS = 6, 4

@@ -46,6 +46,7 @@ from lightning_sharded import (  # noqa: E402
 )
 from lightning_sharded.checkpoint import checksum as writer_module  # noqa: E402
 from lightning_sharded.checkpoint.commit import FAULT_ENV  # noqa: E402
+from tests import _compare as compare  # noqa: E402
 
 
 class Model(L.LightningModule):
@@ -86,29 +87,13 @@ def strategy(name: str, async_save: bool) -> Any:
 
 
 def trainer(name: str, steps: int, callbacks: list[Any], async_save: bool = False) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy(name, async_save),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    return compare.quiet_trainer(callbacks, devices=2, strategy=strategy(name, async_save), max_steps=steps)
 
 
 def full_values(trainer: L.Trainer) -> dict[str, torch.Tensor]:
     """Model and optimizer state gathered with torch's helpers (collective), as plain tensors."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    model, optim = get_state_dict(trainer.strategy.model, trainer.optimizers, options=options)
-    values = {f"model.{k}": v.detach().clone() for k, v in model.items()}
-    for name, state in optim["state"].items():
-        for entry, value in state.items():
-            values[f"optim.{name}.{entry}"] = torch.as_tensor(value).clone()
+    # the optimizer's state under optim.*, as test_async_save names what it reads from a checkpoint
+    values = compare.full_values(trainer.strategy.model, trainer.optimizers, optimizer_key="optim")
     values["global_step"] = torch.tensor(trainer.global_step)
     return values
 

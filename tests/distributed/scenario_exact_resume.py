@@ -46,6 +46,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from lightning_sharded import register_rank_state  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 from tests.distributed.scenario_rank_state import Augmented, ExactModel, local_values, strategy_for  # noqa: E402
 
 #: case -> (strategy, state_dict_type, async_save)
@@ -171,17 +172,13 @@ def trainer(strategy: Any, callbacks: list[Any], **limits: Any) -> L.Trainer:
         limits.update(val_check_interval=0.5)
     else:
         limits.update(limit_val_batches=0)
-    return L.Trainer(
+    distributed = limits.pop("distributed", False)
+    return quiet_trainer(
+        callbacks,
         strategy=strategy,
-        accelerator="cpu",
         devices=2,
-        callbacks=callbacks,
-        use_distributed_sampler=limits.pop("distributed", False),
+        use_distributed_sampler=distributed,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         **limits,
     )
 

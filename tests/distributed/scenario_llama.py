@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy, ShardedStateMixin
 from lightning_sharded.tensors import to_full
+from tests._compare import quiet_trainer
 from tests.distributed.wrap_models import full_state_values
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -151,17 +152,7 @@ class Capture(L.Callback):
 
 
 def trainer(layout: str, steps: int, callbacks: list[Any]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy(layout),
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    return quiet_trainer(callbacks, devices=WORLD, strategy=strategy(layout), max_steps=steps)
 
 
 def fit(job: dict[str, Any]) -> None:

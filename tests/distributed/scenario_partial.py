@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy, load_pretrained  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 
 DIM, RANK_R, ROWS = 8, 2, 6
 
@@ -158,17 +159,7 @@ def make_trainer(job: dict[str, Any], steps: int, callbacks: list[L.Callback]) -
         strategy: Any = ShardedFSDPStrategy(auto_wrap_policy=wrap, **options)
     else:
         strategy = ShardedModelParallelStrategy(fully_shard_policy={nn.Linear}, **options)
-    return L.Trainer(
-        accelerator="cpu",
-        devices=dist.get_world_size(),
-        strategy=strategy,
-        max_steps=steps,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    return quiet_trainer(callbacks, devices=dist.get_world_size(), strategy=strategy, max_steps=steps)
 
 
 def run_job(job: dict[str, Any]) -> None:

@@ -52,7 +52,8 @@ from lightning_sharded import (  # noqa: E402
     ShardedModelParallelStrategy,
     ShardedStateMixin,
 )
-from tests.distributed.forks import fork  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
+from tests.distributed.launch import fork  # noqa: E402
 
 #: case -> (strategy, state_dict_type, async_save)
 CASES = {
@@ -173,18 +174,13 @@ def strategy_for(name: str, state_dict_type: str, async_save: bool = False) -> A
 
 
 def trainer(strategy: Any, devices: int, callbacks: list[Any]) -> L.Trainer:
-    return L.Trainer(
+    return quiet_trainer(
+        callbacks,
         strategy=strategy,
-        accelerator="cpu",
         devices=devices,
         max_steps=STEPS,
-        callbacks=callbacks,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
 
 

@@ -38,6 +38,7 @@ from torch import nn  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
 from lightning_sharded.hooks import register_sharded_state_hooks  # noqa: E402
+from tests import _compare as compare  # noqa: E402
 from tests.distributed.models import ShardedModel, TwoOptimizerModel  # noqa: E402
 
 # Read once: Lightning's environment deletes WORLD_SIZE from os.environ when a Trainer tears down.
@@ -93,14 +94,7 @@ def make_model(args: argparse.Namespace) -> ShardedModel:
 
 def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
     """Gather weights, sharded attributes and optimizer state with torch's own helpers (collective)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
     values: dict[str, Any] = {"global_step": trainer.global_step}
-    root = trainer.strategy.model
     if not dist.is_initialized():
         for key, value in model.state_dict().items():
             values[f"model.{key}"] = value.detach().clone()
@@ -112,25 +106,16 @@ def full_values(trainer: L.Trainer, model: ShardedModel) -> dict[str, Any]:
         return values
     from torch.distributed.tensor import DTensor
 
+    from lightning_sharded.tensors import to_full
+
     values["info.layers_are_dtensors"] = isinstance(model.layer1.weight, DTensor)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    for key, value in get_model_state_dict(root, options=options).items():
-        if key.startswith("layer"):
-            values[f"model.{key}"] = value.clone()  # in one process it can be the live tensor
+    skip = lambda key: not key.startswith("layer")  # noqa: E731
+    values.update(compare.full_values(trainer.strategy.model, trainer.optimizers, skip, lr=True))
     if model.table is not None:
         table = model.table.full_tensor() if hasattr(model.table, "full_tensor") else model.table
         values["model.table"] = table.clone()
     if model.cache is not None:
-        from lightning_sharded.tensors import to_full
-
         values["model.cache"] = to_full(model.cache).clone()
-    for index, opt in enumerate(trainer.optimizers):
-        state = get_optimizer_state_dict(root, opt, options=options)
-        for name, entries in state.get("state", {}).items():
-            for entry, value in entries.items():
-                values[f"opt{index}.{name}.{entry}"] = torch.as_tensor(value).clone()
-        if state:
-            values[f"opt{index}.lr"] = torch.tensor([g["lr"] for g in state["param_groups"]])
     return values
 
 

@@ -39,6 +39,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 from tests.distributed.torchrec_models import (  # noqa: E402
     TABLES,
     RecModel,
@@ -104,17 +105,8 @@ class Capture(L.Callback):
 
 
 def trainer_for(job: dict[str, Any], steps: int, callbacks: list[Any]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy_for(job),
-        max_steps=steps,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    return quiet_trainer(
+        callbacks, devices=WORLD, strategy=strategy_for(job), max_steps=steps, limit_val_batches=0
     )
 
 

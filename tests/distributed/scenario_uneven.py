@@ -37,6 +37,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 from tests.distributed.uneven_models import UnevenModel, gathered  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -61,17 +62,7 @@ def make_trainer(args: argparse.Namespace, model: UnevenModel, steps: int, callb
         strategy = ShardedFSDPStrategy(
             auto_wrap_policy={nn.Linear}, state_dict_type=args.state_dict_type, ignored_modules=[model.pieces]
         )
-    return L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=callbacks,
-    )
+    return quiet_trainer(callbacks, devices=WORLD, strategy=strategy, max_steps=steps)
 
 
 def run_job(argv: list[str]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded.tensors import to_full  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 from tests.distributed.wrap_models import WrapModel, full_state_values, strategy_for  # noqa: E402
 
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
@@ -49,17 +50,8 @@ def full_values(trainer: L.Trainer, model: Any) -> dict[str, Any]:
 
 
 def trainer_for(wrapping: str, steps: int, callbacks: list[Any]) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=WORLD,
-        strategy=strategy_for(wrapping, WORLD),
-        max_steps=steps,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    return quiet_trainer(
+        callbacks, devices=WORLD, strategy=strategy_for(wrapping, WORLD), max_steps=steps, limit_val_batches=0
     )
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy, ShardedStateMixin
+from tests._compare import full_values
 
 DIM = 8
 WRAPPINGS = ("fsdp", "fsdp-wrap", "fsdp-ac", "mp", "mp-ac", "mp-compile", "mp-nested")
@@ -172,21 +173,9 @@ def full_state_values(trainer: L.Trainer, skip: Any) -> dict[str, Any]:
         trainer: A fitted (or fitting) Trainer; collective over its ranks.
         skip: ``skip(key)`` is true for model keys the caller records itself (the sharded attributes).
     """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     root = trainer.strategy.model
-    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     values: dict[str, Any] = {"global_step": trainer.global_step, "keys": sorted(get_model_state_dict(root))}
-    for key, value in get_model_state_dict(root, options=options).items():
-        if not skip(key):
-            values[f"model.{key}"] = value.detach().clone()
-    for index, opt in enumerate(trainer.optimizers):
-        state = get_optimizer_state_dict(root, opt, options=options)
-        for name, entries in state["state"].items():
-            for entry, value in entries.items():
-                values[f"opt{index}.{name}.{entry}"] = torch.as_tensor(value).clone()
+    values.update(full_values(root, trainer.optimizers, skip))
     return values

@@ -30,6 +30,7 @@ from lightning_sharded.checkpoint.async_save import AsyncSaver  # noqa: E402
 from lightning_sharded.checkpoint.load import restore_checkpoint  # noqa: E402
 from lightning_sharded.checkpoint.save import split_sharded_checkpoint, write_sharded_checkpoint  # noqa: E402
 from lightning_sharded.checkpoint.state_dicts import model_state_dict, optimizer_state_dict  # noqa: E402
+from tests import _compare as compare  # noqa: E402
 
 
 def build(device: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -49,21 +50,8 @@ def build(device: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def full_values(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-    values = {
-        f"model.{k}": v.detach().cpu().clone()
-        for k, v in get_model_state_dict(model, options=options).items()
-    }
+    values = compare.full_values(model, [optimizer], optimizer_key="optim")
     values["table"] = model.table.full_tensor().cpu()
-    for name, state in get_optimizer_state_dict(model, optimizer, options=options)["state"].items():
-        for entry, value in state.items():
-            values[f"optim.{name}.{entry}"] = torch.as_tensor(value).cpu().clone()
     return values
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tests.distributed.harness import Batch, Results
+from tests.distributed.launch import Batch, Results
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")
 MP = ("--strategy", "mp", "--sharded-tensor")

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from lightning_sharded import load_checkpoint
-from tests.distributed.harness import assert_same, model_keys, optimizer_keys
+from tests._compare import assert_restored as assert_same
+from tests._compare import model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks
 from tests.distributed.scenario_after_fit import EVALUATIONS, FAILURES, MANUAL, VARIANTS, WEIGHTS_ONLY
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.harness import Batch, Results, assert_same
+from tests._compare import assert_restored
+from tests.distributed.launch import Batch, Results
 
 KINDS = {
     "sharded": (),
@@ -40,4 +41,4 @@ def test_resume_on_cuda(tmp_path: Path, strategy: str) -> None:
     results = Results(batch.outs)
     for resumed_on in sorted({1, world}):
         for kind in KINDS:
-            assert_same(results[kind], results[f"{kind}@{resumed_on}"])
+            assert_restored(results[kind], results[f"{kind}@{resumed_on}"])

@@ -22,7 +22,8 @@ from tests.test_user_state import Counter
 DATA = list(range(12))
 
 
-def trainer(max_steps: int = -1, loaders: Any = None, epoch: int = 0) -> Any:
+def fake_trainer(max_steps: int = -1, loaders: Any = None, epoch: int = 0) -> Any:
+    """What `_exact_resume` reads of a Trainer, without one."""
     return SimpleNamespace(max_steps=max_steps, world_size=1, current_epoch=epoch, train_dataloader=loaders)
 
 
@@ -44,7 +45,7 @@ def own(generators: Any = None, registered: dict[str, Any] | None = None) -> ran
 
 def test_a_last_batch_checkpoint_starts_the_next_epoch_from_the_saved_states() -> None:
     metadata = with_loader_state(LAST)
-    resume = _exact_resume.plan(own(), metadata, trainer())
+    resume = _exact_resume.plan(own(), metadata, fake_trainer())
     assert rank_state.loader_state(metadata) is None  # the finished epoch's end is not restored
     assert resume.early and not resume.position and not resume.empty_first and resume.stepped is None
 
@@ -52,7 +53,7 @@ def test_a_last_batch_checkpoint_starts_the_next_epoch_from_the_saved_states() -
 @pytest.mark.parametrize("max_steps", [-1, 18])
 def test_an_epoch_end_checkpoint_by_epochs_as_the_last_batch_by_steps_as_after_it(max_steps: int) -> None:
     metadata = with_loader_state(END)
-    resume = _exact_resume.plan(own(), metadata, trainer(max_steps))
+    resume = _exact_resume.plan(own(), metadata, fake_trainer(max_steps))
     if max_steps == -1:  # Lightning ignores the loader state and starts the next epoch at once
         assert resume.early and metadata["loops"] == with_loader_state(END)["loops"]
     else:  # read as saved after the last batch's validation; the loggers' step kept for the first batch
@@ -70,12 +71,12 @@ def test_a_plain_loaders_position_is_skipped_at_its_sampler_and_said(
     sampler = DistributedSampler(DATA, num_replicas=1, rank=0, shuffle=True, seed=1)
     loader = DataLoader(DATA, batch_size=2, sampler=sampler)
     unbroken = [b.tolist() for b in loader]
-    resume = _exact_resume.plan(own(), copy.deepcopy(MID), trainer(loaders=loader))
+    resume = _exact_resume.plan(own(), copy.deepcopy(MID), fake_trainer(loaders=loader))
     assert resume.position and resume.done == 5
     module = nn.Linear(1, 1)
     resume.on_train_loader(loader, module)
     with caplog.at_level(logging.INFO):
-        assert resume.on_train_start(trainer(loaders=loader), module) == []
+        assert resume.on_train_start(fake_trainer(loaders=loader), module) == []
     assert [b.tolist() for b in loader] == unbroken[5:]
     assert (
         "Resumed the train dataloader at batch 5 of epoch 0: its sampler skips the 5 batch(es) done before"
@@ -89,12 +90,12 @@ def test_a_shuffled_loaders_generators_wait_for_the_first_batch(caplog: pytest.L
     loader = DataLoader(DATA, batch_size=2, shuffle=True, generator=g)
     saved = torch.Generator().manual_seed(42).get_state()
     resume = _exact_resume.plan(
-        own(generators=[{"generator": saved}]), copy.deepcopy(MID), trainer(loaders=loader)
+        own(generators=[{"generator": saved}]), copy.deepcopy(MID), fake_trainer(loaders=loader)
     )
     module = nn.Linear(1, 1)
     resume.on_train_loader(loader, module)
     with caplog.at_level(logging.INFO):
-        resume.on_train_start(trainer(loaders=loader), module)
+        resume.on_train_start(fake_trainer(loaders=loader), module)
     assert (
         "The train dataloader's position (batch 5 of epoch 0) is not restored: the order of its"
         in caplog.text
@@ -112,10 +113,10 @@ def test_registered_objects_are_restored_and_the_unmatched_names_reported() -> N
     register_rank_state(module, "counter", counter)
     register_rank_state(module, "fresh", fresh)
     outcome = own(registered={"counter": {"n": 7}, "gone": {"n": 1}})
-    resume = _exact_resume.plan(outcome, copy.deepcopy(MID), trainer())
+    resume = _exact_resume.plan(outcome, copy.deepcopy(MID), fake_trainer())
     resume.on_train_loader(DataLoader(DATA, batch_size=2), module)
     assert counter.n == 7 and fresh.n == 0  # at the train dataloader's setup, before its first iterator
-    assert resume.on_train_start(trainer(), module) == [
+    assert resume.on_train_start(fake_trainer(), module) == [
         "the registered state 'gone' (nothing is registered under that name now)",
         "the registered state 'fresh' (the checkpoint has none of it)",
     ]
@@ -128,7 +129,7 @@ def test_a_registered_load_that_fails_names_the_state() -> None:
 
     module = nn.Linear(1, 1)
     register_rank_state(module, "curriculum", Broken())
-    resume = _exact_resume.plan(own(registered={"curriculum": {}}), copy.deepcopy(MID), trainer())
+    resume = _exact_resume.plan(own(registered={"curriculum": {}}), copy.deepcopy(MID), fake_trainer())
     with pytest.raises(
         Exception,
         match=r"The registered per-rank state 'curriculum' could not be restored: its"
@@ -152,7 +153,7 @@ def test_a_registered_save_that_fails_names_the_state() -> None:
 
 def test_a_checkpoint_without_loop_progress_is_left_alone() -> None:
     metadata = {"epoch": 0, "state_dict": {}}
-    resume = _exact_resume.plan(rank_state.RankRestore(), metadata, trainer())
+    resume = _exact_resume.plan(rank_state.RankRestore(), metadata, fake_trainer())
     assert metadata == {"epoch": 0, "state_dict": {}}
     assert not (resume.early or resume.position or resume.empty_first)
 
@@ -191,7 +192,9 @@ def test_the_saved_generators_are_set_back_at_their_moment(point: str, when: str
         "sampler.generator": torch.Generator().manual_seed(41).get_state(),
     }
     assert sorted(saved) == sorted(train_loaders.generators(loader))  # both, each once
-    resume = _exact_resume.plan(own(generators=[saved]), copy.deepcopy(metadata), trainer(loaders=loader))
+    resume = _exact_resume.plan(
+        own(generators=[saved]), copy.deepcopy(metadata), fake_trainer(loaders=loader)
+    )
     module = nn.Linear(1, 1)
 
     def restored() -> bool:
@@ -201,6 +204,6 @@ def test_the_saved_generators_are_set_back_at_their_moment(point: str, when: str
 
     resume.on_train_loader(loader, module)
     assert restored() == (when == "setup"), point
-    assert resume.on_train_start(trainer(loaders=loader), module) == []
+    assert resume.on_train_start(fake_trainer(loaders=loader), module) == []
     assert restored(), point
     assert not resume.pending_first_batch

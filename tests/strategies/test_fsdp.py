@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.harness import assert_same, model_keys, optimizer_keys
+from tests._compare import assert_restored, model_keys, optimizer_keys
 from tests.distributed.models import _table_values
 from tests.strategies.plan import Session, resume_name
 
@@ -33,7 +33,7 @@ def test_resume_sharded_at_any_world_size(runs: Session, saved_on: int, resumed_
     assert (runs.root / f"fsdp{saved_on}" / "lightning_sharded.json").is_file()  # the manifest
     restored = runs[resume_name(f"fsdp{saved_on}", "fsdp", resumed_on)]
     assert {"model.cache", "model.table"} <= set(model_keys(restored))
-    assert_same(saved, restored)
+    assert_restored(saved, restored)
 
 
 def test_saving_over_a_checkpoint_replaces_it_and_leaves_nothing_behind(runs: Session) -> None:
@@ -59,21 +59,21 @@ def test_model_checkpoint_save_top_k_keeps_two_directories(runs: Session) -> Non
 
 def test_stock_fsdp_checkpoint_resumes(runs: Session) -> None:
     assert (runs.root / "stock-fsdp2" / "meta.pt").is_file()
-    assert_same(runs["stock-fsdp2"], runs[resume_name("stock-fsdp2", "fsdp", 1)])
+    assert_restored(runs["stock-fsdp2"], runs[resume_name("stock-fsdp2", "fsdp", 1)])
 
 
 def test_our_sharded_checkpoint_resumes_in_stock_fsdp(runs: Session) -> None:
-    assert_same(runs["fsdp2"], runs[resume_name("fsdp2", "stock-fsdp", 2)])
+    assert_restored(runs["fsdp2"], runs[resume_name("fsdp2", "stock-fsdp", 2)])
 
 
 def test_stock_model_parallel_checkpoint_resumes(runs: Session) -> None:
-    assert_same(runs["stock-mp2"], runs[resume_name("stock-mp2", "fsdp", 2)])
+    assert_restored(runs["stock-mp2"], runs[resume_name("stock-mp2", "fsdp", 2)])
 
 
 def test_full_file_from_a_single_device_trainer_resumes(runs: Session) -> None:
     # The single-device model holds the table as a plain buffer; it loads into the DTensor table.
     assert (runs.root / "single").is_file()
-    assert_same(runs["single"], runs[resume_name("single", "fsdp", 2)])
+    assert_restored(runs["single"], runs[resume_name("single", "fsdp", 2)])
 
 
 def test_full_save_is_a_plain_file_a_single_device_trainer_resumes(runs: Session) -> None:
@@ -94,13 +94,13 @@ def test_full_save_is_a_plain_file_a_single_device_trainer_resumes(runs: Session
     # A stock single-device Trainer (no library strategy) resumes from it, Adam state included.
     restored = runs[resume_name("fsdp2-full", "single", 1)]
     keys = [k for k in model_keys(saved) + optimizer_keys(saved) if k != "opt0.lr"]
-    assert_same(saved, restored, keys)
+    assert_restored(saved, restored, keys)
 
 
 def test_validate_test_predict_with_ckpt_path(runs: Session) -> None:
     saved, results = runs["fsdp2"], runs["evaluate"]
     for fn in ("validate", "test", "predict"):
-        assert_same(saved, results[fn]["values"], model_keys(saved), step=False)
+        assert_restored(saved, results[fn]["values"], model_keys(saved), step=False)
         assert not optimizer_keys(results[fn]["values"])  # no optimizer outside fitting
     assert "val_loss" in results["validate"]["output"][0]
     assert "test_loss" in results["test"]["output"][0]

@@ -22,8 +22,7 @@ from lightning_sharded import (
     inspect_checkpoint,
 )
 from lightning_sharded.checkpoint.names import FROZEN_KEY, MANIFEST_NAME
-from tests.distributed.harness import Results
-from tests.distributed.launch import run_ranks
+from tests.distributed.launch import Results, run_ranks
 
 SCENARIO = Path(__file__).parents[1] / "distributed" / "scenario_partial.py"
 COMBOS = [(s, t) for s in ("fsdp", "mp") for t in ("sharded", "full")]
