@@ -1,5 +1,5 @@
 """One rank of the TorchRec scenarios: fits that save, resumes that capture what they restored. Run by
-``tests/distributed/harness.py:run_batch`` in the TorchRec environment.
+``tests/distributed/launch.py:run_batch`` in the TorchRec environment.
 
     scenario_torchrec.py batch JOBS_FILE
 

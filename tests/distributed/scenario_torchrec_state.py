@@ -1,6 +1,6 @@
 """One rank of a TorchRec fit/resume whose tables are trained by the Lightning optimizer (dense kernel).
 
-Run by ``tests/distributed/harness.py:run_batch`` (``batch JOBS_FILE``: each job a list of arguments):
+Run by ``tests/distributed/launch.py:run_batch`` (``batch JOBS_FILE``: each job a list of arguments):
 
     fit    --ckpt PATH --out FILE --plan SPEC --optimizer adam|adagrad|keyed [--steps N] [--unwrapped]
     resume --ckpt PATH --out FILE --plan SPEC --optimizer ... [--steps N]

@@ -1,6 +1,6 @@
 """One rank of a fit, save and resume of ``UnevenModel`` (local parameter shapes differ per rank).
 
-Run by ``tests/distributed/harness.py:run_batch`` (``batch JOBS_FILE``: each job a list of arguments):
+Run by ``tests/distributed/launch.py:run_batch`` (``batch JOBS_FILE``: each job a list of arguments):
 
     fit    --strategy mp|fsdp --ckpt PATH --out FILE [--steps N] [--state-dict-type T] [--ragged]
            [--unwrapped]
