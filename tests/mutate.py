@@ -69,7 +69,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "hooks": (
         ["hooks.py"],
         ["tests/test_hooks.py", "tests/test_sites.py"],
-        ["tests/test_mixin.py", "tests/test_properties.py"],
+        ["tests/test_mixin.py", "tests/test_properties.py", "tests/test_wrapping.py"],
     ),
     "tensors": (
         [f"tensors/{name}.py" for name in ("__init__", "base", "dtensor", "sharded_tensor")],
