@@ -11,7 +11,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -29,24 +29,18 @@ from lightning_sharded.checkpoint.async_save import AsyncSaver, wait_for_saves_t
 from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
 from lightning_sharded.strategies import _exact_resume
+from lightning_sharded.strategies._options import StateDictType
 from lightning_sharded.strategies._partial import PartialCheckpoints
 from lightning_sharded.tensors import adapter_for
 
 #: What Lightning types a checkpoint path as (its `_PATH`, spelled here without the private name).
 PathLike = str | os.PathLike[str]
-StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
 #: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
 _AFTER_SAVE = "Trainer.save_checkpoint"
-_STATE_DICT_TYPES = ("sharded", "full")
-#: The default ``checkpoint_timeout``: 5 minutes. It bounds how long the fastest rank waits for the
-#: slowest at one step of a save or a load (rank 0's write of a full checkpoint included), not the
-#: whole save.
-DEFAULT_CHECKPOINT_TIMEOUT = 300.0
 
 
 def _local_tensors(value: Any) -> list[Tensor]:
@@ -108,38 +102,24 @@ def _key(path: Location) -> str:
     return str(absolute(path))
 
 
-def check_state_dict_type(value: str) -> StateDictType:
-    """``value`` if it is ``"sharded"`` or ``"full"``; a ``ValueError`` naming the choices otherwise."""
-    if value not in _STATE_DICT_TYPES:
-        raise ValueError(  # stock's words first (it raises them at save time; this is at construction)
-            f"Unknown state_dict_type: {value}. Choose 'sharded' (a directory) or 'full' (one file)."
-        )
-    return value  # type: ignore[return-value]
-
-
 class ShardedCheckpointing(PartialCheckpoints):
     """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
 
-    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and
-    :attr:`_sharded_state_dict_type`.
+    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and apply
+    their :class:`~lightning_sharded.strategies._options.CheckpointOptions`.
     """
 
     #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
     _model_key: str = "model"
-    _sharded_state_dict_type: StateDictType = "sharded"
-    #: ``save_checkpoint`` returns once the state is staged in host memory; the write and the atomic
-    #: publish run in the background (see :mod:`lightning_sharded.checkpoint.async_save`).
-    async_save: bool = False
+    # The options (`CheckpointOptions.apply` sets them; `async_save` may be switched later).
+    _sharded_state_dict_type: StateDictType
+    async_save: bool
+    save_rank_state: bool
+    checkpoint_timeout: float | None
+    check_space: bool
     _async_saver: AsyncSaver | None = None
     #: The paths of background saves that failed (by :func:`_key`), with their errors.
     _failed_saves: Mapping[str, BaseException] = {}
-
-    #: Compare every file's checksum with the manifest on a load (presence and sizes always are):
-    #: ``True``/``"before"`` before the first read, ``"during"`` from the load's own reads.
-    verify: bool | VerifyMode = False
-    #: Save each rank's RNG states, train dataloader state and registered state with every checkpoint
-    #: (see :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
-    save_rank_state: bool = True
     #: What a resume still has to set of each rank's own state, and when (:meth:`_restore_rank_state`).
     _resume: _exact_resume.ExactResume | None = None
     #: The names the class registers in Lightning's ``StrategyRegistry`` (:mod:`lightning_sharded._registry`).
@@ -152,11 +132,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         strategies do; ``import lightning_sharded`` registers them in Lightning's registry already."""
         register(strategy_registry, cls._registry_names, strategy=cls)
 
-    #: Seconds a rank waits for the others at a step of a save or a load before it fails with an error
-    #: naming the ranks that did not come (``None``: the process group's own timeout, 30 minutes).
-    checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT
-    #: Refuse a local save that does not fit in its filesystem's free space, before writing anything.
-    check_space: bool = True
     _bounded_group: Any = None
     _bounded_group_made: bool = False
 
@@ -166,24 +141,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         # The process group exists now: let its worker threads finish before the interpreter exits.
         drain_at_exit()
         self._schedule_warm_start()
-
-    def _init_async_save(self, async_save: bool) -> None:
-        if async_save and not self._saves_sharded:
-            raise ValueError(
-                "`async_save=True` needs `state_dict_type='sharded'`: a full checkpoint is gathered on rank 0"
-                " and written by it alone. Save sharded, or set `async_save=False`."
-            )
-        self.async_save = async_save
-
-    def _init_faults(self, checkpoint_timeout: float | None, check_space: bool) -> None:
-        if checkpoint_timeout is not None and not checkpoint_timeout > 0:
-            raise ValueError(
-                f"`checkpoint_timeout={checkpoint_timeout!r}`: give the seconds a rank waits for the others"
-                " at a step of a save or a load (a positive number), or None for the process group's own"
-                " timeout."
-            )
-        self.checkpoint_timeout = checkpoint_timeout
-        self.check_space = check_space
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -210,10 +167,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         # Every load (a resume, a warm start, a trainable-only checkpoint's frozen part) is bounded too.
         with self._bounded():
             return super()._restore(path, optimizers, weights_only, read_metadata=read_metadata)
-
-    def _init_verify(self, verify: bool | VerifyMode) -> None:
-        verify_mode(verify)  # a value that is not a mode fails here, not at the first resume
-        self.verify = verify
 
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background, if any, is published.
