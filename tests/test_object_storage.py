@@ -24,12 +24,12 @@ import torch
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import MANIFEST_NAME
 from lightning_sharded.checkpoint.backends import backend_for
-from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
 from lightning_sharded.cli import main as cli
 from tests.distributed.harness import SCENARIO, Batch, Results, assert_same, model_keys, optimizer_keys
 from tests.distributed.launch import run_ranks
+from tests.fault_injection import FAULT_ENV
 from tests.s3_server import S3Server
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")

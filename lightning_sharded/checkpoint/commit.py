@@ -24,7 +24,7 @@ one, complete with its manifest. An exception on any rank removes the staged dat
 rank, the previous checkpoint unchanged; a collective that fails (a rank died) leaves the staged data
 for the next save to remove, as a crash would.
 
-Fault injection (tests only): :data:`~lightning_sharded.checkpoint.faults.FAULT_ENV`, see
+Fault injection (tests only): the hook of :mod:`~lightning_sharded.checkpoint.faults`, at each
 :class:`~lightning_sharded.checkpoint.faults.FaultPoint`.
 """
 
@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import (
-    NO_EXCHANGE_ENV,
     Backend,
     Location,
     absolute,
@@ -53,7 +52,7 @@ from lightning_sharded.checkpoint.backends import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
 from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
-from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart, Manifest
 from lightning_sharded.checkpoint.presence import RanksLost
 from lightning_sharded.checkpoint.space import refusal
@@ -62,8 +61,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "FAULT_ENV",
-    "NO_EXCHANGE_ENV",
     "FaultPoint",
     "commit_directory",
     "commit_file",
