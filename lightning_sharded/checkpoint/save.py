@@ -10,7 +10,6 @@ Both work on local paths and fsspec URLs alike: the backend of the path does wha
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_sharded.checkpoint import collective, commit, names, rank_index, space
+from lightning_sharded.checkpoint import collective, names, rank_index, space
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = [
     "WRITER_THREADS",
     "check_same_shapes",
-    "remove_checkpoint",
     "save_checkpoint",
     "split_sharded_checkpoint",
     "write_full_checkpoint",
@@ -254,11 +252,3 @@ def save_checkpoint(
             lambda: write_full_checkpoint(path, checkpoint, rank=0, check_space=check_space),
             step="writing the full checkpoint on rank 0",
         )
-
-
-def remove_checkpoint(path: Location | str | os.PathLike[str], *, rank: int) -> None:
-    """Remove a checkpoint file or directory and its save leftovers (rank 0 only); missing is fine."""
-    if rank != 0:
-        return
-    with contextlib.suppress(FileNotFoundError):
-        commit.remove_checkpoint(path)

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
-from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
+from lightning_sharded.checkpoint import collective, commit, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver, wait_for_saves_to
 from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
 from lightning_sharded.checkpoint.detect import Found
@@ -95,6 +95,12 @@ def _stock_name(strategy: object) -> str:
         if cls.__module__.startswith("lightning.pytorch.strategies"):
             return cls.__name__
     return type(strategy).__name__
+
+
+def _remove(path: Location) -> None:
+    """Remove the checkpoint at ``path`` with its save leftovers; one that is not there is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        commit.remove_checkpoint(path)
 
 
 def _key(path: Location) -> str:
@@ -523,12 +529,13 @@ class ShardedCheckpointing(PartialCheckpoints):
             if self.is_global_zero:
                 plugin.remove_checkpoint(path)
             return
+        if self.global_rank != 0:
+            return
         saver = self._async_saver
         if self.async_save and saver is not None:  # after the save in flight, off the training thread
-            if self.global_rank == 0:
-                saver.later(lambda: save.remove_checkpoint(path, rank=0), f"removing {str(path)!r}")
-            return
-        save.remove_checkpoint(path, rank=self.global_rank)
+            saver.later(lambda: _remove(path), f"removing {str(path)!r}")
+        else:
+            _remove(path)
 
     @override
     def teardown(self) -> None:
