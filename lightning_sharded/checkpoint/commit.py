@@ -31,6 +31,7 @@ Fault injection (tests only): the hook of :mod:`~lightning_sharded.checkpoint.fa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -136,25 +137,44 @@ def commit_directory(
     target = _target(path)
     backend = backend or backend_for(target)
     where = collective.ranks(group, alone=alone)
-    rank = where.rank
     started = time.perf_counter()
+    needs = _gather_needs(needed, where, target, backend)
+    staging, previous, space = _share_preparation(where, backend, target, needs, check_space)
+    written = _write_and_gather(write, staging, where, target, backend)
+    outcome: CheckpointError | None = None
+    if where.rank == 0:
+        outcome = _publish(
+            backend, staging, target, previous, where, written, space, started, metadata, frozen
+        )
+    elif written.error is None:
+        fault(FaultPoint.BEFORE_MANIFEST, where.rank)
+        fault(FaultPoint.BEFORE_PUBLISH, where.rank)
+    _share_outcome(outcome, written, where, target, backend, space, alone)
 
-    # 0. every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)
-    needs: list[int | None] | None = [needed]
-    if needed is not None:
-        try:
-            needs = collective.gather(needed, where, "estimating the size of the save")
-        except Exception as err:
-            raise _lost_rank(target, "before writing", err, backend.place) from err
 
-    # 1. rank 0: recovery, cleanup, space, refusal, staging; everyone learns the outcome.
-    prepared: tuple[Location | None, str | None, CheckpointError | None, Space | None] = (
-        None,
-        None,
-        None,
-        None,
-    )
-    if rank == 0:
+def _gather_needs(
+    needed: int | None, where: collective.Ranks, target: Location, backend: Backend
+) -> list[int | None] | None:
+    """Phase 0: every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)."""
+    if needed is None:
+        return [needed]
+    try:
+        return collective.gather(needed, where, "estimating the size of the save")
+    except Exception as err:
+        raise _lost_rank(target, "before writing", err, backend.place) from err
+
+
+def _share_preparation(
+    where: collective.Ranks,
+    backend: Backend,
+    target: Location,
+    needs: list[int | None] | None,
+    check_space: bool,
+) -> tuple[Location, str | None, Space | None]:
+    """Phase 1: rank 0 recovers, cleans up, checks the space and stages; every rank learns the outcome
+    (``(staging, previous version, space)``) or raises rank 0's refusal."""
+    prepared: tuple[Location | None, str | None, CheckpointError | None, Space | None] = (None,) * 4
+    if where.rank == 0:
         prepared = _prepare(backend, target, needs, check_space)
     try:
         staging, previous, error, space = collective.broadcast(prepared, where, "preparing the save")
@@ -163,76 +183,119 @@ def commit_directory(
     if staging is None:
         assert error is not None
         raise error
+    return staging, previous, space
 
-    # 2. every rank writes, then seals its own files.
+
+@dataclasses.dataclass
+class _Written:
+    """What phase 2 leaves on a rank."""
+
+    #: The files ``write`` checksummed itself: ``{relative path: (size, crc32 hex)}``.
+    files: Mapping[str, tuple[int, str]]
+    seconds: float
+    #: This rank's own error, and the failures it names (``None`` without one).
+    error: BaseException | None
+    failures: list[Failure] | None
+    #: Every rank's ``(entries, failures)``, on rank 0.
+    reports: list[tuple[list[FileEntry], list[Failure] | None]] | None
+    #: A local directory the writes were in, for a cause they hid.
+    near: Path | None
+
+
+def _write_and_gather(
+    write: WriteFn, staging: Location, where: collective.Ranks, target: Location, backend: Backend
+) -> _Written:
+    """Phase 2: every rank writes, then seals its own files; their entries (or failures) go to rank 0."""
     entries: list[FileEntry] = []
     written: Mapping[str, tuple[int, str]] = {}
     own_error: BaseException | None = None
     t_write = time.perf_counter()
     try:
         written = write(staging) or {}
-        fault(FaultPoint.AFTER_WRITE, rank)
+        fault(FaultPoint.AFTER_WRITE, where.rank)
         t_write = time.perf_counter() - t_write
-        entries = backend.seal_own(staging, rank, written)
+        entries = backend.seal_own(staging, where.rank, written)
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         own_error = err
     if isinstance(own_error, RanksLost):  # a collective inside write failed: the others know it too
         raise _lost_rank(target, "while writing", own_error, backend.place) from own_error
-    near = local_path(staging)  # a local directory the writes were in, for a cause they hid
-    report = (entries, None if own_error is None else failures_of(own_error, rank, near))
+    near = local_path(staging)
+    failures = None if own_error is None else failures_of(own_error, where.rank, near)
     try:
         # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
-        # outcome rank 0 broadcasts below, so no rank receives N ranks' entries.
-        reports = collective.gather(report, where, "gathering the written files")
+        # outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
+        reports = collective.gather((entries, failures), where, "gathering the written files")
     except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
         raise _lost_rank(target, "after writing, before publishing", err, backend.place) from err
+    return _Written(written, t_write, own_error, failures, reports, near)
 
-    # 3. rank 0: the rest of the files, the manifest, the publish. The outcome: None (published), or
-    # the error every rank raises.
-    outcome: CheckpointError | None = None
-    publishing = False
-    failed = [f for _, rank_failures in reports or [] for f in rank_failures or []]
-    if rank == 0 and failed:
+
+def _publish(
+    backend: Backend,
+    staging: Location,
+    target: Location,
+    previous: str | None,
+    where: collective.Ranks,
+    written: _Written,
+    space: Space | None,
+    started: float,
+    metadata: Mapping[str, Any] | None,
+    frozen: FrozenPart | None,
+) -> CheckpointError | None:
+    """Phase 3, rank 0: the rest of the files, the manifest, the publish. The outcome: ``None``
+    (published), or the error every rank raises."""
+    failed = [f for _, rank_failures in written.reports or [] for f in rank_failures or []]
+    if failed:
         with contextlib.suppress(Exception):
             backend.discard(staging)
-        outcome = save_failed(target, failed, stage="write", space=space, place=backend.place)
-    elif rank == 0:
-        assert reports is not None
-        try:
-            t_seal = time.perf_counter()
-            draft = Manifest(
-                files=[], world_size=where.world_size, metadata=dict(metadata or {}), frozen=frozen
-            )
-            every = [e for rank_entries, _ in reports for e in rank_entries]
-            manifest = backend.seal(staging, every, written, draft)  # durable, the manifest written
-            t_seal = time.perf_counter() - t_seal
-            fault(FaultPoint.BEFORE_PUBLISH, rank)
-            t_pub = time.perf_counter()
-            publishing = True  # from here on the backend cleans up after its own failures
-            backend.publish(staging, target, manifest, previous, rank=rank)
-            log.info(
-                "Committed checkpoint %s: %d files, %.1f MB, %d ranks in %.2fs (write %.2fs, seal %.2fs,"
-                " publish %.2fs)",
-                target,
-                len(manifest.files),
-                manifest.total_size / 1e6,
-                where.world_size,
-                time.perf_counter() - started,
-                t_write,
-                t_seal,
-                time.perf_counter() - t_pub,
-            )
-        except Exception as err:
-            stage = "publish" if publishing else "write"
-            outcome = save_failed(
-                target, [Failure.of(err, 0, near)], stage=stage, space=space, place=backend.place
-            )
-            if not publishing:
-                with contextlib.suppress(Exception):
-                    backend.discard(staging)
-    elif own_error is None:
-        fault(FaultPoint.BEFORE_MANIFEST, rank)
-        fault(FaultPoint.BEFORE_PUBLISH, rank)
+        return save_failed(target, failed, stage="write", space=space, place=backend.place)
+    assert written.reports is not None
+    publishing = False
+    try:
+        t_seal = time.perf_counter()
+        draft = Manifest(files=[], world_size=where.world_size, metadata=dict(metadata or {}), frozen=frozen)
+        every = [e for rank_entries, _ in written.reports for e in rank_entries]
+        manifest = backend.seal(staging, every, written.files, draft)  # durable, the manifest written
+        t_seal = time.perf_counter() - t_seal
+        fault(FaultPoint.BEFORE_PUBLISH, where.rank)
+        t_pub = time.perf_counter()
+        publishing = True  # from here on the backend cleans up after its own failures
+        backend.publish(staging, target, manifest, previous, rank=where.rank)
+        log.info(
+            "Committed checkpoint %s: %d files, %.1f MB, %d ranks in %.2fs (write %.2fs, seal %.2fs,"
+            " publish %.2fs)",
+            target,
+            len(manifest.files),
+            manifest.total_size / 1e6,
+            where.world_size,
+            time.perf_counter() - started,
+            written.seconds,
+            t_seal,
+            time.perf_counter() - t_pub,
+        )
+    except Exception as err:
+        stage = "publish" if publishing else "write"
+        outcome = save_failed(
+            target, [Failure.of(err, 0, written.near)], stage=stage, space=space, place=backend.place
+        )
+        if not publishing:
+            with contextlib.suppress(Exception):
+                backend.discard(staging)
+        return outcome
+    return None
+
+
+def _share_outcome(
+    outcome: CheckpointError | None,
+    written: _Written,
+    where: collective.Ranks,
+    target: Location,
+    backend: Backend,
+    space: Space | None,
+    alone: bool,
+) -> None:
+    """Phase 4: rank 0's outcome to every rank, which raises it (from its own error, where it had one)."""
+    own_error = written.error
     interrupted = own_error if isinstance(own_error, KeyboardInterrupt | SystemExit | GeneratorExit) else None
     try:
         outcome = collective.broadcast(outcome, where, "publishing")
@@ -240,12 +303,12 @@ def commit_directory(
         if interrupted is not None:
             raise interrupted from err
         if own_error is not None:  # this rank failed itself: its own error says more
-            own = save_failed(target, report[1] or [], stage="write", space=space, place=backend.place)
+            own = save_failed(target, written.failures or [], stage="write", space=space, place=backend.place)
             raise own from own_error
         raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
     if interrupted is not None:
         raise interrupted
-    if alone and own_error is not None and not any(f.errno for f in report[1] or []):
+    if alone and own_error is not None and not any(f.errno for f in written.failures or []):
         raise own_error  # the write's own error (no cause of the storage's): its own words
     if outcome is not None:
         raise outcome from own_error
