@@ -18,7 +18,6 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -30,10 +29,10 @@ from lightning_sharded.checkpoint.backends import Location, absolute, basename, 
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._options import StateDictType
 from lightning_sharded.strategies._partial import PartialCheckpoints
-from lightning_sharded.tensors import adapter_for
 
 #: What Lightning types a checkpoint path as (its `_PATH`, spelled here without the private name).
 PathLike = str | os.PathLike[str]
@@ -41,52 +40,6 @@ PathLike = str | os.PathLike[str]
 _HPC_PREFIX = "hpc_ckpt_"
 #: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
 _AFTER_SAVE = "Trainer.save_checkpoint"
-
-
-def _local_tensors(value: Any) -> list[Tensor]:
-    """A state-dict value's local tensors (a sharded value's, by its kind's adapter); none else."""
-    adapter = adapter_for(value)
-    if adapter is not None:
-        return adapter.local_tensors(value)
-    return [value] if isinstance(value, Tensor) else []
-
-
-def _trainable(optimizers: Sequence[Any]) -> list[Tensor]:
-    return [
-        param
-        for optimizer in optimizers
-        for group in getattr(optimizer, "_optimizer", optimizer).param_groups
-        for param in group["params"]
-        if param.requires_grad
-    ]
-
-
-def _updated_by(model_state: Mapping[str, Any], optimizers: Sequence[Any]) -> list[str]:
-    """The keys of ``model_state`` whose tensors lie in the memory of parameters the ``optimizers``
-    update (FSDP2's sharded parameters, FSDP1's views of its flat parameters): nothing but ``step()``
-    changes them. Buffers, sharded attributes and frozen parameters are not among them.
-
-    By storage: a view lies in the memory of the tensor it views, so one set lookup per tensor (on the
-    save's stall: comparing every key with every parameter took 20 ms at 1,000 parameters)."""
-    storages = {_local_tensors(param)[0].untyped_storage().data_ptr() for param in _trainable(optimizers)}
-    return sorted(
-        key
-        for key, value in model_state.items()
-        if (local := _local_tensors(value)) and all(t.untyped_storage().data_ptr() in storages for t in local)
-    )
-
-
-def _watched(optimizers: Sequence[Any]) -> list[Tensor]:
-    """What only the optimizers' ``step()`` may change while an async save copies it: their trainable
-    parameters (and a ``DTensor``'s local tensor; FSDP1's original parameters share their flat
-    parameter's version counter) and their state tensors."""
-    watched: list[Tensor] = []
-    for param in _trainable(optimizers):
-        watched += {id(t): t for t in [param, *_local_tensors(param)]}.values()
-    for optimizer in optimizers:
-        for entries in getattr(optimizer, "_optimizer", optimizer).state.values():
-            watched += [t for value in entries.values() for t in _local_tensors(value)]
-    return watched
 
 
 def _stock_name(strategy: object) -> str:
@@ -299,20 +252,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         is requeued right after it.
         """
         plugin = self._custom_checkpoint_io()
-        if plugin is not None and self._saves_sharded:
-            raise TypeError(
-                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
-                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
-                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
-                " `state_dict_type='full'`; else remove the plugin."
-            )
-        if storage_options is not None and plugin is None:
-            stock = _stock_name(self)
-            raise TypeError(  # stock's words first, then what this strategy does with them
-                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
-                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
-                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
-            )
+        self._check_save_arguments(plugin, storage_options)
         start = time.perf_counter()
         local = location(filepath)
         self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
@@ -341,52 +281,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             self.barrier("ShardedCheckpointing.save_checkpoint")
             return
         if background:
-            if self._async_saver is None:
-                self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
-            state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
-            rank, check_space = self.global_rank, self.check_space
-
-            def write(target: Location, staged: Any, group: Any) -> None:
-                where = collective.ranks(group)
-                target = location(collective.broadcast(str(target), where, "the checkpoint's path"))
-
-                def check() -> None:
-                    if collected is not None:
-                        raise collected
-
-                collective.agree(check, group, "collecting each rank's own state")
-                save.write_sharded_checkpoint(
-                    target,
-                    staged[0],
-                    staged[1],
-                    rank=rank,
-                    group=group,
-                    extra_files=rank_files,
-                    frozen=frozen,
-                    check_space=check_space,
-                )
-
-            # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
-            # and the parameters the optimizers update change only in step(): their copies are made
-            # after this returns, the next step waits for them (a change in place meanwhile fails the
-            # save: each copy's version counter is checked).
-            deferred = [(0, names.optimizer_key(i), "state") for i in range(len(self.optimizers))]
-            deferred += [
-                (0, self._model_key, key) for key in _updated_by(state[self._model_key], self.optimizers)
-            ]
-            self._async_saver.save(
-                path,
-                (state, metadata),
-                write,
-                defer=deferred,
-                optimizers=self.optimizers,
-                watch=_watched(self.optimizers),
-            )
-            self._defer_logger_notifications()
-            rank_zero_info(
-                f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
-                " writing it in the background"
-            )
+            self._save_in_background(path, checkpoint, rank_files, collected, frozen, start)
             return
         self.wait_for_checkpoint()  # saves publish in order
         with self._bounded():
@@ -403,6 +298,53 @@ class ShardedCheckpointing(PartialCheckpoints):
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
+        )
+
+    def _check_save_arguments(self, plugin: CheckpointIO | None, storage_options: Any | None) -> None:
+        """Refuse what ``save_checkpoint`` cannot do: a sharded save through a plugin, options without one."""
+        if plugin is not None and self._saves_sharded:
+            raise TypeError(
+                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
+                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
+                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
+                " `state_dict_type='full'`; else remove the plugin."
+            )
+        if storage_options is not None and plugin is None:
+            stock = _stock_name(self)
+            raise TypeError(  # stock's words first, then what this strategy does with them
+                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
+                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
+                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
+            )
+
+    def _save_in_background(
+        self,
+        path: Location,
+        checkpoint: dict[str, Any],
+        rank_files: dict[str, bytes] | None,
+        collected: BaseException | None,
+        frozen: FrozenPart | None,
+        start: float,
+    ) -> None:
+        """Stage the save on the async saver and return (:func:`.save.save_in_background` writes it later)."""
+        if self._async_saver is None:
+            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
+        save.save_in_background(
+            self._async_saver,
+            path,
+            checkpoint,
+            model_key=self._model_key,
+            rank=self.global_rank,
+            optimizers=self.optimizers,
+            collected=collected,
+            extra_files=rank_files,
+            frozen=frozen,
+            check_space=self.check_space,
+        )
+        self._defer_logger_notifications()
+        rank_zero_info(
+            f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
+            " writing it in the background"
         )
 
     @override
