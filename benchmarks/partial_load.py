@@ -1,7 +1,7 @@
 """What a model-only load reads, and what a trainable-only save writes, against the whole checkpoint.
 
-Usage: ``python -m benchmarks.partial_load [--hidden 1024] [--layers 8] [--rank 8] [--out DIR]``, or
-``python benchmarks/partial_load.py ...``. Self-contained (imports only torch, Lightning and
+Usage, from the repository root as every benchmark: ``python -m benchmarks.partial_load [--hidden 1024]
+[--layers 8] [--rank 8] [--out DIR]``. Self-contained (imports only torch, Lightning and
 ``lightning_sharded``); counts bytes, so a shared machine gives the same figures as an idle one.
 
 1. **Bytes read.** A model of ``--layers`` ``Linear(hidden, hidden)`` and its Adam state (one step) are
@@ -36,9 +36,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-if __package__ in (None, ""):  # run as a script: the repository's package first
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MIB = 1 << 20
 

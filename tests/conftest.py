@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning_sharded._launch import free_port
 from tests._pages import drops_pages
 from tests.doc_sessions import run_demo
+from tests.fault_injection import install as install_fault_injection
 
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
@@ -35,7 +36,8 @@ def process_group() -> Iterator[None]:
 
 def pytest_configure(config: pytest.Config) -> None:
     """With ``LIGHTNING_SHARDED_REQUIRE_TORCHREC=1`` (``.ci/run``'s TorchRec run) TorchRec must import: its
-    tests may not skip there for want of it."""
+    tests may not skip there for want of it. The tests' fault injection is installed (by environment)."""
+    install_fault_injection()
     if os.environ.get("LIGHTNING_SHARDED_REQUIRE_TORCHREC") == "1":
         try:
             import torchrec  # noqa: F401

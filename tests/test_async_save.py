@@ -435,7 +435,7 @@ def test_a_removal_queued_after_a_save_runs_after_it_and_never_after_a_failed_on
 def test_only_what_the_optimizers_update_is_deferred() -> None:
     # The model-state entries an async save copies after it returns: the trainable parameters' memory
     # (views of it too), never buffers, frozen parameters or tensors of their own.
-    from lightning_sharded.strategies._checkpointing import _updated_by
+    from lightning_sharded.checkpoint.save import _updated_by
 
     model = nn.Module()
     model.trained = nn.Linear(4, 4)

@@ -12,8 +12,6 @@ import pytest
 
 from lightning_sharded.checkpoint import MANIFEST_NAME, read_manifest
 from lightning_sharded.checkpoint.commit import (
-    FAULT_ENV,
-    NO_EXCHANGE_ENV,
     commit_directory,
     commit_file,
     leftovers,
@@ -21,6 +19,7 @@ from lightning_sharded.checkpoint.commit import (
     resolve,
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
+from tests.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +168,7 @@ def test_commit_file_sigkill(tmp_path: Path, fault: str, survivor: str) -> None:
     target = tmp_path / "last.ckpt"
     target.write_text("old")
     code = (
-        "import sys; from pathlib import Path;"
+        "import sys; from pathlib import Path; from tests.fault_injection import install; install();"
         "from lightning_sharded.checkpoint.commit import commit_file;"
         "commit_file(sys.argv[1], lambda p: Path(p).write_text('new'))"
     )

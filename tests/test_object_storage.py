@@ -24,11 +24,11 @@ import torch
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import MANIFEST_NAME
 from lightning_sharded.checkpoint.backends import backend_for
-from lightning_sharded.checkpoint.commit import FAULT_ENV
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.load import restore_checkpoint
 from tests._compare import assert_restored, model_keys, optimizer_keys, run_cli
 from tests.distributed.launch import SCENARIO, Batch, Results, run_ranks
+from tests.fault_injection import FAULT_ENV
 from tests.s3_server import S3Server
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")

@@ -19,11 +19,11 @@ import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint.backends.local import leftovers
-from lightning_sharded.checkpoint.faults import FAULT_ENV
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
 from lightning_sharded.checkpoint.tools import inspect_checkpoint
 from tests.distributed.fault_driver import expected
 from tests.distributed.launch import REPO
+from tests.fault_injection import FAULT_ENV
 from tests.test_tools_cli import lightning_form
 from tests.test_verify_errors import flip_bit, snapshot, truncate
 
@@ -293,6 +293,7 @@ def test_a_killed_consolidate_leaves_the_destination_as_it_was(sharded_ckpt: Pat
             [
                 sys.executable,
                 "-m",
+                "tests.fault_injection",
                 "lightning_sharded.cli",
                 "consolidate",
                 str(sharded_ckpt),

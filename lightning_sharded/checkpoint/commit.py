@@ -24,13 +24,14 @@ one, complete with its manifest. An exception on any rank removes the staged dat
 rank, the previous checkpoint unchanged; a collective that fails (a rank died) leaves the staged data
 for the next save to remove, as a crash would.
 
-Fault injection (tests only): :data:`~lightning_sharded.checkpoint.faults.FAULT_ENV`, see
+Fault injection (tests only): the hook of :mod:`~lightning_sharded.checkpoint.faults`, at each
 :class:`~lightning_sharded.checkpoint.faults.FaultPoint`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -40,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import (
-    NO_EXCHANGE_ENV,
     Backend,
     Location,
     absolute,
@@ -53,7 +53,7 @@ from lightning_sharded.checkpoint.backends import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError, StorageError
 from lightning_sharded.checkpoint.failures import Failure, Space, failures_of, save_failed
-from lightning_sharded.checkpoint.faults import FAULT_ENV, FaultPoint, fault
+from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.manifest import FileEntry, FrozenPart, Manifest
 from lightning_sharded.checkpoint.presence import RanksLost
 from lightning_sharded.checkpoint.space import refusal
@@ -62,8 +62,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "FAULT_ENV",
-    "NO_EXCHANGE_ENV",
     "FaultPoint",
     "commit_directory",
     "commit_file",
@@ -137,121 +135,160 @@ def commit_directory(
             on a rank are re-raised there as they are.
     """
     target = _target(path)
-    backend = backend or backend_for(target)
-    where = collective.ranks(group, alone=alone)
-    rank = where.rank
-    started = time.perf_counter()
-
-    # 0. every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)
-    needs: list[int | None] | None = [needed]
-    if needed is not None:
-        try:
-            needs = collective.gather(needed, where, "estimating the size of the save")
-        except Exception as err:
-            raise _lost_rank(target, "before writing", err, backend.place) from err
-
-    # 1. rank 0: recovery, cleanup, space, refusal, staging; everyone learns the outcome.
-    prepared: tuple[Location | None, str | None, CheckpointError | None, Space | None] = (
-        None,
-        None,
-        None,
-        None,
-    )
-    if rank == 0:
-        prepared = _prepare(backend, target, needs, check_space)
-    try:
-        staging, previous, error, space = collective.broadcast(prepared, where, "preparing the save")
-    except Exception as err:  # a rank died: what was staged is left for the next save to remove
-        raise _lost_rank(target, "before writing", err, backend.place) from err
-    if staging is None:
-        assert error is not None
-        raise error
-
-    # 2. every rank writes, then seals its own files.
-    entries: list[FileEntry] = []
-    written: Mapping[str, tuple[int, str]] = {}
-    own_error: BaseException | None = None
-    t_write = time.perf_counter()
-    try:
-        written = write(staging) or {}
-        fault(FaultPoint.AFTER_WRITE, rank)
-        t_write = time.perf_counter() - t_write
-        entries = backend.seal_own(staging, rank, written)
-    except BaseException as err:  # DCP's CheckpointException is a BaseException
-        own_error = err
-    if isinstance(own_error, RanksLost):  # a collective inside write failed: the others know it too
-        raise _lost_rank(target, "while writing", own_error, backend.place) from own_error
-    near = local_path(staging)  # a local directory the writes were in, for a cause they hid
-    report = (entries, None if own_error is None else failures_of(own_error, rank, near))
-    try:
-        # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
-        # outcome rank 0 broadcasts below, so no rank receives N ranks' entries.
-        reports = collective.gather(report, where, "gathering the written files")
-    except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
-        raise _lost_rank(target, "after writing, before publishing", err, backend.place) from err
-
-    # 3. rank 0: the rest of the files, the manifest, the publish. The outcome: None (published), or
-    # the error every rank raises.
+    run = _Commit(target, backend or backend_for(target), collective.ranks(group, alone=alone))
+    staging = run.share_preparation(run.gather_needs(needed), check_space)
+    run.write_and_gather(write, staging)
     outcome: CheckpointError | None = None
-    publishing = False
-    failed = [f for _, rank_failures in reports or [] for f in rank_failures or []]
-    if rank == 0 and failed:
-        with contextlib.suppress(Exception):
-            backend.discard(staging)
-        outcome = save_failed(target, failed, stage="write", space=space, place=backend.place)
-    elif rank == 0:
-        assert reports is not None
+    if run.where.rank == 0:
+        outcome = run.publish(staging, metadata, frozen)
+    elif run.error is None:
+        fault(FaultPoint.BEFORE_MANIFEST, run.where.rank)
+        fault(FaultPoint.BEFORE_PUBLISH, run.where.rank)
+    run.share_outcome(outcome, alone)
+
+
+@dataclasses.dataclass
+class _Commit:
+    """One :func:`commit_directory` on one rank: its phases in order, each ending in one collective."""
+
+    target: Location
+    backend: Backend
+    where: collective.Ranks
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    # Phase 1, from rank 0: the version the publish replaces, and the free space.
+    previous: str | None = None
+    space: Space | None = None
+    # Phase 2, this rank's: the files `write` checksummed itself, its seconds, its own error and the
+    # failures it names, the local directory of the writes; every rank's (entries, failures) on rank 0.
+    files: Mapping[str, tuple[int, str]] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+    error: BaseException | None = None
+    failures: list[Failure] | None = None
+    near: Path | None = None
+    reports: list[tuple[list[FileEntry], list[Failure] | None]] | None = None
+
+    def lost(self, stage: str, err: Exception) -> CheckpointError:
+        return _lost_rank(self.target, stage, err, self.backend.place)
+
+    def failed(self, failures: list[Failure], stage: str = "write") -> CheckpointError:
+        return save_failed(self.target, failures, stage=stage, space=self.space, place=self.backend.place)
+
+    def gather_needs(self, needed: int | None) -> list[int | None] | None:
+        """Phase 0: every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)."""
+        if needed is None:
+            return [needed]
+        try:
+            return collective.gather(needed, self.where, "estimating the size of the save")
+        except Exception as err:
+            raise self.lost("before writing", err) from err
+
+    def share_preparation(self, needs: list[int | None] | None, check_space: bool) -> Location:
+        """Phase 1: rank 0 recovers, cleans up, checks the space and stages; every rank learns the
+        staging location, or raises rank 0's refusal."""
+        prepared: tuple[Location | None, str | None, CheckpointError | None, Space | None] = (None,) * 4
+        if self.where.rank == 0:
+            prepared = _prepare(self.backend, self.target, needs, check_space)
+        staging: Location | None
+        try:
+            staging, self.previous, error, self.space = collective.broadcast(
+                prepared, self.where, "preparing the save"
+            )
+        except Exception as err:  # a rank died: what was staged is left for the next save to remove
+            raise self.lost("before writing", err) from err
+        if staging is None:
+            assert error is not None
+            raise error
+        return staging
+
+    def write_and_gather(self, write: WriteFn, staging: Location) -> None:
+        """Phase 2: every rank writes, then seals its own files; their entries (or failures) go to rank 0."""
+        rank, entries = self.where.rank, []
+        t_write = time.perf_counter()
+        try:
+            self.files = write(staging) or {}
+            fault(FaultPoint.AFTER_WRITE, rank)
+            self.seconds = time.perf_counter() - t_write
+            entries = self.backend.seal_own(staging, rank, self.files)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            self.error = err
+        if isinstance(self.error, RanksLost):  # a collective inside write failed: the others know it too
+            raise self.lost("while writing", self.error) from self.error
+        self.near = local_path(staging)
+        self.failures = None if self.error is None else failures_of(self.error, rank, self.near)
+        try:
+            # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in
+            # the outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
+            self.reports = collective.gather(
+                (entries, self.failures), self.where, "gathering the written files"
+            )
+        except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
+            raise self.lost("after writing, before publishing", err) from err
+
+    def publish(
+        self, staging: Location, metadata: Mapping[str, Any] | None, frozen: FrozenPart | None
+    ) -> CheckpointError | None:
+        """Phase 3, rank 0: the rest of the files, the manifest, the publish. The outcome: ``None``
+        (published), or the error every rank raises."""
+        backend, where = self.backend, self.where
+        failed = [f for _, rank_failures in self.reports or [] for f in rank_failures or []]
+        if failed:
+            with contextlib.suppress(Exception):
+                backend.discard(staging)
+            return self.failed(failed)
+        assert self.reports is not None
+        publishing = False
         try:
             t_seal = time.perf_counter()
             draft = Manifest(
                 files=[], world_size=where.world_size, metadata=dict(metadata or {}), frozen=frozen
             )
-            every = [e for rank_entries, _ in reports for e in rank_entries]
-            manifest = backend.seal(staging, every, written, draft)  # durable, the manifest written
+            every = [e for rank_entries, _ in self.reports for e in rank_entries]
+            manifest = backend.seal(staging, every, self.files, draft)  # durable, the manifest written
             t_seal = time.perf_counter() - t_seal
-            fault(FaultPoint.BEFORE_PUBLISH, rank)
+            fault(FaultPoint.BEFORE_PUBLISH, where.rank)
             t_pub = time.perf_counter()
             publishing = True  # from here on the backend cleans up after its own failures
-            backend.publish(staging, target, manifest, previous, rank=rank)
+            backend.publish(staging, self.target, manifest, self.previous, rank=where.rank)
             log.info(
                 "Committed checkpoint %s: %d files, %.1f MB, %d ranks in %.2fs (write %.2fs, seal %.2fs,"
                 " publish %.2fs)",
-                target,
+                self.target,
                 len(manifest.files),
                 manifest.total_size / 1e6,
                 where.world_size,
-                time.perf_counter() - started,
-                t_write,
+                time.perf_counter() - self.started,
+                self.seconds,
                 t_seal,
                 time.perf_counter() - t_pub,
             )
         except Exception as err:
-            stage = "publish" if publishing else "write"
-            outcome = save_failed(
-                target, [Failure.of(err, 0, near)], stage=stage, space=space, place=backend.place
-            )
+            outcome = self.failed([Failure.of(err, 0, self.near)], "publish" if publishing else "write")
             if not publishing:
                 with contextlib.suppress(Exception):
                     backend.discard(staging)
-    elif own_error is None:
-        fault(FaultPoint.BEFORE_MANIFEST, rank)
-        fault(FaultPoint.BEFORE_PUBLISH, rank)
-    interrupted = own_error if isinstance(own_error, KeyboardInterrupt | SystemExit | GeneratorExit) else None
-    try:
-        outcome = collective.broadcast(outcome, where, "publishing")
-    except Exception as err:
+            return outcome
+        return None
+
+    def share_outcome(self, outcome: CheckpointError | None, alone: bool) -> None:
+        """Phase 4: rank 0's outcome to every rank, which raises it (from its own error, where it had one)."""
+        own_error = self.error
+        interrupted = (
+            own_error if isinstance(own_error, KeyboardInterrupt | SystemExit | GeneratorExit) else None
+        )
+        try:
+            outcome = collective.broadcast(outcome, self.where, "publishing")
+        except Exception as err:
+            if interrupted is not None:
+                raise interrupted from err
+            if own_error is not None:  # this rank failed itself: its own error says more
+                raise self.failed(self.failures or []) from own_error
+            raise self.lost("while rank 0 published", err) from err
         if interrupted is not None:
-            raise interrupted from err
-        if own_error is not None:  # this rank failed itself: its own error says more
-            own = save_failed(target, report[1] or [], stage="write", space=space, place=backend.place)
-            raise own from own_error
-        raise _lost_rank(target, "while rank 0 published", err, backend.place) from err
-    if interrupted is not None:
-        raise interrupted
-    if alone and own_error is not None and not any(f.errno for f in report[1] or []):
-        raise own_error  # the write's own error (no cause of the storage's): its own words
-    if outcome is not None:
-        raise outcome from own_error
+            raise interrupted
+        if alone and own_error is not None and not any(f.errno for f in self.failures or []):
+            raise own_error  # the write's own error (no cause of the storage's): its own words
+        if outcome is not None:
+            raise outcome from own_error
 
 
 def _prepare(

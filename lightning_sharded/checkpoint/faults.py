@@ -1,33 +1,19 @@
-"""Fault injection for the crash and hang tests of saves and loads (standard library only).
+"""Fault-injection points of the commit and the load, for the crash and hang tests (standard library only).
 
-Set :data:`FAULT_ENV` to ``<point>`` or ``<point>@<rank>`` (a :class:`FaultPoint` value) and the
-matching rank kills itself with SIGKILL when the save or load reaches that point; with ``:hang``
-appended (``after_write@1:hang``) it sleeps there instead, for :data:`HANG_S` seconds, then kills
-itself (a rank that hangs, then dies). Nothing happens when the variable is unset, which is always
-the case outside the tests.
+Production code calls :func:`fault` at each :class:`FaultPoint`. It does nothing unless a test installed
+:data:`hook` (``tests/fault_injection.py`` installs one that reads the test's environment variables).
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import time
+from collections.abc import Callable
 from enum import Enum
 
-__all__ = ["FAULT_ENV", "HANG_S", "FaultPoint", "fault"]
-
-log = logging.getLogger(__name__)
-
-#: Environment variable naming a fault-injection point (tests only), see :class:`FaultPoint`.
-FAULT_ENV = "LIGHTNING_SHARDED_FAULT"
-#: Seconds a rank told to ``hang`` sleeps before it kills itself.
-HANG_S = 60.0
+__all__ = ["FaultPoint", "fault", "hook"]
 
 
 class FaultPoint(str, Enum):
-    """Where a rank may be told to SIGKILL itself (or hang) during a commit or a load (tests only, via
-    :data:`FAULT_ENV`)."""
+    """Where a test may have a rank SIGKILL itself (or hang) during a commit or a load."""
 
     AFTER_WRITE = "after_write"
     """``write(staging)`` returned on this rank; nothing checksummed yet."""
@@ -43,19 +29,16 @@ class FaultPoint(str, Enum):
     """The previous version is renamed to ``trash`` (local) and partly deleted."""
     BEFORE_READ = "before_read"
     """A sharded load: the index and ``meta.pt`` are read and shared; DCP has not read the shards."""
+    NO_EXCHANGE = "no_exchange"
+    """A local publish asks whether to swap with ``renameat2(RENAME_EXCHANGE)``: a fault here makes it
+    fall back to two renames, as on a filesystem without the exchange."""
 
 
-def fault(point: FaultPoint, rank: int) -> None:
-    """SIGKILL this process (or hang, then SIGKILL it) if :data:`FAULT_ENV` names ``point`` (for every
-    rank, or for ``rank``)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    where, _, action = spec.partition(":")
-    name, _, who = where.partition("@")
-    if name == point.value and (not who or int(who) == rank):
-        if action == "hang":
-            log.warning("fault injection: rank %d hangs at %s", rank, point.value)
-            time.sleep(HANG_S)
-        log.warning("fault injection: rank %d kills itself at %s", rank, point.value)
-        os.kill(os.getpid(), signal.SIGKILL)
+#: Set by tests only: called with the point and the rank at every fault point; it may kill the process
+#: there, or return ``True`` to have the caller act as if the point failed (:attr:`FaultPoint.NO_EXCHANGE`).
+hook: Callable[[FaultPoint, int], bool] | None = None
+
+
+def fault(point: FaultPoint, rank: int) -> bool:
+    """Run the installed :data:`hook` at ``point`` on ``rank``; ``False`` (nothing) without one."""
+    return hook is not None and hook(point, rank)

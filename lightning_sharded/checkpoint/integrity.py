@@ -277,13 +277,14 @@ AFTER_READ = (
 UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as they were."
 
 
-def verify_mode(verify: bool | str) -> VerifyMode | None:
-    """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` or ``"during"``.
+def verify_mode(verify: bool | str | None) -> VerifyMode | None:
+    """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` (``True``) or
+    ``"during"``; a mode or ``None`` is returned as it is.
 
     Raises:
         ValueError: anything else, with the values accepted.
     """
-    if isinstance(verify, bool):
+    if verify is None or isinstance(verify, bool):
         return "before" if verify else None
     if verify == "before":
         return "before"

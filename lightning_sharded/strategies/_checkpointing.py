@@ -11,88 +11,35 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
-from lightning_sharded.checkpoint import collective, load, names, rank_state, save, state_dicts
+from lightning_sharded.checkpoint import collective, commit, load, names, rank_state, save, state_dicts
 from lightning_sharded.checkpoint.async_save import AsyncSaver, wait_for_saves_to
 from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.strategies import _exact_resume
+from lightning_sharded.strategies._options import StateDictType
 from lightning_sharded.strategies._partial import PartialCheckpoints
-from lightning_sharded.tensors import adapter_for
 
 #: What Lightning types a checkpoint path as (its `_PATH`, spelled here without the private name).
 PathLike = str | os.PathLike[str]
-StateDictType = Literal["sharded", "full"]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
 #: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
 _AFTER_SAVE = "Trainer.save_checkpoint"
-_STATE_DICT_TYPES = ("sharded", "full")
-#: The default ``checkpoint_timeout``: 5 minutes. It bounds how long the fastest rank waits for the
-#: slowest at one step of a save or a load (rank 0's write of a full checkpoint included), not the
-#: whole save.
-DEFAULT_CHECKPOINT_TIMEOUT = 300.0
-
-
-def _local_tensors(value: Any) -> list[Tensor]:
-    """A state-dict value's local tensors (a sharded value's, by its kind's adapter); none else."""
-    adapter = adapter_for(value)
-    if adapter is not None:
-        return adapter.local_tensors(value)
-    return [value] if isinstance(value, Tensor) else []
-
-
-def _trainable(optimizers: Sequence[Any]) -> list[Tensor]:
-    return [
-        param
-        for optimizer in optimizers
-        for group in getattr(optimizer, "_optimizer", optimizer).param_groups
-        for param in group["params"]
-        if param.requires_grad
-    ]
-
-
-def _updated_by(model_state: Mapping[str, Any], optimizers: Sequence[Any]) -> list[str]:
-    """The keys of ``model_state`` whose tensors lie in the memory of parameters the ``optimizers``
-    update (FSDP2's sharded parameters, FSDP1's views of its flat parameters): nothing but ``step()``
-    changes them. Buffers, sharded attributes and frozen parameters are not among them.
-
-    By storage: a view lies in the memory of the tensor it views, so one set lookup per tensor (on the
-    save's stall: comparing every key with every parameter took 20 ms at 1,000 parameters)."""
-    storages = {_local_tensors(param)[0].untyped_storage().data_ptr() for param in _trainable(optimizers)}
-    return sorted(
-        key
-        for key, value in model_state.items()
-        if (local := _local_tensors(value)) and all(t.untyped_storage().data_ptr() in storages for t in local)
-    )
-
-
-def _watched(optimizers: Sequence[Any]) -> list[Tensor]:
-    """What only the optimizers' ``step()`` may change while an async save copies it: their trainable
-    parameters (and a ``DTensor``'s local tensor; FSDP1's original parameters share their flat
-    parameter's version counter) and their state tensors."""
-    watched: list[Tensor] = []
-    for param in _trainable(optimizers):
-        watched += {id(t): t for t in [param, *_local_tensors(param)]}.values()
-    for optimizer in optimizers:
-        for entries in getattr(optimizer, "_optimizer", optimizer).state.values():
-            watched += [t for value in entries.values() for t in _local_tensors(value)]
-    return watched
 
 
 def _stock_name(strategy: object) -> str:
@@ -103,43 +50,35 @@ def _stock_name(strategy: object) -> str:
     return type(strategy).__name__
 
 
+def _remove(path: Location) -> None:
+    """Remove the checkpoint at ``path`` with its save leftovers; one that is not there is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        commit.remove_checkpoint(path)
+
+
 def _key(path: Location) -> str:
     """The one spelling of a checkpoint's path that a save and a later load compare."""
     return str(absolute(path))
 
 
-def check_state_dict_type(value: str) -> StateDictType:
-    """``value`` if it is ``"sharded"`` or ``"full"``; a ``ValueError`` naming the choices otherwise."""
-    if value not in _STATE_DICT_TYPES:
-        raise ValueError(  # stock's words first (it raises them at save time; this is at construction)
-            f"Unknown state_dict_type: {value}. Choose 'sharded' (a directory) or 'full' (one file)."
-        )
-    return value  # type: ignore[return-value]
-
-
 class ShardedCheckpointing(PartialCheckpoints):
     """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
 
-    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and
-    :attr:`_sharded_state_dict_type`.
+    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and apply
+    their :class:`~lightning_sharded.strategies._options.CheckpointOptions`.
     """
 
     #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
     _model_key: str = "model"
-    _sharded_state_dict_type: StateDictType = "sharded"
-    #: ``save_checkpoint`` returns once the state is staged in host memory; the write and the atomic
-    #: publish run in the background (see :mod:`lightning_sharded.checkpoint.async_save`).
-    async_save: bool = False
+    # The options (`CheckpointOptions.apply` sets them; `async_save` may be switched later).
+    _sharded_state_dict_type: StateDictType
+    async_save: bool
+    save_rank_state: bool
+    checkpoint_timeout: float | None
+    check_space: bool
     _async_saver: AsyncSaver | None = None
     #: The paths of background saves that failed (by :func:`_key`), with their errors.
     _failed_saves: Mapping[str, BaseException] = {}
-
-    #: Compare every file's checksum with the manifest on a load (presence and sizes always are):
-    #: ``True``/``"before"`` before the first read, ``"during"`` from the load's own reads.
-    verify: bool | VerifyMode = False
-    #: Save each rank's RNG states, train dataloader state and registered state with every checkpoint
-    #: (see :mod:`lightning_sharded.checkpoint.rank_state`); restored whenever a checkpoint has them.
-    save_rank_state: bool = True
     #: What a resume still has to set of each rank's own state, and when (:meth:`_restore_rank_state`).
     _resume: _exact_resume.ExactResume | None = None
     #: The names the class registers in Lightning's ``StrategyRegistry`` (:mod:`lightning_sharded._registry`).
@@ -152,11 +91,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         strategies do; ``import lightning_sharded`` registers them in Lightning's registry already."""
         register(strategy_registry, cls._registry_names, strategy=cls)
 
-    #: Seconds a rank waits for the others at a step of a save or a load before it fails with an error
-    #: naming the ranks that did not come (``None``: the process group's own timeout, 30 minutes).
-    checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT
-    #: Refuse a local save that does not fit in its filesystem's free space, before writing anything.
-    check_space: bool = True
     _bounded_group: Any = None
     _bounded_group_made: bool = False
 
@@ -166,24 +100,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         # The process group exists now: let its worker threads finish before the interpreter exits.
         drain_at_exit()
         self._schedule_warm_start()
-
-    def _init_async_save(self, async_save: bool) -> None:
-        if async_save and not self._saves_sharded:
-            raise ValueError(
-                "`async_save=True` needs `state_dict_type='sharded'`: a full checkpoint is gathered on rank 0"
-                " and written by it alone. Save sharded, or set `async_save=False`."
-            )
-        self.async_save = async_save
-
-    def _init_faults(self, checkpoint_timeout: float | None, check_space: bool) -> None:
-        if checkpoint_timeout is not None and not checkpoint_timeout > 0:
-            raise ValueError(
-                f"`checkpoint_timeout={checkpoint_timeout!r}`: give the seconds a rank waits for the others"
-                " at a step of a save or a load (a positive number), or None for the process group's own"
-                " timeout."
-            )
-        self.checkpoint_timeout = checkpoint_timeout
-        self.check_space = check_space
 
     @contextlib.contextmanager
     def _bounded(self) -> Iterator[None]:
@@ -210,10 +126,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         # Every load (a resume, a warm start, a trainable-only checkpoint's frozen part) is bounded too.
         with self._bounded():
             return super()._restore(path, optimizers, weights_only, read_metadata=read_metadata)
-
-    def _init_verify(self, verify: bool | VerifyMode) -> None:
-        verify_mode(verify)  # a value that is not a mode fails here, not at the first resume
-        self.verify = verify
 
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background, if any, is published.
@@ -340,20 +252,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         is requeued right after it.
         """
         plugin = self._custom_checkpoint_io()
-        if plugin is not None and self._saves_sharded:
-            raise TypeError(
-                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
-                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
-                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
-                " `state_dict_type='full'`; else remove the plugin."
-            )
-        if storage_options is not None and plugin is None:
-            stock = _stock_name(self)
-            raise TypeError(  # stock's words first, then what this strategy does with them
-                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
-                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
-                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
-            )
+        self._check_save_arguments(plugin, storage_options)
         start = time.perf_counter()
         local = location(filepath)
         self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
@@ -382,52 +281,7 @@ class ShardedCheckpointing(PartialCheckpoints):
             self.barrier("ShardedCheckpointing.save_checkpoint")
             return
         if background:
-            if self._async_saver is None:
-                self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
-            state, metadata = save.split_sharded_checkpoint(checkpoint, self._model_key)
-            rank, check_space = self.global_rank, self.check_space
-
-            def write(target: Location, staged: Any, group: Any) -> None:
-                where = collective.ranks(group)
-                target = location(collective.broadcast(str(target), where, "the checkpoint's path"))
-
-                def check() -> None:
-                    if collected is not None:
-                        raise collected
-
-                collective.agree(check, group, "collecting each rank's own state")
-                save.write_sharded_checkpoint(
-                    target,
-                    staged[0],
-                    staged[1],
-                    rank=rank,
-                    group=group,
-                    extra_files=rank_files,
-                    frozen=frozen,
-                    check_space=check_space,
-                )
-
-            # Optimizer state (its "state", not its param_groups, which LR schedulers change in place)
-            # and the parameters the optimizers update change only in step(): their copies are made
-            # after this returns, the next step waits for them (a change in place meanwhile fails the
-            # save: each copy's version counter is checked).
-            deferred = [(0, names.optimizer_key(i), "state") for i in range(len(self.optimizers))]
-            deferred += [
-                (0, self._model_key, key) for key in _updated_by(state[self._model_key], self.optimizers)
-            ]
-            self._async_saver.save(
-                path,
-                (state, metadata),
-                write,
-                defer=deferred,
-                optimizers=self.optimizers,
-                watch=_watched(self.optimizers),
-            )
-            self._defer_logger_notifications()
-            rank_zero_info(
-                f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
-                " writing it in the background"
-            )
+            self._save_in_background(path, checkpoint, rank_files, collected, frozen, start)
             return
         self.wait_for_checkpoint()  # saves publish in order
         with self._bounded():
@@ -444,6 +298,53 @@ class ShardedCheckpointing(PartialCheckpoints):
         rank_zero_info(
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
+        )
+
+    def _check_save_arguments(self, plugin: CheckpointIO | None, storage_options: Any | None) -> None:
+        """Refuse what ``save_checkpoint`` cannot do: a sharded save through a plugin, options without one."""
+        if plugin is not None and self._saves_sharded:
+            raise TypeError(
+                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
+                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
+                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
+                " `state_dict_type='full'`; else remove the plugin."
+            )
+        if storage_options is not None and plugin is None:
+            stock = _stock_name(self)
+            raise TypeError(  # stock's words first, then what this strategy does with them
+                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
+                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
+                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
+            )
+
+    def _save_in_background(
+        self,
+        path: Location,
+        checkpoint: dict[str, Any],
+        rank_files: dict[str, bytes] | None,
+        collected: BaseException | None,
+        frozen: FrozenPart | None,
+        start: float,
+    ) -> None:
+        """Stage the save on the async saver and return (:func:`.save.save_in_background` writes it later)."""
+        if self._async_saver is None:
+            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
+        save.save_in_background(
+            self._async_saver,
+            path,
+            checkpoint,
+            model_key=self._model_key,
+            rank=self.global_rank,
+            optimizers=self.optimizers,
+            collected=collected,
+            extra_files=rank_files,
+            frozen=frozen,
+            check_space=self.check_space,
+        )
+        self._defer_logger_notifications()
+        rank_zero_info(
+            f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
+            " writing it in the background"
         )
 
     @override
@@ -570,12 +471,13 @@ class ShardedCheckpointing(PartialCheckpoints):
             if self.is_global_zero:
                 plugin.remove_checkpoint(path)
             return
+        if self.global_rank != 0:
+            return
         saver = self._async_saver
         if self.async_save and saver is not None:  # after the save in flight, off the training thread
-            if self.global_rank == 0:
-                saver.later(lambda: save.remove_checkpoint(path, rank=0), f"removing {str(path)!r}")
-            return
-        save.remove_checkpoint(path, rank=self.global_rank)
+            saver.later(lambda: _remove(path), f"removing {str(path)!r}")
+        else:
+            _remove(path)
 
     @override
     def teardown(self) -> None:

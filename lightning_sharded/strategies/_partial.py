@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -20,11 +20,10 @@ from typing_extensions import override
 
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective, load
-from lightning_sharded.checkpoint.backends import Location, absolute, local_path, location
+from lightning_sharded.checkpoint.backends import Location, local_path, location
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
-from lightning_sharded.checkpoint.load.parts import check_parts
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
@@ -38,53 +37,19 @@ _RESUME_END = "_CheckpointConnector.resume_end"
 PathLike = str | os.PathLike[str]
 
 
-def _as_location(path: PathLike | None) -> str | None:
-    """A local path made absolute (so a checkpoint names it wherever it is read from), a URL as is."""
-    if path is None:
-        return None
-    return str(absolute(location(path)))
-
-
 class PartialCheckpoints(ParallelStrategy):
     """The warm start, ``exclude_from_loading`` and ``save_trainable_only`` of the strategies."""
 
-    #: A checkpoint whose model state (weights, sharded attributes) a fit without ``ckpt_path`` starts
-    #: from; the optimizers, LR schedulers, loops and step count start fresh.
-    warm_start: str | None = None
-    #: Parts of a checkpoint a resume does not restore (see :mod:`~lightning_sharded.checkpoint.load.parts`).
-    exclude_from_loading: tuple[str, ...] = ()
-    #: Save only the parameters with ``requires_grad`` (and everything else but frozen parameters).
-    save_trainable_only: bool = False
-    #: Where the frozen parameters come from (recorded in trainable-only checkpoints, read on load).
-    frozen_source: str | None = None
-    #: The part of the frozen parameters' keys the source's keys lack.
-    frozen_prefix: str = ""
-    #: The strategy's own ``verify`` (set by :class:`ShardedCheckpointing`).
-    verify: bool | VerifyMode = False
+    # The options (`CheckpointOptions.apply` sets them, paths absolute, `verify` as its mode).
+    warm_start: str | None
+    exclude_from_loading: tuple[str, ...]
+    save_trainable_only: bool
+    frozen_source: str | None
+    frozen_prefix: str
+    verify: VerifyMode | None
     _warm_start_pending: bool = False
     _warm_started: bool = False
     _frozen_checked: FrozenPart | None = None
-
-    def _init_partial(
-        self,
-        warm_start: PathLike | None,
-        exclude_from_loading: Iterable[str] | str | None,
-        save_trainable_only: bool,
-        frozen_source: PathLike | None,
-        frozen_prefix: str,
-    ) -> None:
-        self.warm_start = _as_location(warm_start)
-        self.exclude_from_loading = check_parts(exclude_from_loading)
-        if save_trainable_only and frozen_source is None:
-            raise ValueError(
-                "`save_trainable_only=True` needs `frozen_source`: the weights the frozen parameters were"
-                " loaded from (a Hugging Face directory, a full or a sharded checkpoint), which a load of"
-                " such a checkpoint reads them from. Pass `frozen_source=PATH` (and `frozen_prefix=` if the"
-                " module holds those weights under a prefix, such as 'model.')."
-            )
-        self.save_trainable_only = save_trainable_only
-        self.frozen_source = _as_location(frozen_source)
-        self.frozen_prefix = frozen_prefix
 
     def _register_sharded_state_hooks(self) -> None:
         """Register the sharded-state hooks on the LightningModule unless it has them (the mixin)."""

@@ -3,9 +3,7 @@ restores any checkpoint into the wrapped model, at any world size."""
 
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Generator, Sequence
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -16,15 +14,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
 from typing_extensions import override
 
-from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.foreign import foreign_modules, skipped_log
-from lightning_sharded.strategies._checkpointing import (
-    DEFAULT_CHECKPOINT_TIMEOUT,
-    ShardedCheckpointing,
-    StateDictType,
-    check_state_dict_type,
-)
+from lightning_sharded.strategies._checkpointing import ShardedCheckpointing
+from lightning_sharded.strategies._options import CheckpointOptions, show_options
 from lightning_sharded.strategies._reentry import fsdp1_root, refuse_fsdp2_for_fsdp1, remember_fsdp1_root
 
 _UNSET = object()
@@ -47,40 +40,9 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
 
     Args:
         *args: positional arguments of ``FSDPStrategy``.
-        state_dict_type: ``"sharded"`` (default) writes a directory of shards per checkpoint, readable by
-            stock ``FSDPStrategy`` too; ``"full"`` writes one ``torch.save`` file that plain
-            ``torch.load`` and a single-device Trainer read.
-        async_save: write and publish sharded checkpoints in the background (see ``docs/async-save.md``).
-        verify: on a load, compare every file's CRC-32 with the checkpoint's manifest; presence and sizes
-            are always checked. ``True`` or ``"before"``: nothing of a damaged checkpoint is loaded
-            (local files: the model's values are read beside it, checked from the reads, then copied
-            in; object storage: every file checksummed before the first read). ``"during"``: from the
-            load's own reads, straight into the model; a damaged file then fails the resume after its
-            tensors were read (see ``docs/checkpoint-format.md``).
-        save_rank_state: save each rank's RNG states, train dataloader state and generators, and the
-            objects registered with ``register_rank_state``, with every checkpoint, so a resume at the
-            same world size continues exactly from any point (see ``docs/checkpoint-format.md``).
-        warm_start: a checkpoint (sharded directory or full file) whose model state (weights and sharded
-            attributes) a ``fit`` without ``ckpt_path`` starts from; the optimizers, LR schedulers,
-            loops and step count start fresh, and only the model's bytes are read. A ``fit`` that resumes
-            (``ckpt_path``) ignores it, so a run configured with both resumes itself after a crash.
-        exclude_from_loading: parts of a checkpoint a resume leaves out, by their Lightning checkpoint
-            key: ``"optimizer_states"``, ``"lr_schedulers"``, ``"loops"``, ``"callbacks"``,
-            ``"callbacks.<Name>"`` (one callback), ``"rank_state"``; one line says what was left out.
-        save_trainable_only: save only the parameters with ``requires_grad`` (and buffers, sharded
-            attributes and everything else); the checkpoint names ``frozen_source`` as where a load reads
-            the frozen parameters from.
-        frozen_source: the weights the frozen parameters were loaded from (a Hugging Face directory, a
-            full or a sharded checkpoint); required with ``save_trainable_only``. On a load it overrides
-            the source a trainable-only checkpoint names.
-        frozen_prefix: the part of the frozen parameters' keys the source's keys lack (``"model."``).
-        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
-            collectives run on a gloo group of their own with this timeout) before it fails with a
-            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
-            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
-        check_space: refuse a local save before writing anything when its estimated size (plus a
-            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
-        **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``.
+        **kwargs: keyword arguments of ``FSDPStrategy`` and of ``FullyShardedDataParallel``, and the
+            checkpoint options (:class:`~lightning_sharded.strategies._options.CheckpointOptions`, each
+            shown in this class's signature), ``state_dict_type`` defaulting to ``"sharded"``.
 
     Example::
 
@@ -93,32 +55,11 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
     _model_key = MODEL
     _registry_names = ("sharded_fsdp", "sharded_fsdp_cpu_offload")
 
-    def __init__(
-        self,
-        *args: Any,
-        state_dict_type: StateDictType = "sharded",
-        async_save: bool = False,
-        verify: bool | VerifyMode = False,
-        save_rank_state: bool = True,
-        warm_start: str | os.PathLike[str] | None = None,
-        exclude_from_loading: Sequence[str] = (),
-        save_trainable_only: bool = False,
-        frozen_source: str | os.PathLike[str] | None = None,
-        frozen_prefix: str = "",
-        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
-        check_space: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        kwargs["state_dict_type"] = check_state_dict_type(state_dict_type)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        options = CheckpointOptions.take(kwargs)
+        kwargs["state_dict_type"] = options.state_dict_type
         super().__init__(*args, **kwargs)
-        self._sharded_state_dict_type = state_dict_type
-        self._init_async_save(async_save)
-        self._init_verify(verify)
-        self.save_rank_state = save_rank_state
-        self._init_partial(
-            warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
-        )
-        self._init_faults(checkpoint_timeout, check_space)
+        options.apply(self)
 
     def _fsdp_device_id(self) -> int | torch.device | None:
         # FSDP1 refuses `device_id=None` on CPU ("FSDP needs a non-CPU accelerator device"); it accepts the
@@ -236,32 +177,5 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
             yield
 
 
-def _signature() -> inspect.Signature:
-    """``FSDPStrategy``'s parameters (``state_dict_type`` defaulting to ``"sharded"``), then ours."""
-    parent = inspect.signature(FSDPStrategy.__init__).parameters.values()
-    params = [
-        p.replace(default="sharded") if p.name == "state_dict_type" else p
-        for p in parent
-        if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
-    ]
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    params += [
-        inspect.Parameter("async_save", keyword, default=False, annotation="bool"),
-        inspect.Parameter("verify", keyword, default=False, annotation='bool | Literal["before", "during"]'),
-        inspect.Parameter("save_rank_state", keyword, default=True, annotation="bool"),
-        inspect.Parameter("warm_start", keyword, default=None, annotation="str | os.PathLike[str] | None"),
-        inspect.Parameter("exclude_from_loading", keyword, default=(), annotation="Sequence[str]"),
-        inspect.Parameter("save_trainable_only", keyword, default=False, annotation="bool"),
-        inspect.Parameter("frozen_source", keyword, default=None, annotation="str | os.PathLike[str] | None"),
-        inspect.Parameter("frozen_prefix", keyword, default="", annotation="str"),
-        inspect.Parameter(
-            "checkpoint_timeout", keyword, default=DEFAULT_CHECKPOINT_TIMEOUT, annotation="float | None"
-        ),
-        inspect.Parameter("check_space", keyword, default=True, annotation="bool"),
-        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD, annotation="Any"),
-    ]
-    return inspect.Signature(params, return_annotation=None)
-
-
-# `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the parent's parameters.
-ShardedFSDPStrategy.__signature__ = _signature()  # type: ignore[attr-defined]
+# `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the parent's parameters and ours.
+show_options(ShardedFSDPStrategy.__init__, FSDPStrategy.__init__, state_dict_type="sharded")

@@ -3,29 +3,23 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from typing_extensions import override
 
 from lightning_sharded._compat import materialize_distributed_module, optimizers_to_device
-from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.foreign import foreign_modules, foreign_parameters, is_inside_foreign, skipped_log
-from lightning_sharded.strategies._checkpointing import (
-    DEFAULT_CHECKPOINT_TIMEOUT,
-    ShardedCheckpointing,
-    StateDictType,
-    check_state_dict_type,
-)
+from lightning_sharded.strategies._checkpointing import ShardedCheckpointing
+from lightning_sharded.strategies._options import CheckpointOptions, show_options
 from lightning_sharded.strategies._reentry import refuse_fsdp1_for_fsdp2
 
 #: Which submodules get their own ``fully_shard``: a collection of module classes, or a predicate.
@@ -45,37 +39,16 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             left at ``"auto"``, every process is data parallel (``data_parallel_size=world size``,
             ``tensor_parallel_size=1``), which is what a policy-sharded model needs.
         tensor_parallel_size: as in ``ModelParallelStrategy``.
-        save_distributed_checkpoint: as in ``ModelParallelStrategy``; ``False`` means
-            ``state_dict_type="full"``.
+        save_distributed_checkpoint: deprecated: use ``state_dict_type`` (``False`` means ``"full"``).
         process_group_backend: as in ``ModelParallelStrategy``.
         timeout: as in ``ModelParallelStrategy``.
-        state_dict_type: ``"sharded"`` (a directory, readable by stock ``ModelParallelStrategy``) or
-            ``"full"`` (one ``torch.save`` file). Defaults to what ``save_distributed_checkpoint`` says.
         fully_shard_policy: module classes (or a predicate on modules) that get their own ``fully_shard``
             after ``configure_model``, followed by the root module, when ``configure_model`` did not
             apply ``fully_shard`` itself. With a policy, ``configure_model`` need not be overridden.
             Modules TorchRec sharded (its ``ShardedModule`` s) and everything in them are left alone:
             no ``fully_shard`` inside them, and the root's ignores their parameters (said once in the log).
-        async_save: ``save_checkpoint`` returns once the state is copied to host memory, and the write
-            and atomic publish run in the background (sharded only); the next save, a load and the end
-            of training wait for it and raise its error, if any.
-        verify: checksum every file against the manifest on each load (presence and sizes are checked
-            on every load anyway). ``True`` or ``"before"``: nothing of a damaged checkpoint is
-            loaded (local files: the model's values are read beside it, checked from the reads, then
-            copied in; object storage: every file checksummed before the first read). ``"during"``:
-            from the load's own reads, straight into the model; a damaged file then fails the resume
-            after its tensors were read (see ``docs/checkpoint-format.md``).
-        save_rank_state: save each rank's RNG states, train dataloader state and generators, and the
-            objects registered with ``register_rank_state``, with every checkpoint, so a resume at the
-            same world size continues exactly from any point (see ``docs/checkpoint-format.md``).
-        warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix: partial
-            loads and trainable-only checkpoints, as in :class:`~lightning_sharded.ShardedFSDPStrategy`.
-        checkpoint_timeout: seconds a rank waits for the others at a step of a save or a load (its
-            collectives run on a gloo group of their own with this timeout) before it fails with a
-            ``CheckpointError`` naming the ranks that did not come (dead or hung); ``None``: the process
-            group's own timeout (30 minutes). Raise it when one rank writes much more than the others.
-        check_space: refuse a local save before writing anything when its estimated size (plus a
-            margin) does not fit in the free space of its filesystem (see ``docs/troubleshooting.md``).
+        **options: the checkpoint options (:class:`~lightning_sharded.strategies._options.CheckpointOptions`,
+            each shown in this class's signature), as for :class:`~lightning_sharded.ShardedFSDPStrategy`.
 
     Example::
 
@@ -92,46 +65,36 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         self,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: Literal["auto"] | int = "auto",
-        save_distributed_checkpoint: bool = True,
+        save_distributed_checkpoint: bool | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        state_dict_type: StateDictType | None = None,
         fully_shard_policy: FullyShardPolicy | None = None,
-        async_save: bool = False,
-        verify: bool | VerifyMode = False,
-        save_rank_state: bool = True,
-        warm_start: str | os.PathLike[str] | None = None,
-        exclude_from_loading: Sequence[str] = (),
-        save_trainable_only: bool = False,
-        frozen_source: str | os.PathLike[str] | None = None,
-        frozen_prefix: str = "",
-        checkpoint_timeout: float | None = DEFAULT_CHECKPOINT_TIMEOUT,
-        check_space: bool = True,
+        **options: Any,
     ) -> None:
-        if state_dict_type is None:
-            state_dict_type = "sharded" if save_distributed_checkpoint else "full"
-        elif not save_distributed_checkpoint and state_dict_type == "sharded":
-            raise ValueError(
-                "`save_distributed_checkpoint=False` and `state_dict_type='sharded'` contradict each other;"
-                " pass only `state_dict_type`."
+        if save_distributed_checkpoint is not None:
+            implied = "sharded" if save_distributed_checkpoint else "full"
+            rank_zero_deprecation(
+                f"`save_distributed_checkpoint={save_distributed_checkpoint}` is deprecated, to be removed"
+                f" in the next release: pass `state_dict_type={implied!r}` instead."
             )
-        state_dict_type = check_state_dict_type(state_dict_type)
+            if options.setdefault("state_dict_type", implied) != implied:
+                raise ValueError(
+                    f"`save_distributed_checkpoint={save_distributed_checkpoint}` and"
+                    f" `state_dict_type={options['state_dict_type']!r}` contradict each other; pass only"
+                    " `state_dict_type`."
+                )
+        checked = CheckpointOptions.take(options)
+        if options:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {sorted(options)}")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=state_dict_type == "sharded",
+            save_distributed_checkpoint=checked.state_dict_type == "sharded",
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._sharded_state_dict_type = state_dict_type
         self._fully_shard_policy = fully_shard_policy
-        self._init_async_save(async_save)
-        self._init_verify(verify)
-        self.save_rank_state = save_rank_state
-        self._init_partial(
-            warm_start, exclude_from_loading, save_trainable_only, frozen_source, frozen_prefix
-        )
-        self._init_faults(checkpoint_timeout, check_space)
+        checked.apply(self)
 
     @override
     def setup_environment(self) -> None:
@@ -215,3 +178,7 @@ def _hint(stock_message: str) -> str:
     if "configure_model" in stock_message:
         return "Or pass `fully_shard_policy=` to `ShardedModelParallelStrategy` to shard a plain model."
     return ""
+
+
+# `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the options too.
+show_options(ShardedModelParallelStrategy.__init__)

@@ -58,8 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
-from lightning_sharded.checkpoint.commit import FAULT_ENV, NO_EXCHANGE_ENV, commit_directory
+from lightning_sharded.checkpoint.commit import commit_directory
 from tests.distributed.launch import fork
+from tests.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV, install
+
+install()
 
 WORLD_SIZE = 2
 ROWS = 8

@@ -38,11 +38,13 @@ from torch.distributed.tensor import DTensor, Shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded._launch import free_port
-from lightning_sharded.checkpoint import collective, faults
+from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint import save as io
-from lightning_sharded.checkpoint.faults import FAULT_ENV
 from lightning_sharded.checkpoint.load import restore_checkpoint
 from tests.distributed.launch import fork
+from tests.fault_injection import FAULT_ENV, HANG_S, install
+
+install()
 
 WORLD_SIZE = 3
 ROWS, COLS = 6, 4
@@ -101,7 +103,7 @@ def run_rank(rank: int, port: int, ckpt: Path, operation: str, version: int, dcp
 
         def write_then_hang(*args: Any, **kwargs: Any) -> Any:
             result = original(*args, **kwargs)
-            time.sleep(faults.HANG_S)
+            time.sleep(HANG_S)
             return result
 
         filesystem._write_item = write_then_hang  # type: ignore[assignment]

@@ -24,8 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_sharded.checkpoint import save as io
-from lightning_sharded.checkpoint.commit import FAULT_ENV
 from tests.distributed.launch import fork
+from tests.fault_injection import FAULT_ENV, install
+
+install()
 
 
 def save(url: str, version: int, fault: str = "") -> int:

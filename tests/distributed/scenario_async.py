@@ -45,8 +45,8 @@ from lightning_sharded import (  # noqa: E402
     register_rank_state,
 )
 from lightning_sharded.checkpoint import checksum as writer_module  # noqa: E402
-from lightning_sharded.checkpoint.commit import FAULT_ENV  # noqa: E402
 from tests import _compare as compare  # noqa: E402
+from tests.fault_injection import FAULT_ENV, install  # noqa: E402
 
 
 class Model(L.LightningModule):
@@ -222,6 +222,7 @@ def kill_phase(args: argparse.Namespace) -> dict[str, Any]:
 
     def save_v2_and_die(t: L.Trainer) -> None:
         os.environ[FAULT_ENV] = "after_write@1"
+        install()
         t.save_checkpoint(ckpt)
 
     t = trainer(args.strategy, 6, [SaveAt(1, save_v1), SaveAt(2, save_v2_and_die)], async_save=True)

@@ -26,6 +26,9 @@ import lightning as L  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedModelParallelStrategy  # noqa: E402
 from tests.distributed.models import ShardedModel  # noqa: E402
+from tests.fault_injection import install  # noqa: E402
+
+install()  # LIGHTNING_SHARDED_FAULT, set by the test
 
 
 def main(argv: list[str]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
-from lightning_sharded.checkpoint.backends.local import NO_EXCHANGE_ENV, LocalBackend, leftovers, resolve
+from lightning_sharded.checkpoint.backends.local import LocalBackend, leftovers, resolve
 from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 from lightning_sharded.checkpoint.backends.paths import (
     Location,
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
-    "NO_EXCHANGE_ENV",
     "Backend",
     "ChecksummingWriter",
     "LocalBackend",

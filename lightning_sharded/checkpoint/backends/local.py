@@ -43,12 +43,9 @@ from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
 
-__all__ = ["NO_EXCHANGE_ENV", "LocalBackend", "leftovers", "resolve"]
+__all__ = ["LocalBackend", "leftovers", "resolve"]
 
 log = logging.getLogger(__name__)
-
-#: Set to ``1`` to never use ``renameat2(RENAME_EXCHANGE)`` and publish with the two-rename fallback.
-NO_EXCHANGE_ENV = "LIGHTNING_SHARDED_NO_RENAME_EXCHANGE"
 
 
 def leftovers(path: str | os.PathLike[str], kind: str | None = None) -> list[Path]:
@@ -131,7 +128,7 @@ _AT_FDCWD = -100
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two paths with ``renameat2(RENAME_EXCHANGE)``; ``False`` where unsupported."""
-    if os.environ.get(NO_EXCHANGE_ENV) == "1":
+    if fault(FaultPoint.NO_EXCHANGE, 0):  # a test's two-rename fallback
         return False
     renameat2 = libc.function(
         "renameat2", ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint

@@ -70,7 +70,7 @@ def restore_checkpoint(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
-    verify: bool | VerifyMode = False,
+    verify: bool | VerifyMode | None = False,
     read_metadata: bool = True,
 ) -> Restored:
     """Load a sharded directory or a full file into ``model`` (and ``optimizers``) where they live.
@@ -167,7 +167,7 @@ def _restore(
     *,
     strict: bool,
     weights_only: bool | None,
-    verify: bool | VerifyMode,
+    verify: bool | VerifyMode | None,
     read_metadata: bool,
 ) -> Restored:
     mode = verify_mode(verify)

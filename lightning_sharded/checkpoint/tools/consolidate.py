@@ -13,7 +13,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -35,6 +35,12 @@ from lightning_sharded.checkpoint.tools.reader import (
     set_path,
     to_lightning,
 )
+
+if TYPE_CHECKING:
+    from lightning_sharded.checkpoint.detect import Found
+    from lightning_sharded.checkpoint.manifest import FrozenPart
+    from lightning_sharded.checkpoint.tools.reader import OfflineReader
+    from lightning_sharded.checkpoint.tools.weight_sources import Listing
 
 __all__ = ["FORMATS", "consolidate_checkpoint"]
 
@@ -163,6 +169,21 @@ def consolidate_checkpoint(
             "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
             " its own dtype. Leave dtype, prefix and config at None (they are for format='safetensors')."
         )
+    return _to_lightning_file(
+        src, dst, overwrite=overwrite, verify=verify, progress=progress, weights_only=weights_only
+    )
+
+
+def _to_lightning_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    verify: bool,
+    progress: bool | None,
+    weights_only: bool | None,
+) -> Location:
+    """``format="lightning"``: the sharded checkpoint at ``src`` as one full file, planned, then filled."""
     started = time.perf_counter()
     found = detect(src)
     real = found.data
@@ -175,6 +196,24 @@ def consolidate_checkpoint(
     reader = open_sharded(
         found, verify, weights_only, during=True, then=f"Nothing was written at {str(out)!r}."
     )
+    filling = _plan(found, reader, out, weights_only, progress)
+    try:
+        commit_file(out, filling.write)  # written locally (memory-mapped while filled); a URL gets one upload
+    except OSError as err:
+        raise _write_error(out, err) from err
+    log.info(
+        "Consolidated %s into %s (%s of tensors) in %.2fs",
+        real,
+        out,
+        format_size(filling.total),
+        time.perf_counter() - started,
+    )
+    return out
+
+
+def _structure(found: Found, reader: OfflineReader, weights_only: bool | None) -> dict[str, Any]:
+    """The Lightning checkpoint of a sharded one, with a :class:`_Slot` for each DCP tensor."""
+    real = found.data
     with reader.reading():
         meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
     rank_state = meta.pop(names.RANK_STATE_KEY, None)
@@ -190,10 +229,19 @@ def consolidate_checkpoint(
     nested: dict[str, Any] = {}
     for key in sorted(flat):
         set_path(nested, reader.path_of(key), flat[key])
-    checkpoint = to_lightning(nested, meta, real)
+    return to_lightning(nested, meta, real)
+
+
+def _plan(
+    found: Found, reader: OfflineReader, out: Location, weights_only: bool | None, progress: bool | None
+) -> _Filling:
+    """What the output holds (its skeleton, with fake tensors) and where each tensor's bytes come from."""
+    real = found.data
+    checkpoint = _structure(found, reader, weights_only)
     # A trainable-only checkpoint: its frozen parameters come from the source it names (checked now,
     # before anything is written), so the output is a complete checkpoint, as any other consolidation.
     frozen = found.manifest.frozen if found.manifest is not None else None
+    listing = None
     fakes_frozen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     if frozen is not None:
         listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
@@ -202,7 +250,6 @@ def consolidate_checkpoint(
             fakes_frozen[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
             checkpoint[names.STATE_DICT][key] = _Slot(_FROZEN + key)
         log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
-
     slots: dict[str, tuple[Any, ...]] = {}
     real_tensors: dict[tuple[Any, ...], torch.Tensor] = {}
     for path, leaf in leaves(checkpoint):
@@ -217,59 +264,86 @@ def consolidate_checkpoint(
             key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
         }
         fakes.update({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in fakes_frozen.items()})
-    skeleton = _map_slots(checkpoint, fakes)
     total = sum(int(fake.numel()) * fake.element_size() for fake in fakes.values())
+    frozen_part = (frozen, listing) if frozen is not None and listing is not None else None
+    return _Filling(
+        out,
+        real,
+        reader,
+        _map_slots(checkpoint, fakes),
+        slots,
+        real_tensors,
+        frozen_part,
+        total,
+        weights_only,
+        progress,
+    )
 
-    def write(tmp: Path) -> None:
+
+@dataclass
+class _Filling:
+    """A planned consolidation: the output's skeleton and where each tensor's bytes come from."""
+
+    out: Location
+    real: Location
+    reader: OfflineReader
+    skeleton: Any
+    #: Each slot's key (a DCP key, or ``_FROZEN`` + a frozen key) and its path in the checkpoint.
+    slots: dict[str, tuple[Any, ...]]
+    #: The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
+    real_tensors: dict[tuple[Any, ...], torch.Tensor]
+    #: A trainable-only checkpoint's frozen part and what its source holds.
+    frozen: tuple[FrozenPart, Listing] | None
+    total: int
+    weights_only: bool | None
+    progress: bool | None
+
+    def write(self, tmp: Path) -> None:
+        """Write the skeleton with empty tensors at ``tmp``, then fill it memory-mapped, chunk by chunk."""
         try:
             with torch.serialization.skip_data(materialize_fake_tensors=True):
-                torch.save(skeleton, tmp)
+                torch.save(self.skeleton, tmp)
         except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
-            raise _write_error(out, err) from err
+            raise _write_error(self.out, err) from err
         _reserve(tmp)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             loaded = unpickling.safe_load(
                 tmp,
                 what=f"The consolidated file {str(tmp)!r}",
-                weights_only=weights_only,
+                weights_only=self.weights_only,
                 mmap=True,
                 map_location="cpu",
             )
         sums = _FillChecksums(tmp, loaded)
         try:
-            targets = {key: get_path(loaded, path) for key, path in slots.items() if key not in fakes_frozen}
-            with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
-                reader.read_tensors(targets, tick, sums.filled)
-                if frozen is not None:
-                    into = {key[len(_FROZEN) :]: get_path(loaded, slots[key]) for key in fakes_frozen}
-                    read_frozen(frozen, listing, into, weights_only)
-                    for tensor in into.values():
-                        sums.filled(tensor)
-                        tick(tensor.numel() * tensor.element_size())
-            for path, tensor in real_tensors.items():
-                target = get_path(loaded, path)
-                target.copy_(tensor)
-                sums.filled(target)
-            reader.check()  # with verify: the source's checksums, from the reads, before it is published
+            self._fill(loaded, sums)
         finally:
-            targets = {}
             del loaded
             gc.collect()
             sums.close()
         _fix_zip_crcs(tmp, sums.crcs())
 
-    try:
-        commit_file(out, write)  # written locally (memory-mapped while filled); a URL gets one upload
-    except OSError as err:
-        raise _write_error(out, err) from err
-    log.info(
-        "Consolidated %s into %s (%s of tensors) in %.2fs",
-        real,
-        out,
-        format_size(total),
-        time.perf_counter() - started,
-    )
-    return out
+    def _fill(self, loaded: Any, sums: _FillChecksums) -> None:
+        slots = self.slots
+        targets = {key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(_FROZEN)}
+        with progress_bar(self.total, self.progress, f"consolidating {basename(self.real)}") as tick:
+            self.reader.read_tensors(targets, tick, sums.filled)
+            if self.frozen is not None:
+                frozen, listing = self.frozen
+                into = {
+                    key[len(_FROZEN) :]: get_path(loaded, path)
+                    for key, path in slots.items()
+                    if key.startswith(_FROZEN)
+                }
+                read_frozen(frozen, listing, into, self.weights_only)
+                for tensor in into.values():
+                    sums.filled(tensor)
+                    tick(tensor.numel() * tensor.element_size())
+        for path, tensor in self.real_tensors.items():
+            target = get_path(loaded, path)
+            target.copy_(tensor)
+            sums.filled(target)
+        self.reader.check()  # with verify: the source's checksums, from the reads, before it is published
 
 
 def _write_error(out: Location, err: Exception) -> OSError:
