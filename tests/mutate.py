@@ -64,7 +64,12 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
     "integrity": (
         ["checkpoint/integrity.py"],
         ["tests/checkpoint/test_io.py", "tests/test_verify_errors.py", "tests/checkpoint/test_bit_flips.py"],
-        ["tests/test_reader.py", "tests/test_tools_safety.py", "tests/test_decisions.py"],
+        [
+            "tests/test_reader.py",
+            "tests/test_tools_safety.py",
+            "tests/test_decisions.py",
+            "tests/checkpoint/test_verify_modes.py",
+        ],
     ),
     "hooks": (
         ["hooks.py"],

@@ -522,6 +522,34 @@ def test_state_dict_after_an_exception_uses_its_own_keep_vars() -> None:
     assert m.state_dict(keep_vars=True)["inner.table"] is m.inner.table
 
 
+class Peeking(nn.Module):
+    """Calls the root's state_dict() (keep_vars=False) from inside the root's own state_dict() once, as a
+    user's logging hook might."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root: list[nn.Module] = []
+        self.seen: list[dict[str, Any]] = []
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        if self.root:
+            root = self.root.pop()  # once: the nested call comes back here
+            self.seen.append(root.state_dict())
+
+
+def test_a_state_dict_nested_in_another_keeps_each_calls_keep_vars() -> None:
+    m = model()
+    m.peek = Peeking()
+    m.peek.root.append(m)
+    m.inner.table.requires_grad_(True)
+    outer = m.state_dict(keep_vars=True)
+    inner = m.peek.seen[0]
+    assert inner["inner.table"] is not m.inner.table and not inner["inner.table"].requires_grad
+    assert outer["inner.table"] is m.inner.table  # the outer call's own keep_vars, after the inner one
+    shared = next(h for h in m._state_dict_pre_hooks.values()).shared
+    assert shared.keep_vars == []
+
+
 def test_a_failed_load_keeps_no_reference_to_the_checkpoint() -> None:
     import gc
     import weakref

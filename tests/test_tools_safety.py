@@ -339,6 +339,18 @@ def test_inspect_checks_presence_and_sizes(sharded_ckpt: Path, damage: str) -> N
         inspect_checkpoint(sharded_ckpt)
 
 
+def test_inspect_reads_no_shard_data_so_a_flipped_bit_there_is_verify_s_to_find(sharded_ckpt: Path) -> None:
+    # inspect checks presence and sizes and reads the index, never a shard file's bytes (no checksums).
+    shard = sharded_ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(bytes(data))
+    info = inspect_checkpoint(sharded_ckpt)
+    assert info.entries
+    with pytest.raises(CheckpointError, match=r"'__0_0.distcp' \(written by rank 0\) is corrupted"):
+        verify_checkpoint(sharded_ckpt)
+
+
 def test_inspect_counts_files_as_verify_does(sharded_ckpt: Path, tmp_path: Path) -> None:
     full = consolidate(sharded_ckpt, tmp_path / "full.ckpt")
     (sharded_ckpt / "notes.txt").write_text("not part of the checkpoint")

@@ -210,7 +210,7 @@ def main() -> None:
     assert last_optimizer.param_groups[0]["lr"] == 0.0123, (rank, last_optimizer.param_groups[0]["lr"])
 
     # 5. ranks that disagree on the fast path all leave it
-    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
+    assert fsdp1.optimizer_state_views(model, optimizer) is not None
     where = collective.ranks()
     assert collective.all_true(True, where) and not collective.all_true(rank == 1, where)
     bounded = collective.bounded_group(60.0)
@@ -223,10 +223,10 @@ def main() -> None:
             entries["exp_avg"] = torch.cat([kept, kept[:1]])  # not the parameter's local piece
         for group in (None, bounded):
             with collective.scope(group):
-                assert fsdp1.optimizer_state_dict(model, optimizer) is None, (rank, bad, group)
+                assert fsdp1.optimizer_state_views(model, optimizer) is None, (rank, bad, group)
         entries["exp_avg"] = kept
         assert param in optimizer.state
-    assert fsdp1.optimizer_state_dict(model, optimizer) is not None
+    assert fsdp1.optimizer_state_views(model, optimizer) is not None
 
     dist.barrier()
     if rank == 0:
