@@ -30,3 +30,21 @@ def test_a_key_the_checkpoint_lacks_fails_strict_loading_naming_it(tmp_path: Pat
     restore_checkpoint(path, bigger, [], strict=False)
     loaded, saved = bigger.state_dict(), model.state_dict()
     assert all(torch.equal(loaded[key], saved[key]) for key in ("0.weight", "0.bias"))
+
+
+def test_a_full_file_at_a_url_that_does_not_fit_is_named_by_its_url(tmp_path: Path) -> None:
+    # A URL's full file is read from a local download: the error names the URL the user gave, not it.
+    import fsspec
+
+    model = nn.Linear(4, 3)
+    local = tmp_path / "full.ckpt"
+    torch.save({"state_dict": model.state_dict(), "global_step": 1}, local)
+    url = "memory://strict-keys/full.ckpt"
+    with fsspec.open(url, "wb") as f:
+        f.write(local.read_bytes())
+    other = nn.Linear(4, 5)
+    with pytest.raises(CheckpointError) as raised:
+        restore_checkpoint(url, other, [])
+    message = str(raised.value)
+    assert url in message and "shape" in message, message
+    assert str(tmp_path) not in message
