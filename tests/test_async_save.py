@@ -476,3 +476,23 @@ def test_a_load_waits_for_another_savers_save_to_its_path_only(tmp_path: Path) -
     wait_for_saves_to(tmp_path / "b")  # raised once
     first.close()
     second.close()
+
+
+def test_close_stops_the_background_threads(tmp_path: Path) -> None:
+    saver = AsyncSaver("closing-test")
+    saver.save(tmp_path / "a", {"x": torch.zeros(3)}, lambda path, state, group: None)
+    assert [t for t in threading.enumerate() if t.name.startswith("closing-test")]
+    saver.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("closing-test")]
+    assert left == [], left
+
+
+def test_an_optimizer_without_step_hooks_is_followed_without_error(tmp_path: Path) -> None:
+    class Plain:  # an optimizer-like object that is not torch's (no step hooks)
+        param_groups: list[dict[str, Any]] = []
+        state: dict[Any, Any] = {}
+
+    saver = AsyncSaver()
+    saver.follow([Plain()])  # type: ignore[list-item]
+    saver.save(tmp_path / "a", {"x": torch.zeros(3)}, lambda path, state, group: None)
+    saver.close()
