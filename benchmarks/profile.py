@@ -269,7 +269,7 @@ PHASES: list[Phase] = [
     Phase(f"{_READER}.DirectReader", "prepare_global_plan", "ours: shared reads counted", PLANNING),
     Phase(_READER, "_readinto", "read threads: readinto (incl. CRC-32 and drops)", THREADS),
     Phase(_READER, "crc32", "read threads: CRC-32", THREADS),
-    Phase("lightning_sharded.checkpoint.libc", "fadvise", "read threads: page cache advice (drops)", THREADS),
+    Phase(_READER, "_drop_behind", "read threads: page cache dropped behind", THREADS),
     Phase(_READER, "_prefault", "prefault thread: new memory faulted in", THREADS),
     # ours: the save
     Phase(

@@ -130,8 +130,14 @@ def _readinto(
         if drop:
             # From the read's start every time: the kernel drops only whole (large) folios, so one that
             # began before the last call's end goes once the read has passed its end.
-            libc.fadvise(file.fileno(), offset, done, "DONTNEED")
+            _drop_behind(file, offset, done)
     return True, checksum
+
+
+def _drop_behind(file: Any, offset: int, nbytes: int) -> None:
+    """In a reading thread: drop the pages read so far from the page cache (timed apart by the
+    benchmarks' profile: ``libc.fadvise`` also runs in the training thread)."""
+    libc.fadvise(file.fileno(), offset, nbytes, "DONTNEED")
 
 
 def _find_record(file: Any, job: _Job) -> bool:
