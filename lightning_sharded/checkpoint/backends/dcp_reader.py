@@ -43,14 +43,22 @@ from dataclasses import dataclass
 from typing import IO, Any, Protocol, cast
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from lightning_sharded._compat import create_file_view, fsspec_filesystem
-from lightning_sharded.checkpoint import libc
+from lightning_sharded.checkpoint import libc, unpickling
 from lightning_sharded.checkpoint.checksum import crc32
 
-__all__ = ["DirectReader", "GivenMetadata", "ReadRecorder", "SharedReads", "fsspec_reader"]
+__all__ = [
+    "DirectReader",
+    "GivenMetadata",
+    "ReadRecorder",
+    "SafeBytesPlanner",
+    "SharedReads",
+    "fsspec_reader",
+]
 
 # Smaller tensors are not worth the zip parsing: torch's path.
 _DIRECT_FROM = 1 << 20
@@ -179,6 +187,40 @@ def _archive_fits(file: Any, job: _Job) -> bool:
         and meta.dtype == job.target.dtype
         and meta.shape == job.target.shape
     )
+
+
+class SafeBytesPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that the entries saved as bytes (pickled objects: optimizer
+    settings, anything not a tensor) are unpickled as ``weights_only`` says, as ``meta.pt`` and a full
+    file are: DCP's own ``load_bytes`` unpickles them with ``weights_only=False``, running a hostile
+    file's code (torch/distributed/checkpoint/default_planner.py).
+
+    Args:
+        *args: the planner's own arguments.
+        weights_only: ``torch.load``'s; ``None`` is its default, ``True``.
+        what: the entry of a read item in words, with its file, for a refusal's message.
+        **kwargs: the planner's own keyword arguments.
+    """
+
+    def __init__(
+        self, *args: Any, weights_only: bool | None, what: Callable[[Any], str], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.weights_only = weights_only
+        self.what = what
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        obj = unpickling.safe_load(value, what=self.what(read_item), weights_only=self.weights_only)
+        fqn = read_item.dest_index.fqn
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        # Where the flattened key sits in the nested state (it is there: the plan comes from it).
+        container: Any = self.original_state_dict
+        *parents, last = self.mappings[fqn]
+        for key in parents:
+            container = container[key]
+        container[last] = obj
 
 
 class GivenMetadata:

@@ -8,7 +8,6 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import contextlib
-import io
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -16,8 +15,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces, unpickling
+from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces
 from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.backends.dcp_reader import SafeBytesPlanner
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -296,31 +296,6 @@ def _rank_metadata(backend: Backend, path: Location, layout: ShardedLayout, stat
     )
 
 
-def _safe_bytes_planner(path: Location, weights_only: bool | None) -> Any:
-    """DCP's default load planner, except that the entries saved as bytes (pickled objects: optimizer
-    settings, anything not a tensor) are unpickled as ``weights_only`` says, as ``meta.pt`` and a full
-    file are; DCP's own planner unpickles them with ``weights_only=False``, running a hostile file's
-    code (torch/distributed/checkpoint/default_planner.py, ``load_bytes``)."""
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class SafeBytesPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            fqn = read_item.dest_index.fqn
-            what = f"The value {fqn!r} of the sharded checkpoint {str(path)!r}"
-            obj = unpickling.safe_load(value, what=what, weights_only=weights_only)
-            if not self.flatten_state_dict:
-                self.state_dict[fqn] = obj
-                return
-            # Where the flattened key sits in the nested state (it is there: the plan comes from it).
-            container: Any = self.original_state_dict
-            *parents, last = self.mappings[fqn]
-            for key in parents:
-                container = container[key]
-            container[last] = obj
-
-    return SafeBytesPlanner(allow_partial_load=True)
-
-
 def _dcp_load(
     backend: Backend,
     state: dict[str, Any],
@@ -341,7 +316,13 @@ def _dcp_load(
             lambda: load(
                 state,
                 storage_reader=reader,
-                planner=_safe_bytes_planner(path, weights_only),
+                planner=SafeBytesPlanner(
+                    allow_partial_load=True,
+                    weights_only=weights_only,
+                    what=lambda item: (
+                        f"The value {item.dest_index.fqn!r} of the sharded checkpoint {str(path)!r}"
+                    ),
+                ),
                 process_group=where.group,
             ),
             f"Loading the sharded checkpoint {str(path)!r}",

@@ -27,6 +27,7 @@ import torch
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.backends.dcp_reader import SafeBytesPlanner
 from lightning_sharded.checkpoint.dcp_index import model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -111,14 +112,17 @@ class OfflineReader:
         on_filled: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         from lightning_sharded._compat import dcp_load_state_dict
 
         refusals: list[CheckpointError] = []
         outer = self
 
-        class Planner(DefaultLoadPlanner):
+        def what(read_item: Any) -> str:
+            info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
+            return outer.what(read_item.dest_index.fqn, str(info.relative_path) if info is not None else None)
+
+        class Planner(SafeBytesPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
                 super().commit_tensor(read_item, tensor)
                 if on_filled is not None:
@@ -126,20 +130,20 @@ class OfflineReader:
                 if on_tensor is not None:
                     on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
 
-            def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-                # DCP's own load_bytes unpickles with weights_only=False.
-                fqn = read_item.dest_index.fqn
-                info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
-                what = outer.what(fqn, str(info.relative_path) if info is not None else None)
+            def load_bytes(self, read_item: Any, value: Any) -> None:
                 try:
-                    self.state_dict[fqn] = unpickling.safe_load(
-                        value, what=what, weights_only=outer.weights_only
-                    )
+                    super().load_bytes(read_item, value)
                 except CheckpointError as err:
                     refusals.append(err)
                     raise
 
-        planner = Planner(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        planner = Planner(
+            flatten_state_dict=False,
+            flatten_sharded_tensors=False,
+            allow_partial_load=True,
+            weights_only=self.weights_only,
+            what=what,
+        )
         checksums = self.verification.checksums if self.verification is not None else None
         reader = self.backend.dcp_reader(self.root, self.metadata, checksums)  # metadata: read safely
         with self.reading():
