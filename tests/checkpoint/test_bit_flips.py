@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
-from lightning_sharded.checkpoint import load, read_manifest, save, state_dicts
+from lightning_sharded.checkpoint import load, read_manifest
+from tests.checkpoint.one_process import save_sharded
 
 #: The files of :func:`_one_rank`'s checkpoint, in manifest order (the test below holds the order).
 ONE_RANK = [".metadata", "__0_0.distcp", "index/layout.json", "index/rank-00000.json", "meta.pt"]
@@ -44,15 +45,7 @@ def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     model, optimizer = _model()
     path = tmp_path_factory.mktemp("bit-flips") / "ckpt"
-    checkpoint = {
-        "state_dict": state_dicts.model_state_dict(model, full=False),
-        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=False)],
-        "global_step": 2,
-    }
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming ... a single process"
-        save.save_checkpoint(path, checkpoint, sharded=True, model_key="model", rank=0)
-    return path
+    return save_sharded(path, model, optimizer, model_key="model", global_step=2)
 
 
 def _restore(path: Path, verify: Any) -> None:

@@ -13,25 +13,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_sharded.checkpoint import save, state_dicts
+from lightning_sharded.checkpoint import state_dicts
 from lightning_sharded.checkpoint.load import restore_checkpoint
+from tests.checkpoint.one_process import save_sharded, stepped
 
 
 def test_plain_sgd_without_state_resumes_with_its_parameter_groups(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.25)
-    model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()
-    saved = state_dicts.optimizer_state_dict(model, optimizer, full=False)
-    assert not saved["state"]  # nothing per parameter: the case under test
-    checkpoint = {
-        "state_dict": state_dicts.model_state_dict(model, full=False),
-        "optimizer_states": [saved],
-        "global_step": 1,
-    }
-    path = tmp_path / "sharded.ckpt"
-    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+    stepped(model, optimizer, 8)
+    assert not state_dicts.optimizer_state_dict(model, optimizer, full=False)["state"]  # the case under test
+    path = save_sharded(tmp_path / "sharded.ckpt", model, optimizer)
 
     fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     resumed = torch.optim.SGD(fresh.parameters(), lr=1.0)
@@ -47,15 +40,8 @@ def test_adam_state_resumes_as_it_was_saved_values_dtypes_and_no_grad(tmp_path: 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.25)
-    model(torch.randn(2, 8)).sum().backward()
-    optimizer.step()
-    checkpoint = {
-        "state_dict": state_dicts.model_state_dict(model, full=False),
-        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=False)],
-        "global_step": 1,
-    }
-    path = tmp_path / "sharded.ckpt"
-    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+    stepped(model, optimizer, 8)
+    path = save_sharded(tmp_path / "sharded.ckpt", model, optimizer)
 
     fresh = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     resumed = torch.optim.Adam(fresh.parameters(), lr=1.0)

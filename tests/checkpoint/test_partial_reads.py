@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sharded.checkpoint import save, state_dicts
 from lightning_sharded.checkpoint.load import restore_checkpoint
+from tests.checkpoint.one_process import save_sharded, stepped
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc/self/io")
 
@@ -30,15 +30,8 @@ def test_a_model_only_load_reads_the_models_bytes_only(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = layers()
     optimizer = torch.optim.Adam(model.parameters())
-    model(torch.randn(2, 512)).sum().backward()
-    optimizer.step()
-    checkpoint = {
-        "state_dict": state_dicts.model_state_dict(model, full=False),
-        "optimizer_states": [state_dicts.optimizer_state_dict(model, optimizer, full=False)],
-        "global_step": 1,
-    }
-    path = tmp_path / "sharded.ckpt"
-    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+    stepped(model, optimizer, 512)
+    path = save_sharded(tmp_path / "sharded.ckpt", model, optimizer)
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     assert total > 2.9 * model_bytes  # model + Adam's two moments

@@ -12,9 +12,9 @@ import pytest
 from torch import nn
 
 from lightning_sharded import CheckpointError
-from lightning_sharded.checkpoint import save, state_dicts
 from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load import restore_checkpoint
+from tests.checkpoint.one_process import save_sharded
 
 
 def test_each_verify_value_names_its_mode() -> None:
@@ -28,9 +28,7 @@ def test_each_verify_value_names_its_mode() -> None:
 @pytest.mark.parametrize("verify", [True, "before", "during"])
 def test_a_resume_that_verifies_refuses_a_damaged_shard(tmp_path: Path, verify: bool | VerifyMode) -> None:
     model = nn.Linear(64, 64)
-    checkpoint = {"state_dict": state_dicts.model_state_dict(model, full=False), "global_step": 1}
-    path = tmp_path / "sharded.ckpt"
-    save.save_checkpoint(path, checkpoint, sharded=True, model_key="state_dict", rank=0)
+    path = save_sharded(tmp_path / "sharded.ckpt", model)
     shard = next(path.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit, inside the weight's bytes
