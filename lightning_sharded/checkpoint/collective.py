@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Ranks",
     "RanksLost",
-    "after",
     "agree",
     "all_gather",
     "all_true",
@@ -53,6 +52,7 @@ __all__ = [
     "decide",
     "describe",
     "gather",
+    "marking",
     "ranks",
     "scope",
     "watched",
@@ -143,20 +143,19 @@ def watched(where: Ranks, step: str) -> Iterator[None]:
         raise presence.lost(where.group, err) from err
 
 
-def after(obj: Any, method: str, where: Ranks, step: str) -> None:
-    """Mark ``step`` each time ``obj.method`` returns or raises (a step of DCP's between its own
-    collectives, such as a storage writer's ``write_data``); nothing with one rank."""
-    if where.world_size == 1:
-        return
-    original = getattr(obj, method)
+def marking(where: Ranks, step: str) -> Callable[..., Any]:
+    """A hook for :class:`~lightning_sharded.checkpoint.backends.observed.Observed` that marks ``step``
+    each time the method it runs returns or raises (a step of DCP's between its own collectives, such
+    as a storage writer's ``write_data``); with one rank it marks nothing."""
 
-    def marked(*args: Any, **kwargs: Any) -> Any:
+    def around(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return original(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
-            presence.reach(where.group, step)
+            if where.world_size > 1:
+                presence.reach(where.group, step)
 
-    setattr(obj, method, marked)
+    return around
 
 
 def broadcast(obj: Any, where: Ranks, step: str = "broadcast") -> Any:

@@ -72,59 +72,52 @@ def _dumps(obj: Any) -> bytes:
 
 
 class RankIndexRecorder:
-    """Keeps what a DCP storage writer wrote on this rank (wraps its ``write_data``: this rank's results)
-    and, on the coordinator, the layout of the global index (wraps its ``finish``).
+    """Keeps what a DCP storage writer wrote on this rank (its ``write_data``: this rank's results)
+    and, on the coordinator, the layout of the global index (its ``finish``): both are hooks of an
+    :class:`~lightning_sharded.checkpoint.backends.observed.Observed` writer (:attr:`hooks`).
 
     Once ``finish`` has written ``.metadata``, the global ``Metadata`` is emptied in place: DCP's save
     ends by sending the coordinator's ``finish`` result, that object, to every rank (3.7 MB at 4,096
     ranks, unpickled by each), and no rank needs it then (the layout is made before). Safe because no
     DCP plan caching is used (it would keep that object for the next save).
-
-    Args:
-        writer: The DCP ``StorageWriter`` of this rank's save.
     """
 
-    def __init__(self, writer: Any) -> None:
+    def __init__(self) -> None:
         self.items: list[list[Any]] = []
         #: The layout file (coordinator, after ``finish``); ``None`` elsewhere, or when the index cannot
         #: be described by grids (:func:`layout_bytes`).
         self.layout: bytes | None = None
-        real = writer.write_data
-        real_finish = writer.finish
+        self.hooks = {"write_data": self._write_data, "finish": self._finish}
 
-        def finish(metadata: Any, results: Any) -> None:
-            real_finish(metadata=metadata, results=results)
-            self.layout = layout_bytes(metadata)
-            metadata.state_dict_metadata = {}
-            metadata.storage_data = {}
-            metadata.planner_data = {}
+    def _finish(self, call: Any, metadata: Any, results: Any) -> None:
+        call(metadata=metadata, results=results)
+        self.layout = layout_bytes(metadata)
+        metadata.state_dict_metadata = {}
+        metadata.storage_data = {}
+        metadata.planner_data = {}
 
-        writer.finish = finish
-
-        def write_data(plan: Any, planner: Any) -> Any:
-            future = real(plan, planner)
-            sizes = {
-                item.index: list(item.tensor_data.chunk.sizes)
-                for item in plan.items
-                if getattr(item, "tensor_data", None) is not None
-            }
-            for result in future.wait():
-                if result.index.offset is None or result.index not in sizes:  # a byte item: in the layout
-                    continue
-                info = result.storage_data
-                self.items.append(
-                    [
-                        result.index.fqn,
-                        list(result.index.offset),
-                        sizes[result.index],
-                        str(info.relative_path),
-                        int(info.offset),
-                        int(info.length),
-                    ]
-                )
-            return future
-
-        writer.write_data = write_data
+    def _write_data(self, call: Any, plan: Any, planner: Any) -> Any:
+        future = call(plan, planner)
+        sizes = {
+            item.index: list(item.tensor_data.chunk.sizes)
+            for item in plan.items
+            if getattr(item, "tensor_data", None) is not None
+        }
+        for result in future.wait():
+            if result.index.offset is None or result.index not in sizes:  # a byte item: in the layout
+                continue
+            info = result.storage_data
+            self.items.append(
+                [
+                    result.index.fqn,
+                    list(result.index.offset),
+                    sizes[result.index],
+                    str(info.relative_path),
+                    int(info.offset),
+                    int(info.length),
+                ]
+            )
+        return future
 
     def rank_bytes(self, rank: int) -> bytes:
         """This rank's file (:func:`~.names.rank_index_file`): where each piece it wrote is."""

@@ -25,6 +25,7 @@ from torch import Tensor
 from lightning_sharded.checkpoint import collective, names, rank_index, space
 from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, backend_for, join, location
+from lightning_sharded.checkpoint.backends.observed import Observed
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -138,11 +139,12 @@ def write_sharded_checkpoint(
 
     def write(staging: Location) -> dict[str, tuple[int, str]]:
         writer = backend.dcp_writer(staging, thread_count=WRITER_THREADS)
-        recorder = rank_index.RankIndexRecorder(writer)
-        collective.after(writer, "write_data", where, "DCP save: shards written")
+        recorder = rank_index.RankIndexRecorder()
+        marked = Observed(writer, recorder.hooks)
+        marked = Observed(marked, {"write_data": collective.marking(where, "DCP save: shards written")})
         with collective.watched(where, "DCP save: planning"):
             run_dcp(
-                lambda: save(state, storage_writer=writer, process_group=where.group, planner=_planner()),
+                lambda: save(state, storage_writer=marked, process_group=where.group, planner=_planner()),
                 f"Saving the sharded checkpoint to {str(target)!r}",
                 saving=True,
             )

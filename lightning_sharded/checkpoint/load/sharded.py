@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_sharded.checkpoint import collective, fsdp1, names, rank_index, shard_pieces
 from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.backends.dcp_reader import SafeBytesPlanner
+from lightning_sharded.checkpoint.backends.observed import Observed
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -310,7 +311,7 @@ def _dcp_load(
     reader = backend.dcp_reader(
         path, metadata=metadata, checksums=verification.checksums if verification is not None else None
     )
-    collective.after(reader, "read_data", where, "DCP load: shards read")
+    reader = Observed(reader, {"read_data": collective.marking(where, "DCP load: shards read")})
     with collective.watched(where, "DCP load: planning"):
         run_dcp(
             lambda: load(
