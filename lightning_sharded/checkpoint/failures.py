@@ -15,9 +15,10 @@ less than :data:`NEARLY_FULL` bytes left on its filesystem (``statvfs``) ran out
 
 from __future__ import annotations
 
+import contextlib
 import errno as errnos
 import os
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "Failure",
     "Space",
     "background_failed",
+    "dcp_errors",
     "dcp_failed",
     "failures_of",
     "free_space",
@@ -392,8 +394,9 @@ def background_failed(path: object, cause: BaseException, rank: int) -> Checkpoi
     return CheckpointError(message)
 
 
-def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
-    """Run a DCP call; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
+@contextlib.contextmanager
+def dcp_errors(what: str, *, saving: bool = False) -> Iterator[None]:
+    """Around a DCP call: its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
 
     The message names every failing rank and its error; when a rank's error was caused by an
     ``OSError`` (a full disk, a missing file), it starts with that cause and the error is a
@@ -403,6 +406,6 @@ def run_dcp(call: Callable[[], Any], what: str, *, saving: bool = False) -> Any:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        return call()
+        yield
     except CheckpointException as ex:
         raise dcp_failed(ex, what, saving=saving) from None

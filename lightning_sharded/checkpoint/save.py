@@ -29,7 +29,7 @@ from lightning_sharded.checkpoint.backends.observed import Observed
 from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory, commit_file
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.failures import run_dcp
+from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.tensors import adapter_for
 
@@ -142,12 +142,11 @@ def write_sharded_checkpoint(
         recorder = rank_index.RankIndexRecorder()
         marked = Observed(writer, recorder.hooks)
         marked = Observed(marked, {"write_data": collective.marking(where, "DCP save: shards written")})
-        with collective.watched(where, "DCP save: planning"):
-            run_dcp(
-                lambda: save(state, storage_writer=marked, process_group=where.group, planner=_planner()),
-                f"Saving the sharded checkpoint to {str(target)!r}",
-                saving=True,
-            )
+        with (
+            collective.watched(where, "DCP save: planning"),
+            dcp_errors(f"Saving the sharded checkpoint to {str(target)!r}", saving=True),
+        ):
+            save(state, storage_writer=marked, process_group=where.group, planner=_planner())
         checksums: dict[str, tuple[int, str]] = dict(writer.checksums)
         # The per-rank index: rank 0's layout from the global index it holds anyway, each rank's own
         # file from its own write results (no collective). Without a layout (an index the grids cannot

@@ -22,7 +22,7 @@ from lightning_sharded.checkpoint.backends.observed import Observed
 from lightning_sharded.checkpoint.dcp_index import ShardedLayout, read_indexed_layout, read_sharded_layout
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.failures import run_dcp
+from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.lightning_meta import read_meta
@@ -312,19 +312,13 @@ def _dcp_load(
         path, metadata=metadata, checksums=verification.checksums if verification is not None else None
     )
     reader = Observed(reader, {"read_data": collective.marking(where, "DCP load: shards read")})
-    with collective.watched(where, "DCP load: planning"):
-        run_dcp(
-            lambda: load(
-                state,
-                storage_reader=reader,
-                planner=SafeBytesPlanner(
-                    allow_partial_load=True,
-                    weights_only=weights_only,
-                    what=lambda item: (
-                        f"The value {item.dest_index.fqn!r} of the sharded checkpoint {str(path)!r}"
-                    ),
-                ),
-                process_group=where.group,
-            ),
-            f"Loading the sharded checkpoint {str(path)!r}",
-        )
+    planner = SafeBytesPlanner(
+        allow_partial_load=True,
+        weights_only=weights_only,
+        what=lambda item: f"The value {item.dest_index.fqn!r} of the sharded checkpoint {str(path)!r}",
+    )
+    with (
+        collective.watched(where, "DCP load: planning"),
+        dcp_errors(f"Loading the sharded checkpoint {str(path)!r}"),
+    ):
+        load(state, storage_reader=reader, planner=planner, process_group=where.group)

@@ -24,7 +24,7 @@ from lightning_sharded.checkpoint import hf_layout, names
 from lightning_sharded.checkpoint.backends import Backend, Location, backend_for, local_path, location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.failures import run_dcp
+from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
 
@@ -163,23 +163,19 @@ def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool |
         # The metadata was read once, safely, on rank 0.
         reader = listing.found.backend.dcp_reader(listing.found.data, listing.metadata)
         state: dict[str, Any] = {listing.model_key: targets}
-        run_dcp(
-            lambda: load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True)),
-            what,
-        )
+        with dcp_errors(what):
+            load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
         return
     slicer = (
         SafetensorsSlices(listing) if listing.kind == "safetensors" else FullSlices(listing, weights_only)
     )
     try:
-        run_dcp(
-            lambda: load(
+        with dcp_errors(what):
+            load(
                 dict(targets),
                 storage_reader=SliceReader(listing, slicer),
                 planner=DefaultLoadPlanner(allow_partial_load=True),
-            ),
-            what,
-        )
+            )
     finally:
         slicer.close()
 
