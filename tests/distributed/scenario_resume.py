@@ -39,10 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_sharded import ShardedFSDPStrategy, ShardedModelParallelStrategy  # noqa: E402
 from lightning_sharded.hooks import register_sharded_state_hooks  # noqa: E402
 from tests import _compare as compare  # noqa: E402
+from tests import walks  # noqa: E402
 from tests.distributed.models import ShardedModel, TwoOptimizerModel  # noqa: E402
 from tests.fault_injection import install  # noqa: E402
 
 install()  # a test may set LIGHTNING_SHARDED_FAULT
+walks.install()  # the strategy tests' session records which modules reach the backend
 
 # Read once: Lightning's environment deletes WORLD_SIZE from os.environ when a Trainer tears down.
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))

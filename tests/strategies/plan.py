@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tests.distributed.launch import Batch, Results
+from tests.walks import WALKS_ENV
 
 FSDP = ("--strategy", "fsdp", "--sharded-tensor")
 MP = ("--strategy", "mp", "--sharded-tensor")
@@ -152,7 +153,9 @@ class Session:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        batch = Batch(root)
+        self.walks = root / "walks"
+        self.walks.mkdir()
+        batch = Batch(root, env={WALKS_ENV: str(self.walks)})
         for name, (world, flags) in FITS.items():
             batch.add(name, world, "fit", "--ckpt", str(root / name), *(f.format(root=root) for f in flags))
         batch.run()
