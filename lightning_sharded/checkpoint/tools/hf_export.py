@@ -123,11 +123,8 @@ def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefi
     skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
     if skipped:
         log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
-
-    def read(targets: dict[str, torch.Tensor]) -> None:
-        reader.read_tensors(targets, None)
-
-    return _Source(tensors, read, found.manifest.frozen if found.manifest is not None else None)
+    frozen = found.manifest.frozen if found.manifest is not None else None
+    return _Source(tensors, lambda targets: reader.read_tensors(targets, None), frozen)
 
 
 def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:

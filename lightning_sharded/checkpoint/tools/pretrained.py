@@ -90,8 +90,11 @@ def load_pretrained(
     listing = collective.decide(lambda: list_source(path, weights_only))
     root = _root(module)
     state = model_state_dict(root, full=False)
-    selected = {key: value for key, value in state.items() if key.startswith(prefix) and _is_tensor(value)}
-    targets = {key[len(prefix) :]: value for key, value in selected.items()}
+    targets = {
+        key[len(prefix) :]: value
+        for key, value in state.items()
+        if key.startswith(prefix) and (isinstance(value, torch.Tensor) or global_shape(value) is not None)
+    }
     report = KeyReport(list(targets), list(listing.shapes))
     tied = _tied_keys(root, prefix, set(report.common))
     missing = [prefix + key for key in report.missing if prefix + key not in tied]
@@ -162,10 +165,6 @@ def _check_shapes(listing: Listing, targets: dict[str, Any], prefix: str, what: 
             f"The pretrained weights {listing.shown!r} do not fit {what}: {'; '.join(bad)}."
             " Build the model from the configuration the weights were saved with."
         )
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or global_shape(value) is not None
 
 
 def _summary(keys: list[str], limit: int = 10) -> str:
