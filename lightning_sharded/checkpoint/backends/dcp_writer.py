@@ -39,16 +39,29 @@ from lightning_sharded.checkpoint.checksum import HashingStream
 from lightning_sharded.checkpoint.failures import named_os_error
 from lightning_sharded.checkpoint.writeback import WriteBehind
 
-__all__ = ["ChecksummingWriter"]
+__all__ = ["ChecksummingWriter", "ChecksumsKept"]
 
 
-class _ChecksummingFileSystem(FileSystem):
+class ChecksumsKept:
+    """A DCP filesystem's ``{file name: (size, crc32 hex)}`` of the files it wrote, kept through renames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)  # type: ignore[misc]
+        with self._lock:
+            if Path(path).name in self.checksums:
+                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
+
+class _ChecksummingFileSystem(ChecksumsKept, FileSystem):
     def __init__(self, torch_crc32: bool) -> None:
         super().__init__()
         self.torch_crc32 = torch_crc32
-        self.checksums: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
-        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -76,12 +89,6 @@ class _ChecksummingFileSystem(FileSystem):
                 figures = stream.result()
         with self._lock:
             self.checksums[path.name] = figures
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if Path(path).name in self.checksums:
-                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         super().rm_file(path)

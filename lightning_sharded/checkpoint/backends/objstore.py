@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -42,6 +41,7 @@ from torch.utils.serialization import config as torch_save  # its settings: cont
 
 from lightning_sharded._compat import fsspec_filesystem
 from lightning_sharded.checkpoint import names
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksumsKept
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join, listed_sizes
 from lightning_sharded.checkpoint.backends.retry import Retrying
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
@@ -86,13 +86,8 @@ def _listing(url: str) -> list[dict[str, Any]]:
 
 
 def _hashing_filesystem() -> Any:
-    class HashingFileSystem(fsspec_filesystem().FileSystem):  # type: ignore[misc]
+    class HashingFileSystem(ChecksumsKept, fsspec_filesystem().FileSystem):  # type: ignore[misc]
         """torch's fsspec filesystem for DCP, checksumming every file while it is written."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.checksums: dict[str, tuple[int, str]] = {}
-            self._lock = threading.Lock()
 
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -108,13 +103,6 @@ def _hashing_filesystem() -> Any:
                 figures = stream.result()
             with self._lock:
                 self.checksums[basename(os.fspath(path))] = figures
-
-        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            super().rename(path, new_path)
-            with self._lock:
-                figures = self.checksums.pop(basename(os.fspath(path)), None)
-                if figures is not None:
-                    self.checksums[basename(os.fspath(new_path))] = figures
 
     return HashingFileSystem()
 
