@@ -107,53 +107,41 @@ class Backend(Protocol):
         Applies the recovery rules of an interrupted save. Raises ``CheckpointError`` for a manifest
         that cannot be parsed.
         """
-        ...
 
     def manifest_at(self, data: Location) -> Manifest | None:
         """The manifest that describes the files under ``data``, or ``None`` (a stock checkpoint)."""
-        ...
 
     def manifest_is_stale(self, target: Location, manifest: Manifest) -> bool:
         """Whether a stock save wrote over the checkpoint after ``manifest`` (which is then stale)."""
-        ...
 
     # -- reading ---------------------------------------------------------------------------------
     def exists(self, loc: Location) -> bool:
         """Whether a file or directory (a key or a prefix) is at ``loc``."""
-        ...
 
     def is_file(self, loc: Location) -> bool:
         """Whether ``loc`` is a file (an object)."""
-        ...
 
     def size(self, loc: Location) -> int:
         """Size in bytes of the file at ``loc``; ``FileNotFoundError`` if there is none."""
-        ...
 
     def list_files(self, loc: Location) -> dict[str, int]:
         """The files directly inside directory (prefix) ``loc``: ``{name: size}``; empty if none."""
-        ...
 
     def list_dirs(self, loc: Location) -> list[str]:
         """The directories (common prefixes) directly inside ``loc``, sorted."""
-        ...
 
     def open_file(self, loc: Location) -> AbstractContextManager[IO[bytes]]:
         """The file at ``loc``, open for reading, seekable."""
-        ...
 
     def read_bytes(self, loc: Location) -> bytes:
         """The whole content of the file at ``loc``."""
-        ...
 
     def torch_load(self, loc: Location, **kwargs: Any) -> Any:
         """``torch.load`` of the file at ``loc``; ``mmap=True`` memory-maps it where it is local (else
         the whole file is read)."""
-        ...
 
     def local_file(self, loc: Location) -> AbstractContextManager[Path]:
         """A local path with the content of the file at ``loc`` (itself, or a temporary download)."""
-        ...
 
     def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
         """``(size, crc32 hex)`` of the file at ``loc``, read once.
@@ -162,7 +150,6 @@ class Backend(Protocol):
         recorded): only the bytes between them are read. Only where :attr:`reads_checksums` (else a
         ``ValueError`` for any range).
         """
-        ...
 
     def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
         """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
@@ -172,7 +159,6 @@ class Backend(Protocol):
         ``checksums``: where the reader records the CRC-32 of the byte ranges it reads; only where
         :attr:`reads_checksums` (else ``ValueError``).
         """
-        ...
 
     # -- the steps of a commit, in order ---------------------------------------------------------
     def prepare(
@@ -182,25 +168,20 @@ class Backend(Protocol):
         of what must not be replaced. Returns the published version's name where versions are kept
         (else ``None``) and, with ``measure``, the bytes free for the save (``statvfs`` of the target's
         filesystem; ``None`` where there is no such limit, or unmeasured)."""
-        ...
 
     def stage(self, target: Location, *, directory: bool) -> Location:
         """A fresh staging location for ``target`` (a directory, or for a full file a local file name)."""
-        ...
 
     def dcp_writer(self, staging: Location, **kwargs: Any) -> Any:
         """A DCP ``StorageWriter`` into ``staging`` that checksums what it writes (``.checksums``)."""
-        ...
 
     def write_bytes(self, loc: Location, data: bytes) -> None:
         """Write ``data`` as the file at ``loc`` (inside a staging location)."""
-        ...
 
     def seal_own(
         self, staging: Location, rank: int, written: Mapping[str, tuple[int, str]]
     ) -> list[FileEntry]:
         """Every rank, after writing: make this rank's files durable; their manifest entries."""
-        ...
 
     def seal(
         self,
@@ -213,25 +194,20 @@ class Backend(Protocol):
         version durable, and return ``manifest`` (the commit's: world size, metadata...) with every file
         and this storage's own fields, put where :meth:`publish` needs it (locally: the staging
         directory's manifest, written last)."""
-        ...
 
     def publish(
         self, staging: Location, target: Location, manifest: Manifest, previous: str | None, *, rank: int
     ) -> None:
         """Rank 0: make the sealed version visible at ``target``, then drop the previous one."""
-        ...
 
     def publish_file(self, staged: Path, target: Location) -> None:
         """Make a written, durable full checkpoint file visible at ``target``."""
-        ...
 
     def discard(self, staging: Location) -> None:
         """Delete a staging location after a failed save."""
-        ...
 
     def remove(self, target: Location) -> None:
         """Remove the checkpoint at ``target`` with every leftover; ``FileNotFoundError`` if none."""
-        ...
 
 
 def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:

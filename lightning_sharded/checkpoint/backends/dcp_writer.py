@@ -26,28 +26,42 @@ import contextlib
 import io
 import os
 import threading
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.utils.serialization import config as torch_save  # its settings: context variables
 from typing_extensions import override
 
 from lightning_sharded.checkpoint.checksum import HashingStream
 from lightning_sharded.checkpoint.failures import named_os_error
 from lightning_sharded.checkpoint.writeback import WriteBehind
 
-__all__ = ["ChecksummingWriter", "torch_save_crc32"]
+__all__ = ["ChecksummingWriter", "ChecksumsKept"]
 
 
-class _ChecksummingFileSystem(FileSystem):
+class ChecksumsKept:
+    """A DCP filesystem's ``{file name: (size, crc32 hex)}`` of the files it wrote, kept through renames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checksums: dict[str, tuple[int, str]] = {}
+        self._lock = threading.Lock()
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        super().rename(path, new_path)  # type: ignore[misc]
+        with self._lock:
+            if Path(path).name in self.checksums:
+                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
+
+
+class _ChecksummingFileSystem(ChecksumsKept, FileSystem):
     def __init__(self, torch_crc32: bool) -> None:
         super().__init__()
         self.torch_crc32 = torch_crc32
-        self.checksums: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
-        self._lock = threading.Lock()
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[io.IOBase, None, None]:
@@ -60,7 +74,7 @@ class _ChecksummingFileSystem(FileSystem):
             behind = WriteBehind(raw.fileno())
             stream = HashingStream(raw, write_behind=behind)
             try:
-                with torch_save_crc32(self.torch_crc32):
+                with torch_save.patch({"save.compute_crc32": self.torch_crc32}):  # type: ignore[attr-defined]
                     yield stream  # DCP writes the file (torch.save per item) and fsyncs it (its sync_files)
                 behind.finish()
             except BaseException as err:  # kept: torch's extra writer threads only print it
@@ -75,12 +89,6 @@ class _ChecksummingFileSystem(FileSystem):
                 figures = stream.result()
         with self._lock:
             self.checksums[path.name] = figures
-
-    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if Path(path).name in self.checksums:
-                self.checksums[Path(new_path).name] = self.checksums.pop(Path(path).name)
 
     def rm_file(self, path: str | os.PathLike[str]) -> None:
         super().rm_file(path)
@@ -135,17 +143,3 @@ class ChecksummingWriter(FileSystemWriter):
     def checksums(self) -> dict[str, tuple[int, str]]:
         """``{file name: (size, crc32 hex)}`` of every file this writer wrote into its directory."""
         return dict(self.fs.checksums)
-
-
-@contextlib.contextmanager
-def torch_save_crc32(enabled: bool) -> Iterator[None]:
-    """``torch.save``'s per-record CRC-32 on or off inside the block, for the current thread's context only.
-
-    torch keeps ``torch.utils.serialization.config.save.compute_crc32`` in a context variable
-    (its ``patch`` sets and restores it there): the block's ``torch.save`` calls see it, other threads and
-    code after the block do not.
-    """
-    from torch.utils.serialization import config
-
-    with config.patch({"save.compute_crc32": enabled}):  # type: ignore[attr-defined]
-        yield

@@ -253,9 +253,7 @@ class LocalBackend:
         if entry is None:
             return False
         try:
-            if os.stat(path).st_size != entry.size:
-                return True
-            return file_checksum(path)[1] != entry.checksum
+            return os.stat(path).st_size != entry.size or file_checksum(path)[1] != entry.checksum
         except FileNotFoundError:
             return False
 

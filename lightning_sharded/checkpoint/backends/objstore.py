@@ -30,18 +30,18 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from torch.utils.serialization import config as torch_save  # its settings: context variables
+
 from lightning_sharded._compat import fsspec_filesystem
 from lightning_sharded.checkpoint import names
-from lightning_sharded.checkpoint.backends.dcp_writer import torch_save_crc32
+from lightning_sharded.checkpoint.backends.dcp_writer import ChecksumsKept
 from lightning_sharded.checkpoint.backends.paths import Location, basename, join, listed_sizes
 from lightning_sharded.checkpoint.backends.retry import Retrying
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, stream_checksum
@@ -55,9 +55,6 @@ if TYPE_CHECKING:
 __all__ = ["ObjectStoreBackend", "filesystem"]
 
 log = logging.getLogger(__name__)
-
-# The files a checkpoint written by stock Lightning (no manifest) keeps at the top of its prefix.
-_STOCK_FILE = re.compile(r"^(\.metadata|meta\.pt|__\d+_\d+\.distcp)$")
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -89,13 +86,8 @@ def _listing(url: str) -> list[dict[str, Any]]:
 
 
 def _hashing_filesystem() -> Any:
-    class HashingFileSystem(fsspec_filesystem().FileSystem):  # type: ignore[misc]
+    class HashingFileSystem(ChecksumsKept, fsspec_filesystem().FileSystem):  # type: ignore[misc]
         """torch's fsspec filesystem for DCP, checksumming every file while it is written."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.checksums: dict[str, tuple[int, str]] = {}
-            self._lock = threading.Lock()
 
         @contextlib.contextmanager
         def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
@@ -105,18 +97,12 @@ def _hashing_filesystem() -> Any:
                 return
             with super().create_stream(path, mode) as raw:
                 stream = HashingStream(raw)  # type: ignore[arg-type]
-                with torch_save_crc32(False):  # the manifest's CRC-32 covers the file; this file only
+                # No torch.save record CRC-32 in this file (only): the manifest's CRC-32 covers the file.
+                with torch_save.patch({"save.compute_crc32": False}):  # type: ignore[attr-defined]
                     yield stream
                 figures = stream.result()
             with self._lock:
                 self.checksums[basename(os.fspath(path))] = figures
-
-        def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
-            super().rename(path, new_path)
-            with self._lock:
-                figures = self.checksums.pop(basename(os.fspath(path)), None)
-                if figures is not None:
-                    self.checksums[basename(os.fspath(new_path))] = figures
 
     return HashingFileSystem()
 
@@ -358,7 +344,9 @@ class ObjectStoreBackend:
             raise
         fault(FaultPoint.AFTER_PUBLISH, rank)
         stale = [join(url, previous)] if previous and previous != manifest.data_dir else []
-        stale += [join(url, name) for name in self.list_files(url) if _STOCK_FILE.match(name)]
+        # The files a stock save (no manifest) keeps at the top: these two and its __<rank>_<i>.distcp.
+        stock = (names.DCP_METADATA, names.LIGHTNING_METADATA)
+        stale += [join(url, n) for n in self.list_files(url) if n in stock or names.SHARD_FILE.match(n)]
         try:
             for index, old in enumerate(stale):
                 self._remove_tree(old)

@@ -94,7 +94,6 @@ def listed_sizes(
         folder, _, name = path.rpartition("/")
         if folder not in folders:
             folders[folder] = list_files(join(base, *folder.split("/")) if folder else base)
-        size = folders[folder].get(name)
-        if size is not None:
-            sizes[path] = size
+        if name in folders[folder]:
+            sizes[path] = folders[folder][name]
     return sizes

@@ -94,9 +94,9 @@ def _chain(err: BaseException) -> list[BaseException]:
 def transient(err: BaseException) -> str | None:
     """Why ``err`` of a request is worth another try (``"throttled (503 SlowDown)"``, ``"connection
     dropped"``), or ``None`` if it is not (a missing object, a refusal, a bad argument)."""
-    chain = _chain(err)
-    if any(isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError) for e in chain[:1]):
+    if isinstance(err, FileNotFoundError | PermissionError | IsADirectoryError):
         return None
+    chain = _chain(err)
     if any(marker in f"{type(e).__name__} {e}" for e in chain for marker in _THROTTLED):
         return "throttled (503 SlowDown)"
     for e in chain:

@@ -18,7 +18,7 @@ from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.manifest import FrozenPart
-from lightning_sharded.checkpoint.tools.reader import map_tensors, read_checkpoint
+from lightning_sharded.checkpoint.tools.reader import read_checkpoint
 from lightning_sharded.checkpoint.tools.weight_sources import Listing, list_source, read_weights
 
 __all__ = ["frozen_listing", "load_checkpoint", "read_frozen"]
@@ -127,9 +127,8 @@ def load_checkpoint(
         for key in frozen.keys
     }
     read_frozen(frozen, listing, targets, weights_only)
-    if map_location is not None and torch.device(map_location).type != "cpu":
-        device = torch.device(map_location)
-        targets = map_tensors(targets, lambda t: t.to(device))
+    if map_location is not None:
+        targets = {key: value.to(map_location) for key, value in targets.items()}
     checkpoint[names.STATE_DICT].update(targets)
     del checkpoint[names.FROZEN_KEY]
     return checkpoint

@@ -21,15 +21,15 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
 
 import torch
 
+from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends import Location, basename, local_path, location
-from lightning_sharded.checkpoint.checksum import crc32
+from lightning_sharded.checkpoint.checksum import HashingStream, bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
@@ -42,7 +42,6 @@ from lightning_sharded.checkpoint.tools.reader import open_sharded
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     CONFIG_NAME,
     DTYPE_NAMES,
-    INDEX_NAME,
     Entry,
     encode_header,
     file_name,
@@ -71,19 +70,14 @@ class _Tensor:
     dtype: torch.dtype
 
 
+@dataclass
 class _Source:
     """The model tensors of a checkpoint, and a way to read some of them into given buffers; for a
     trainable-only checkpoint, the frozen part it names (:func:`_with_frozen` adds it)."""
 
-    def __init__(
-        self,
-        tensors: list[_Tensor],
-        read: Callable[[dict[str, torch.Tensor]], None],
-        frozen: FrozenPart | None = None,
-    ) -> None:
-        self.tensors = tensors
-        self.read = read
-        self.frozen = frozen
+    tensors: list[_Tensor]
+    read: Callable[[dict[str, torch.Tensor]], None]
+    frozen: FrozenPart | None = None
 
 
 def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: str) -> _Source:
@@ -129,11 +123,8 @@ def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefi
     skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
     if skipped:
         log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
-
-    def read(targets: dict[str, torch.Tensor]) -> None:
-        reader.read_tensors(targets, None)
-
-    return _Source(tensors, read, found.manifest.frozen if found.manifest is not None else None)
+    frozen = found.manifest.frozen if found.manifest is not None else None
+    return _Source(tensors, lambda targets: reader.read_tensors(targets, None), frozen)
 
 
 def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:
@@ -208,9 +199,10 @@ def export_safetensors(
             for index, group in enumerate(files, start=1):
                 name = file_name(index, len(files))
                 ordered = storage_order(group)
-                with _Checksummed(staging / name) as f:
+                with open(staging / name, "xb") as raw:
+                    f = HashingStream(raw)
                     f.write(encode_header(ordered))
-                    for batch in _batches(ordered):
+                    for batch in plan_files(ordered, BATCH_BYTES):  # a batch in memory at a time
                         buffers = {
                             tensors[e.key].source_key: torch.empty(e.shape, dtype=tensors[e.key].dtype)
                             for e in batch
@@ -218,21 +210,22 @@ def export_safetensors(
                         source.read(buffers)
                         for e in batch:
                             value = buffers.pop(tensors[e.key].source_key).to(e.dtype).contiguous()
-                            f.write_tensor(value)
+                            if value.numel():  # no copy: the tensor's own bytes
+                                f.write(value.reshape(-1).view(torch.uint8).numpy())
                             tick(e.nbytes)
                             del value
-                written[name] = f.figures()
+                    written[name] = f.result()
                 weight_map.update(dict.fromkeys((e.key for e in group), name))
         extra: dict[str, bytes] = {}
         if len(files) > 1:
             index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            extra[INDEX_NAME] = (json.dumps(index_doc, indent=2) + "\n").encode()
+            extra[names.SAFETENSORS_INDEX] = (json.dumps(index_doc, indent=2) + "\n").encode()
         if config_bytes is not None:
             extra[CONFIG_NAME] = config_bytes
         for name, data in extra.items():
-            with _Checksummed(staging / name) as f:
-                f.write(data)
-            written[name] = f.figures()
+            with open(staging / name, "xb") as raw:
+                raw.write(data)
+            written[name] = bytes_checksum(data)
         return written
 
     metadata = {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
@@ -267,49 +260,3 @@ def _read_config(config: str | os.PathLike[str] | None) -> bytes | None:
             " (`model.config.save_pretrained(DIR)` writes one)."
         ) from None
     return data
-
-
-def _batches(entries: list[Entry]) -> Iterator[list[Entry]]:
-    batch: list[Entry] = []
-    size = 0
-    for entry in entries:
-        if batch and size + entry.nbytes > BATCH_BYTES:
-            yield batch
-            batch, size = [], 0
-        batch.append(entry)
-        size += entry.nbytes
-    if batch:
-        yield batch
-
-
-class _Checksummed:
-    """A new local file whose size and CRC-32 are computed as it is written."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.crc = 0
-        self.size = 0
-        self.file: IO[bytes] | None = None
-
-    def __enter__(self) -> _Checksummed:
-        self.file = open(self.path, "xb")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self.file is not None
-        self.file.close()
-
-    def write(self, data: bytes | memoryview) -> None:
-        assert self.file is not None
-        self.file.write(data)
-        self.crc = crc32(data, self.crc)
-        self.size += len(data)
-
-    def write_tensor(self, value: torch.Tensor) -> None:
-        if value.numel() == 0:
-            return
-        raw: Any = value.reshape(-1).view(torch.uint8).numpy()  # no copy: the tensor's own bytes
-        self.write(memoryview(raw))
-
-    def figures(self) -> tuple[int, str]:
-        return self.size, f"{self.crc & 0xFFFFFFFF:08x}"

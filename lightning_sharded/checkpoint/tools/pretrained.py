@@ -20,12 +20,11 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-import torch
 from torch import nn
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checks import KeyReport, global_shape, set_model_state
+from lightning_sharded.checkpoint.load.checks import KeyReport, global_shape, set_model_state, summarize_keys
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.state_dicts import has_fsdp1, model_state_dict
 from lightning_sharded.checkpoint.tools.frozen import frozen_listing
@@ -90,8 +89,11 @@ def load_pretrained(
     listing = collective.decide(lambda: list_source(path, weights_only))
     root = _root(module)
     state = model_state_dict(root, full=False)
-    selected = {key: value for key, value in state.items() if key.startswith(prefix) and _is_tensor(value)}
-    targets = {key[len(prefix) :]: value for key, value in selected.items()}
+    targets = {
+        key[len(prefix) :]: value
+        for key, value in state.items()
+        if key.startswith(prefix) and global_shape(value) is not None  # a plain or a sharded tensor
+    }
     report = KeyReport(list(targets), list(listing.shapes))
     tied = _tied_keys(root, prefix, set(report.common))
     missing = [prefix + key for key in report.missing if prefix + key not in tied]
@@ -99,9 +101,9 @@ def load_pretrained(
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"Missing key(s) in the weights: {_summary(missing)}.")
+            parts.append(f"Missing key(s) in the weights: {summarize_keys(missing)}.")
         if unexpected:
-            parts.append(f"Unexpected key(s) in the weights: {_summary(unexpected)}.")
+            parts.append(f"Unexpected key(s) in the weights: {summarize_keys(unexpected)}.")
         hint = f" (with prefix={prefix!r})" if prefix else ""
         raise CheckpointError(
             f"Error(s) in loading the pretrained weights {listing.shown!r} into {type(module).__name__}"
@@ -162,16 +164,6 @@ def _check_shapes(listing: Listing, targets: dict[str, Any], prefix: str, what: 
             f"The pretrained weights {listing.shown!r} do not fit {what}: {'; '.join(bad)}."
             " Build the model from the configuration the weights were saved with."
         )
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) or global_shape(value) is not None
-
-
-def _summary(keys: list[str], limit: int = 10) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(f'"{k}"' for k in keys[:limit])
-    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def _root(module: nn.Module) -> nn.Module:

@@ -16,9 +16,10 @@ Standard library and torch only: what is written. A directory's index and header
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,6 @@ from lightning_sharded.checkpoint import names
 __all__ = [
     "CONFIG_NAME",
     "DTYPE_NAMES",
-    "INDEX_NAME",
-    "SINGLE_NAME",
     "Entry",
     "encode_header",
     "file_name",
@@ -40,10 +39,7 @@ __all__ = [
     "torch_dtype",
 ]
 
-SINGLE_NAME = names.SAFETENSORS_FILE
-INDEX_NAME = names.SAFETENSORS_INDEX
 CONFIG_NAME = "config.json"
-SUFFIX = names.SAFETENSORS_SUFFIX
 
 #: torch dtype to the safetensors name of it.
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -128,15 +124,14 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for n in self.shape:
-            numel *= n
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def file_name(index: int, count: int) -> str:
     """``model-00001-of-00003.safetensors`` (1-based), or ``model.safetensors`` for a single file."""
-    return SINGLE_NAME if count == 1 else f"model-{index:05d}-of-{count:05d}{SUFFIX}"
+    if count == 1:
+        return names.SAFETENSORS_FILE
+    return f"model-{index:05d}-of-{count:05d}{names.SAFETENSORS_SUFFIX}"
 
 
 def plan_files(entries: Sequence[Entry], max_bytes: int) -> list[list[Entry]]:
@@ -158,13 +153,13 @@ def plan_files(entries: Sequence[Entry], max_bytes: int) -> list[list[Entry]]:
 def storage_order(entries: Iterable[Entry]) -> list[Entry]:
     """The order of the tensors' bytes in a file: widest element first, then by key, as the
     ``safetensors`` package writes them, so every tensor is aligned on its element size."""
-    return sorted(entries, key=lambda e: (-torch.empty((), dtype=e.dtype).element_size(), e.key))
+    return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.key))
 
 
-def encode_header(entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> bytes:
+def encode_header(entries: Sequence[Entry]) -> bytes:
     """The 8-byte length and the JSON header (padded with spaces to 8 bytes) for ``entries``, whose
     bytes then follow in the given order."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for entry in entries:
         header[entry.key] = {

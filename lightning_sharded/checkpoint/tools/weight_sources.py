@@ -77,12 +77,10 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
     found = detect(path)
     if found.kind is CheckpointKind.FULL:
         _, state = full_weights(found.backend, found.data, weights_only)
-        listing = Listing("full", str(given), found=found)
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                listing.shapes[key] = tuple(value.shape)
-                listing.dtypes[key] = value.dtype
-        return listing
+        tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
+        shapes = {key: tuple(value.shape) for key, value in tensors.items()}
+        dtypes = {key: value.dtype for key, value in tensors.items()}
+        return Listing("full", str(given), shapes, dtypes, found=found)
     reader = open_sharded(found, False, weights_only)
     model_key = reader.model_key()
     listing = Listing("sharded", str(given), found=found, model_key=model_key, metadata=reader.metadata)
@@ -157,27 +155,22 @@ def read_weights(listing: Listing, targets: dict[str, Any], weights_only: bool |
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    what = f"Loading the pretrained weights {listing.shown!r}"
+    slicer: SafetensorsSlices | FullSlices | None = None
     if listing.kind == "sharded":
         assert listing.found is not None
         # The metadata was read once, safely, on rank 0.
         reader = listing.found.backend.dcp_reader(listing.found.data, listing.metadata)
         state: dict[str, Any] = {listing.model_key: targets}
-        with dcp_errors(what):
-            load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
-        return
-    slicer = (
-        SafetensorsSlices(listing) if listing.kind == "safetensors" else FullSlices(listing, weights_only)
-    )
+    else:
+        safetensors = listing.kind == "safetensors"
+        slicer = SafetensorsSlices(listing) if safetensors else FullSlices(listing, weights_only)
+        reader, state = SliceReader(listing, slicer), dict(targets)
     try:
-        with dcp_errors(what):
-            load(
-                dict(targets),
-                storage_reader=SliceReader(listing, slicer),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-            )
+        with dcp_errors(f"Loading the pretrained weights {listing.shown!r}"):
+            load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
     finally:
-        slicer.close()
+        if slicer is not None:
+            slicer.close()
 
 
 class SafetensorsSlices:
