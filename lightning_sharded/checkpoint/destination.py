@@ -104,7 +104,7 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
         return
     if existing.is_dir() and not existing.is_symlink():
         members = os.listdir(existing)
-        if members and not _looks_sharded(members):
+        if members and not any(names.is_checkpoint_member(n) for n in members):
             listed = ", ".join(sorted(members)[:5]) + (", ..." if len(members) > 5 else "")
             raise IsADirectoryError(
                 f"The destination {str(out)!r} is a directory that is not a checkpoint (it holds {listed}):"
@@ -121,10 +121,6 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
         what = "a file"
     if not overwrite:
         raise FileExistsError(f"The destination {str(out)!r} exists ({what}). {_FORCE}")
-
-
-def _looks_sharded(members: list[str]) -> bool:
-    return any(names.is_checkpoint_member(n) for n in members)
 
 
 def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwrite: bool) -> None:

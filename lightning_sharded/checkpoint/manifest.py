@@ -154,10 +154,7 @@ class Manifest:
 
     def entry(self, path: str) -> FileEntry | None:
         """The entry for ``path`` (relative, ``/`` separators), or ``None``."""
-        for entry in self.files:
-            if entry.path == path:
-                return entry
-        return None
+        return next((entry for entry in self.files if entry.path == path), None)
 
     def to_json(self) -> str:
         """The manifest as indented JSON text, keys in a stable order."""
