@@ -145,9 +145,8 @@ class AsyncSaver:
         and never raises the save's error (the next :meth:`wait` does)."""
         self._drop_step_hooks(unless_pending=True)
         future = self._future
-        if future is None or not future.done() or future.exception() is not None:
-            return
-        self._run_published()
+        if future is not None and future.done() and future.exception() is None:
+            self._run_published()
 
     def _run_published(self) -> None:
         callbacks, self._on_published = self._on_published, []

@@ -321,11 +321,11 @@ def _prepare(
     except Exception as err:
         failure = Failure.of(err, 0, local_path(parent(target)))
         if failure.errno is None:  # a refusal (a directory of something else...): its message says it all
-            refused = CheckpointError(
+            error = CheckpointError(
                 f"Could not prepare the checkpoint {str(target)!r} on rank 0: {collective.describe(err)}"
                 f" The previous checkpoint at that {backend.place}, if any, is unchanged."
             )
-            return None, None, refused, space
+            return None, None, error, space
         return None, None, save_failed(target, [failure], stage="prepare", place=backend.place), space
 
 
@@ -386,13 +386,13 @@ def commit_file(
         backend.publish_file(staged, target)
     except BaseException as err:
         # measured before the partial file is removed (a full disk shows as such only then)
-        failure = Failure.of(err, 0, staged.parent, file=staged) if isinstance(err, Exception) else None
+        measured = Failure.of(err, 0, staged.parent, file=staged) if isinstance(err, Exception) else None
         with contextlib.suppress(Exception):
             if os.path.lexists(staged):
                 backend.discard(staged)
-        if failure is None or failure.errno is None:  # an interrupt, or the write's own error: as it is
+        if measured is None or measured.errno is None:  # an interrupt, or the write's own error: as it is
             raise
-        raise save_failed(target, [failure], stage=stage, space=space, place=backend.place) from err
+        raise save_failed(target, [measured], stage=stage, space=space, place=backend.place) from err
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:
