@@ -371,14 +371,7 @@ def parse_rank_file(
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("rank") != rank:
             raise ValueError(f"it is not rank {rank}'s index file of format {FORMAT}")
         return [
-            (
-                str(fqn),
-                tuple(int(o) for o in offsets),
-                tuple(int(s) for s in sizes),
-                str(rel),
-                int(off),
-                int(n),
-            )
+            (str(fqn), tuple(map(int, offsets)), tuple(map(int, sizes)), str(rel), int(off), int(n))
             for fqn, offsets, sizes, rel, off, n in raw["items"]
         ]
     except (ValueError, KeyError, TypeError) as ex:

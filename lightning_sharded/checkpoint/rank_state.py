@@ -99,7 +99,6 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: Mapping[str, Any]) -> list[str]:
     """Set the RNG states :func:`rng_states` returned; returns the ones that could not be set, with why."""
-    skipped: list[str] = []
     torch.set_rng_state(states[TORCH])
     if NUMPY in states:
         import numpy  # noqa: F401 - its generator is set below
@@ -107,13 +106,12 @@ def set_rng_states(states: Mapping[str, Any]) -> list[str]:
         if key in states:
             rng.load_state_dict({"state": states[key]})
     cuda = states.get(CUDA)
+    count = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
+    if cuda and count < len(cuda):
+        return [f"CUDA (saved for {len(cuda)} device(s), {count} available now)"]
     if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            skipped.append(f"CUDA (saved for {len(cuda)} device(s), {count} available now)")
-    return skipped
+        torch.cuda.set_rng_state_all(cuda)
+    return []
 
 
 def loader_state(checkpoint: Mapping[str, Any]) -> Any:
