@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -233,20 +234,16 @@ class AsyncSaver:
         :meth:`close`), so that a later :meth:`save` knows whether it runs inside one and may defer
         their state. Call it before training steps start (the strategies do, in ``on_train_start``)."""
         for optimizer in optimizers:
-            if id(optimizer) not in self._in_step and hasattr(optimizer, "register_step_post_hook"):
-                self._follow(optimizer)
+            key = id(optimizer)
+            if key not in self._in_step and hasattr(optimizer, "register_step_post_hook"):
+                self._in_step[key] = 0
+                self._tracking += [
+                    optimizer.register_step_pre_hook(functools.partial(self._count_step, key, 1)),
+                    optimizer.register_step_post_hook(functools.partial(self._count_step, key, -1)),
+                ]
 
-    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
-        key = id(optimizer)
-        self._in_step[key] = 0
-
-        def enter(*_: Any) -> None:
-            self._in_step[key] += 1
-
-        def leave(*_: Any) -> None:
-            self._in_step[key] -= 1
-
-        self._tracking += [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
+    def _count_step(self, key: int, change: int, *_: Any) -> None:
+        self._in_step[key] += change
 
     def _copy_deferred(
         self, optimizers: Sequence[torch.optim.Optimizer], watch: Sequence[torch.Tensor]
