@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -145,9 +146,8 @@ class AsyncSaver:
         and never raises the save's error (the next :meth:`wait` does)."""
         self._drop_step_hooks(unless_pending=True)
         future = self._future
-        if future is None or not future.done() or future.exception() is not None:
-            return
-        self._run_published()
+        if future is not None and future.done() and future.exception() is None:
+            self._run_published()
 
     def _run_published(self) -> None:
         callbacks, self._on_published = self._on_published, []
@@ -234,20 +234,16 @@ class AsyncSaver:
         :meth:`close`), so that a later :meth:`save` knows whether it runs inside one and may defer
         their state. Call it before training steps start (the strategies do, in ``on_train_start``)."""
         for optimizer in optimizers:
-            if id(optimizer) not in self._in_step and hasattr(optimizer, "register_step_post_hook"):
-                self._follow(optimizer)
+            key = id(optimizer)
+            if key not in self._in_step and hasattr(optimizer, "register_step_post_hook"):
+                self._in_step[key] = 0
+                self._tracking += [
+                    optimizer.register_step_pre_hook(functools.partial(self._count_step, key, 1)),
+                    optimizer.register_step_post_hook(functools.partial(self._count_step, key, -1)),
+                ]
 
-    def _follow(self, optimizer: torch.optim.Optimizer) -> None:
-        key = id(optimizer)
-        self._in_step[key] = 0
-
-        def enter(*_: Any) -> None:
-            self._in_step[key] += 1
-
-        def leave(*_: Any) -> None:
-            self._in_step[key] -= 1
-
-        self._tracking += [optimizer.register_step_pre_hook(enter), optimizer.register_step_post_hook(leave)]
+    def _count_step(self, key: int, change: int, *_: Any) -> None:
+        self._in_step[key] += change
 
     def _copy_deferred(
         self, optimizers: Sequence[torch.optim.Optimizer], watch: Sequence[torch.Tensor]

@@ -104,11 +104,10 @@ def bounded_group(timeout_s: float | None) -> ProcessGroup | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    if timeout_s is None:
-        default: ProcessGroup = dist.new_group(backend="gloo")
-        return default
-    group: ProcessGroup = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-    presence.set_timeout(group, timeout_s)
+    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None  # None: the default
+    group: ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
+    if timeout_s is not None:
+        presence.set_timeout(group, timeout_s)
     return group
 
 
@@ -237,14 +236,11 @@ _Packed = tuple[str, str, "int | None", "str | None"]
 
 
 def _pack(err: Exception) -> _Packed:
-    name = type(err).__name__
     if isinstance(err, StorageError):
         return ("StorageError", str(err), err.errno, err.filename)
-    return (
-        (name, str(err), None, None)
-        if name in _SHARED_ERRORS
-        else ("CheckpointError", describe(err), None, None)
-    )
+    if type(err).__name__ in _SHARED_ERRORS:
+        return (type(err).__name__, str(err), None, None)
+    return ("CheckpointError", describe(err), None, None)
 
 
 def _unpack(packed: _Packed, suffix: str = "") -> Exception:

@@ -168,7 +168,20 @@ class _Commit:
     reports: list[tuple[list[FileEntry], list[Failure] | None]] | None = None
 
     def lost(self, stage: str, err: Exception) -> CheckpointError:
-        return _lost_rank(self.target, stage, err, self.backend.place)
+        """The error of a collective of the commit that failed (a rank died or did not come)."""
+        saving, place = f"Saving the checkpoint {str(self.target)!r} failed {stage}", self.backend.place
+        if isinstance(err, RanksLost):
+            return RanksLost(
+                f"{saving}: {err} The {place} holds the previous checkpoint or this one, whole, never a mix;"
+                " resume from it.",
+                err.ranks,
+            )
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return CheckpointError(
+            f"{saving}: a collective failed, most likely because another rank died ({type(err).__name__}:"
+            f" {first}). The {place} holds the previous checkpoint or this one, whole, never a mix; check"
+            " the other ranks' logs, then resume from it."
+        )
 
     def failed(self, failures: list[Failure], stage: str = "write") -> CheckpointError:
         return save_failed(self.target, failures, stage=stage, space=self.space, place=self.backend.place)
@@ -308,33 +321,12 @@ def _prepare(
     except Exception as err:
         failure = Failure.of(err, 0, local_path(parent(target)))
         if failure.errno is None:  # a refusal (a directory of something else...): its message says it all
-            return (
-                None,
-                None,
-                CheckpointError(
-                    f"Could not prepare the checkpoint {str(target)!r} on rank 0: {collective.describe(err)}"
-                    f" The previous checkpoint at that {backend.place}, if any, is unchanged."
-                ),
-                space,
+            error = CheckpointError(
+                f"Could not prepare the checkpoint {str(target)!r} on rank 0: {collective.describe(err)}"
+                f" The previous checkpoint at that {backend.place}, if any, is unchanged."
             )
+            return None, None, error, space
         return None, None, save_failed(target, [failure], stage="prepare", place=backend.place), space
-
-
-def _lost_rank(target: Location, stage: str, err: Exception, place: str) -> CheckpointError:
-    if isinstance(err, RanksLost):
-        why = str(err)
-        error: CheckpointError = RanksLost(
-            f"Saving the checkpoint {str(target)!r} failed {stage}: {why} The {place} holds the previous"
-            " checkpoint or this one, whole, never a mix; resume from it.",
-            err.ranks,
-        )
-        return error
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return CheckpointError(
-        f"Saving the checkpoint {str(target)!r} failed {stage}: a collective failed, most likely because"
-        f" another rank died ({type(err).__name__}: {first}). The {place} holds the previous checkpoint"
-        " or this one, whole, never a mix; check the other ranks' logs, then resume from it."
-    )
 
 
 def commit_file(
@@ -392,20 +384,15 @@ def commit_file(
         fault(FaultPoint.BEFORE_PUBLISH, 0)
         stage = "publish"
         backend.publish_file(staged, target)
-    except Exception as err:
+    except BaseException as err:
         # measured before the partial file is removed (a full disk shows as such only then)
-        failure = Failure.of(err, 0, staged.parent, file=staged)
+        measured = Failure.of(err, 0, staged.parent, file=staged) if isinstance(err, Exception) else None
         with contextlib.suppress(Exception):
             if os.path.lexists(staged):
                 backend.discard(staged)
-        if failure.errno is None:  # the write function's own error (no cause of the storage's): its own words
+        if measured is None or measured.errno is None:  # an interrupt, or the write's own error: as it is
             raise
-        raise save_failed(target, [failure], stage=stage, space=space, place=backend.place) from err
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if os.path.lexists(staged):
-                backend.discard(staged)
-        raise
+        raise save_failed(target, [measured], stage=stage, space=space, place=backend.place) from err
 
 
 def remove_checkpoint(path: str | os.PathLike[str]) -> None:

@@ -73,6 +73,14 @@ def output_file(
     return out
 
 
+def _is_source(out: str, source: str, overwrite: bool) -> ValueError:
+    return ValueError(
+        f"The destination {out!r} is the source checkpoint {source!r}, lies inside it or holds it: writing"
+        " there would destroy the only copy. Choose a destination outside the source."
+        + _force_ignored(overwrite, "it replaces a previous output, never the source being read")
+    )
+
+
 def _same_or_nested(a: Path, b: Path) -> bool:
     """Whether ``a`` and ``b`` are the same path, or one is inside the other, symlinks resolved."""
     a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
@@ -85,12 +93,7 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
     sources = {src, real} if real is not None else {src}
     for source in sorted(sources, key=str):
         if _same_or_nested(out, source):
-            raise ValueError(
-                f"The destination {str(out)!r} is the source checkpoint {str(source)!r}, lies inside it or"
-                " holds it: writing there would destroy the only copy. Choose a destination outside the"
-                " source."
-                + _force_ignored(overwrite, "it replaces a previous output, never the source being read")
-            )
+            raise _is_source(str(out), str(source), overwrite)
     parent = Path(os.path.abspath(out)).parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -104,7 +107,7 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
         return
     if existing.is_dir() and not existing.is_symlink():
         members = os.listdir(existing)
-        if members and not _looks_sharded(members):
+        if members and not any(names.is_checkpoint_member(n) for n in members):
             listed = ", ".join(sorted(members)[:5]) + (", ..." if len(members) > 5 else "")
             raise IsADirectoryError(
                 f"The destination {str(out)!r} is a directory that is not a checkpoint (it holds {listed}):"
@@ -123,18 +126,10 @@ def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> N
         raise FileExistsError(f"The destination {str(out)!r} exists ({what}). {_FORCE}")
 
 
-def _looks_sharded(members: list[str]) -> bool:
-    return any(names.is_checkpoint_member(n) for n in members)
-
-
 def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwrite: bool) -> None:
     for source in sorted({str(location(os.fspath(src))), str(real_src)}):
         if out == source or out.startswith(source + "/") or source.startswith(out + "/"):
-            raise ValueError(
-                f"The destination {out!r} is the source checkpoint {source!r}, lies inside it or holds it:"
-                " writing there would destroy the only copy. Choose a destination outside the source."
-                + _force_ignored(overwrite, "it replaces a previous output, never the source being read")
-            )
+            raise _is_source(out, source, overwrite)
     backend = backend_for(out)
     if not backend.exists(out):
         return

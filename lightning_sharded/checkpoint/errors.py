@@ -73,27 +73,9 @@ class StorageError(CheckpointError, OSError):
         return str(self.args[0]) if self.args else ""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _storage_error, (
-            type(self),
-            str(self),
-            self.errno,
-            self.filename,
-            self.reason,
-            self.summary,
-            self.advice,
-        )
-
-
-def _storage_error(
-    cls: type[StorageError],
-    message: str,
-    errno: int | None,
-    filename: str | None,
-    reason: str | None,
-    summary: str | None,
-    advice: str | None,
-) -> StorageError:
-    return cls(message, errno, filename, reason=reason, summary=summary, advice=advice)
+        # errno and filename are OSError's own slots; the rest travels as state (set by __setstate__)
+        state = {"reason": self.reason, "summary": self.summary, "advice": self.advice}
+        return type(self), (str(self), self.errno, self.filename), state
 
 
 class RanksLost(CheckpointError):

@@ -71,11 +71,16 @@ def os_cause(err: BaseException) -> OSError | None:
         if isinstance(current, OSError) and current.errno:
             return current
         nested: list[Any] = [current.__cause__, current.__context__, getattr(current, "cause", None)]
-        failures = getattr(current, "failures", None)  # DCP: {rank: (exception, traceback)}
+        failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
-            nested += [f[0] if isinstance(f, tuple) else f for _, f in sorted(failures.items())]
+            nested += [e for _, e in _rank_errors(failures)]
         queue += [e for e in nested if isinstance(e, BaseException)]
     return None
+
+
+def _rank_errors(failures: dict[int, Any]) -> list[tuple[int, Any]]:
+    """DCP's ``CheckpointException.failures`` (``{rank: (exception, traceback)}``) as (rank, exception)."""
+    return [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in sorted(failures.items())]
 
 
 def named_os_error(err: BaseException, path: str | os.PathLike[str]) -> OSError | None:
@@ -125,9 +130,9 @@ class Space:
         ``free=False`` (a quota, which ``statvfs`` does not see) the first half only."""
         if not free or self.free is None:
             return f"This save needed about {format_size(self.needed)} there."
-        free_text = f"; {format_size(self.free)} were free when it started"
         return (
-            f"This save needed about {format_size(self.needed)} there{free_text} (statvfs of {self.where!r})."
+            f"This save needed about {format_size(self.needed)} there; {format_size(self.free)} were free"
+            f" when it started (statvfs of {self.where!r})."
         )
 
 
@@ -230,7 +235,7 @@ def failures_of(err: BaseException, rank: int, near: str | os.PathLike[str] | No
         return named
     raw = getattr(err, "failures", None)  # DCP's own CheckpointException: {rank: (exception, traceback)}
     if isinstance(raw, dict) and raw:
-        return [Failure.of(f[0] if isinstance(f, tuple) else f, r, near) for r, f in sorted(raw.items())]
+        return [Failure.of(e, r, near) for r, e in _rank_errors(raw)]
     return [Failure.of(err, rank, near)]
 
 
@@ -356,13 +361,9 @@ def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError
     to '...'"), the same on every rank; it keeps the failures it names (``rank_failures``), so that a
     commit reports them as the failing ranks' own."""
     raw = getattr(ex, "failures", {}) or {}
-    failures = [
-        Failure.of(failure[0] if isinstance(failure, tuple) else failure, rank)
-        for rank, failure in sorted(raw.items())
-    ]
+    failures = [Failure.of(e, rank) for rank, e in _rank_errors(raw)]
     lead = _lead(failures)
-    ranks = sorted(raw)
-    head = f"{what} failed on rank(s) {ranks}"
+    head = f"{what} failed on rank(s) {sorted(raw)}"
     if lead is not None and lead.errno:
         head = f"{lead.cause}: {head[0].lower()}{head[1:]}"
     details = "; ".join(f.detail() for f in failures) or repr(ex)

@@ -154,10 +154,7 @@ class Manifest:
 
     def entry(self, path: str) -> FileEntry | None:
         """The entry for ``path`` (relative, ``/`` separators), or ``None``."""
-        for entry in self.files:
-            if entry.path == path:
-                return entry
-        return None
+        return next((entry for entry in self.files if entry.path == path), None)
 
     def to_json(self) -> str:
         """The manifest as indented JSON text, keys in a stable order."""
@@ -206,8 +203,7 @@ class Manifest:
                 FileEntry(str(e["path"]), int(e["size"]), str(e["checksum"]), int(e.get("rank", 0)))
                 for e in data["files"]
             ]
-            known = {f for f in cls.__dataclass_fields__ if f != "files"}
-            kwargs = {k: v for k, v in data.items() if k in known}
+            kwargs = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "files"}
             if kwargs.get("frozen") is not None:
                 kwargs["frozen"] = FrozenPart.from_dict(kwargs["frozen"])
             return cls(files=files, **kwargs)

@@ -156,25 +156,19 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     deadline = time.monotonic() + GRACE_S
     while True:
         marks = _read(state)
-        behind = (
-            []
-            if marks is None
-            else [
-                r
-                for r in state.members
-                if r != state.me and (r not in marks or (marks[r][0] < count and len(marks[r]) < 3))
-            ]
-        )
+        behind = [
+            r
+            for r in state.members
+            if marks is not None
+            and r != state.me
+            and (r not in marks or (marks[r][0] < count and len(marks[r]) < 3))
+        ]
         if not behind or time.monotonic() >= deadline:
             break
         time.sleep(0.05)
     cause = _first_line(err)
     timeout = _timeouts.get(state.local)
     within = f" within {timeout:g} s" if timeout is not None else ""
-    hint = (
-        "Check their logs. If they are only slow (a large write), raise the strategy's `checkpoint_timeout`"
-        " (seconds)."
-    )
     if marks is None:
         if state.me == 0:
             names: list[int] = []
@@ -207,7 +201,8 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     shown = ", ".join(map(str, names))
     return RanksLost(
         f"rank(s) {shown} did not reach the checkpoint's step {step!r}{within} (dead, hung, or slower than"
-        f" the timeout; {last}; the collective failed with {cause}). {hint}",
+        f" the timeout; {last}; the collective failed with {cause}). Check their logs. If they are only slow"
+        " (a large write), raise the strategy's `checkpoint_timeout` (seconds).",
         names,
     )
 

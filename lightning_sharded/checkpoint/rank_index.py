@@ -68,7 +68,9 @@ def _dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
 
 
-# ---------------------------------------------------------------------------------------------- save
+def _place(info: Any) -> tuple[str, int, int]:
+    """Where a DCP write result's bytes are: (relative path, offset, length)."""
+    return str(info.relative_path), int(info.offset), int(info.length)
 
 
 class RankIndexRecorder:
@@ -106,17 +108,8 @@ class RankIndexRecorder:
         for result in future.wait():
             if result.index.offset is None or result.index not in sizes:  # a byte item: in the layout
                 continue
-            info = result.storage_data
-            self.items.append(
-                [
-                    result.index.fqn,
-                    list(result.index.offset),
-                    sizes[result.index],
-                    str(info.relative_path),
-                    int(info.offset),
-                    int(info.length),
-                ]
-            )
+            piece = [result.index.fqn, list(result.index.offset), sizes[result.index]]
+            self.items.append(piece + list(_place(result.storage_data)))
         return future
 
     def rank_bytes(self, rank: int) -> bytes:
@@ -124,22 +117,20 @@ class RankIndexRecorder:
         return _dumps({"format": FORMAT, "rank": rank, "items": sorted(self.items)})
 
 
-def _even_grid(size: tuple[int, ...], boxes: list[_Box], ranks: list[int]) -> list[Any] | None:
-    """``["even", rows, n]`` when piece k is rows ``[k * rows, (k + 1) * rows)`` (the last one cut at
-    the size) of every column, written by rank k; else ``None``."""
-    if not size or not boxes:
-        return None
-    rows = boxes[0][1][0]
-    if rows <= 0:
-        return None
+def _even_boxes(size: tuple[int, ...], rows: int, n: int) -> list[_Box]:
+    """Piece k of ``n``: rows ``[k * rows, (k + 1) * rows)`` of every column, the last one cut at the size."""
     rest = tuple(size[1:])
-    for k, ((offsets, sizes), rank) in enumerate(zip(boxes, ranks, strict=True)):
-        expected_rows = min(rows, size[0] - k * rows)
-        if rank != k or offsets != (k * rows,) + (0,) * len(rest) or sizes != (expected_rows, *rest):
-            return None
-    if len(boxes) * rows < size[0]:
+    return [((k * rows,) + (0,) * len(rest), (min(rows, size[0] - k * rows), *rest)) for k in range(n)]
+
+
+def _even_grid(size: tuple[int, ...], boxes: list[_Box], ranks: list[int]) -> list[Any] | None:
+    """``["even", rows, n]`` when the pieces are :func:`_even_boxes`, piece k by rank k; else ``None``."""
+    if not size or not boxes or boxes[0][1][0] <= 0:
         return None
-    return [EVEN, rows, len(boxes)]
+    rows, n = boxes[0][1][0], len(boxes)
+    if ranks != list(range(n)) or boxes != _even_boxes(size, rows, n) or n * rows < size[0]:
+        return None
+    return [EVEN, rows, n]
 
 
 def _flat_start(offsets: tuple[int, ...], size: tuple[int, ...]) -> int:
@@ -197,7 +188,7 @@ def layout_bytes(metadata: Any) -> bytes | None:
         if getattr(info, "transform_descriptors", None):
             return None
         offset = tuple(index.offset) if index.offset is not None else None
-        places[(index.fqn, offset)] = (str(info.relative_path), int(info.offset), int(info.length))
+        places[(index.fqn, offset)] = _place(info)
     tensors: dict[str, Any] = {}
     byte_items: dict[str, Any] = {}
     for fqn, item in metadata.state_dict_metadata.items():
@@ -225,19 +216,11 @@ def layout_bytes(metadata: Any) -> bytes | None:
             grid = (
                 _even_grid(size, boxes, ranks)  # type: ignore[arg-type]
                 or _flat_grid(size, boxes, ranks)  # type: ignore[arg-type]
-                or [
-                    CHUNKS,
-                    [list(o) for o, _ in boxes],
-                    [list(s) for _, s in boxes],
-                    ranks,
-                ]
+                or [CHUNKS, [list(o) for o, _ in boxes], [list(s) for _, s in boxes], ranks]
             )
         tensors[fqn] = [dtype, list(size), grid]
     planner_data = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
     return _dumps({"format": FORMAT, "tensors": tensors, "bytes": byte_items, "planner_data": planner_data})
-
-
-# ---------------------------------------------------------------------------------------------- load
 
 
 @dataclass(frozen=True)
@@ -258,12 +241,7 @@ class IndexLayout:
         """The pieces of ``fqn`` that a grid names, with the rank that wrote each (none for ``whole``)."""
         _, size, grid = self.tensors[fqn]
         if grid[0] == EVEN:
-            rows, n = grid[1], grid[2]
-            rest = tuple(size[1:])
-            return [
-                (((k * rows,) + (0,) * len(rest), (min(rows, size[0] - k * rows), *rest)), k)
-                for k in range(n)
-            ]
+            return [(box, k) for k, box in enumerate(_even_boxes(size, grid[1], grid[2]))]
         if grid[0] == FLAT:
             at, every, numel = grid[1], grid[2], math.prod(size)
             return [
@@ -386,14 +364,7 @@ def parse_rank_file(
         if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("rank") != rank:
             raise ValueError(f"it is not rank {rank}'s index file of format {FORMAT}")
         return [
-            (
-                str(fqn),
-                tuple(int(o) for o in offsets),
-                tuple(int(s) for s in sizes),
-                str(rel),
-                int(off),
-                int(n),
-            )
+            (str(fqn), tuple(map(int, offsets)), tuple(map(int, sizes)), str(rel), int(off), int(n))
             for fqn, offsets, sizes, rel, off, n in raw["items"]
         ]
     except (ValueError, KeyError, TypeError) as ex:

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from lightning_sharded.checkpoint import collective, names
-from lightning_sharded.checkpoint.backends import Backend, Location, join
+from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.user_state import stateful
@@ -99,7 +99,6 @@ def rng_states() -> dict[str, Any]:
 
 def set_rng_states(states: Mapping[str, Any]) -> list[str]:
     """Set the RNG states :func:`rng_states` returned; returns the ones that could not be set, with why."""
-    skipped: list[str] = []
     torch.set_rng_state(states[TORCH])
     if NUMPY in states:
         import numpy  # noqa: F401 - its generator is set below
@@ -107,13 +106,12 @@ def set_rng_states(states: Mapping[str, Any]) -> list[str]:
         if key in states:
             rng.load_state_dict({"state": states[key]})
     cuda = states.get(CUDA)
+    count = torch.cuda.device_count() if cuda and torch.cuda.is_available() else 0
+    if cuda and count < len(cuda):
+        return [f"CUDA (saved for {len(cuda)} device(s), {count} available now)"]
     if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() >= len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            skipped.append(f"CUDA (saved for {len(cuda)} device(s), {count} available now)")
-    return skipped
+        torch.cuda.set_rng_state_all(cuda)
+    return []
 
 
 def loader_state(checkpoint: Mapping[str, Any]) -> Any:
@@ -201,9 +199,10 @@ class RankRestore:
     saved_world_size: int | None = None
 
 
-def _read(backend: Backend, loc: Location, rank: int, weights_only: bool | None) -> dict[str, Any]:
+def _read(found: Found, rank: int, weights_only: bool | None) -> dict[str, Any]:
+    loc = join(found.data, names.rank_state_file(rank))
     try:
-        state = backend.torch_load(loc, map_location="cpu", weights_only=weights_only)
+        state = found.backend.torch_load(loc, map_location="cpu", weights_only=weights_only)
     except Exception as ex:
         raise CheckpointError(
             f"Could not read the per-rank state {str(loc)!r} of rank {rank}: {ex!r}. Resume from another"
@@ -319,9 +318,6 @@ def restore(
     """
     entry = metadata.pop(names.RANK_STATE_KEY, None)
 
-    def file_of(r: int) -> Location:
-        return join(found.data, names.rank_state_file(r))
-
     shape = collective.decide(lambda: _shape(entry))
     if shape is None:
         return RankRestore()
@@ -333,7 +329,7 @@ def restore(
             # the next collective (every rank holds the same entries, so they normally agree anyway).
             own = collective.agree(lambda: _own_entry(states, rank, path))
         else:
-            own = collective.agree(lambda: _read(found.backend, file_of(rank), rank, weights_only))
+            own = collective.agree(lambda: _read(found, rank, weights_only))
         set_loader_state(metadata, own.get(LOADER))
         return RankRestore(
             rng=own[RNG],
@@ -346,7 +342,7 @@ def restore(
     def every_rank() -> _Alike:  # a full file: rank 0's copy; a directory: rank 0 reads every file
         if full:
             return _alike([_own_entry(states, r, path) for r in range(saved)])
-        return _alike([_read(found.backend, file_of(r), r, weights_only) for r in range(saved)])
+        return _alike([_read(found, r, weights_only) for r in range(saved)])
 
     shared = collective.decide(every_rank)
     what = (

@@ -52,11 +52,6 @@ __all__ = [
 WRITER_THREADS = 1
 
 
-def _manifest_metadata(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What the manifest records about the Lightning checkpoint (JSON values only)."""
-    return {key: checkpoint[key] for key in ("epoch", "global_step") if isinstance(checkpoint.get(key), int)}
-
-
 def _planner() -> Any:
     """DCP's default save planner that first refuses a key whose tensor has another global shape on
     another rank: a plain tensor (a per-rank parameter) is written once, one rank's copy, so the other
@@ -164,7 +159,7 @@ def write_sharded_checkpoint(
     commit_directory(
         target,
         write,
-        metadata=_manifest_metadata(metadata),
+        metadata={k: metadata[k] for k in ("epoch", "global_step") if isinstance(metadata.get(k), int)},
         group=where.group,
         backend=backend,
         needed=needed,

@@ -48,11 +48,8 @@ MARGIN_BYTES = MIB // 4
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, dict):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
+    if isinstance(obj, dict | list | tuple):
+        for value in obj.values() if isinstance(obj, dict) else obj:
             yield from _leaves(value)
     else:
         yield obj

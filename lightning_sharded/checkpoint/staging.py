@@ -137,13 +137,9 @@ class StagingBuffers:
         buffers = [
             self._buffer((*key, "shard", i), shard.tensor) for i, shard in enumerate(obj.local_shards())
         ]
-        known = self._sharded.get(key)
-        if known is not None and known[0] is obj:
-            staged = known[1]
-            if len(buffers) == len(staged.local_shards()) and all(
-                b is s.tensor for b, s in zip(buffers, staged.local_shards(), strict=True)
-            ):
-                return staged
+        source, staged = self._sharded.get(key, (None, None))
+        if source is obj and [id(b) for b in buffers] == [id(s.tensor) for s in staged.local_shards()]:
+            return staged
         metadata = _on_cpu(obj.metadata())
         shards = [
             Shard(buffer, _on_cpu(shard.metadata))
