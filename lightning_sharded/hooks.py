@@ -38,14 +38,11 @@ from torch import nn
 from lightning_sharded._compat import load_call, running_load
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
-from lightning_sharded._sites import MARKER, SiteIndex
+from lightning_sharded._sites import MARKER, STANDARD_KEYS, SiteIndex
 from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.tensors import adapter_for, exchange_codes
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
-
-# Every nn.Module has these in its __dict__; a checkpoint key never assigns one of them.
-_STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
 #: Set by :func:`receiving_full_values`: attributes that are ``None`` or absent take full tensors.
 _FULL_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -266,7 +263,7 @@ class _LoadPostHook:
                 name in owner._parameters
                 or name in owner._buffers
                 or name in owner._modules
-                or name in _STANDARD_KEYS
+                or name in STANDARD_KEYS  # a checkpoint key never assigns one of them
                 or hasattr(type(owner), name)
             ):
                 continue
