@@ -75,10 +75,14 @@ def _live_frames(frame: FrameType | None) -> set[int]:
     return ids
 
 
-class _StateDictPreHook:
+class _Hook:
+    """One of a root's four hooks: they share its :class:`_HookState`."""
+
     def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
+
+class _StateDictPreHook(_Hook):
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         attach_fused_state(module)  # TorchRec's fused optimizer state becomes sharded attributes
         stack = self.shared.keep_vars
@@ -92,10 +96,7 @@ class _StateDictPreHook:
         stack.append((id(caller), keep_vars))
 
 
-class _StateDictHook:
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
-
+class _StateDictHook(_Hook):
     def __call__(
         self, module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
     ) -> None:
@@ -112,11 +113,8 @@ class _StateDictHook:
             destination[key] = value
 
 
-class _LoadPreHook:
+class _LoadPreHook(_Hook):
     """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
-
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
 
     def __call__(
         self,
@@ -220,7 +218,7 @@ def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> st
     return None
 
 
-class _LoadPostHook:
+class _LoadPostHook(_Hook):
     """Assigns the sharded values torch reported unexpected, where the strictness rule allows.
 
     It runs after torch and every submodule's hooks (FSDP's included) took their keys, so only keys no
@@ -232,9 +230,6 @@ class _LoadPostHook:
     buffers and submodules are never assigned. Everything it needs comes from the running
     ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
     """
-
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
         unexpected: list[str] = incompatible_keys.unexpected_keys

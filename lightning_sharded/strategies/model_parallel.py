@@ -128,7 +128,6 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             except TypeError as err:
                 raise TypeError(f"{err} {_hint(str(err))}".rstrip()) from err
             return
-        assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._apply_fully_shard_policy(self.model)
