@@ -212,10 +212,7 @@ class _LoadPreHook(_Hook):
 
 def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
     """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
-    for relative in (raw, clean):
-        if prefix + relative in state_dict:
-            return prefix + relative
-    return None
+    return next((prefix + key for key in (raw, clean) if prefix + key in state_dict), None)
 
 
 class _LoadPostHook(_Hook):
