@@ -19,7 +19,7 @@ so nothing is imported here (``torch._dynamo`` and FSDP are slow to import).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_sharded._compat import CHECKPOINT_WRAPPER_MODULE, DYNAMO_EVAL_FRAME_MODULE
 
-__all__ = ["WRAPPER_PARTS", "Edge", "clean_keys", "clean_prefix", "edges", "parameter_names"]
+__all__ = ["WRAPPER_PARTS", "Edge", "clean_keys", "clean_prefix", "edges", "parameter_names", "walk"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,30 @@ def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
             yield name, child, Edge(raw=name + ".", clean=name + ".")
 
 
+def walk(
+    root: nn.Module, *, once: bool = False, enter: Callable[[nn.Module], bool] | None = None
+) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(raw path, clean path, module)`` depth-first from ``root``, children in registration order.
+
+    Like ``state_dict()``, a module reachable by two paths is visited under both; with ``once``, under its
+    first only, as ``named_parameters()`` does. ``enter`` says which children to walk into.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
+    while stack:
+        raw, clean, module = stack.pop()
+        if once and id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield raw, clean, module
+        children = [
+            (raw + edge.raw, clean + edge.clean, child)
+            for _, child, edge in edges(module)
+            if enter is None or enter(child)
+        ]
+        stack.extend(reversed(children))
+
+
 def clean_prefix(prefix: str) -> str:
     """``prefix`` without the wrapper parts an enclosing module may have put in it (``"_orig_mod."``...).
 
@@ -107,18 +131,10 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     parameter, as ``named_parameters()`` does.
     """
     names: dict[int, str] = {}
-    seen: set[int] = set()
-    stack: list[tuple[str, nn.Module]] = [("", model)]
-    while stack:
-        path, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
+    for _, path, module in walk(model, once=True):
         for name, param in module._parameters.items():
             if isinstance(param, torch.Tensor):
                 names.setdefault(id(param), path + name)
-        children = [(path + edge.clean, child) for _, child, edge in edges(module)]
-        stack.extend(reversed(children))
     return names
 
 
@@ -129,17 +145,7 @@ def clean_keys(model: nn.Module, state: dict[str, object]) -> dict[str, object]:
     (``body._orig_mod.0.weight`` -> ``body.0.weight`` for a compiled ``body``). A key whose module is not
     found stays as it is.
     """
-    prefixes: dict[str, str] = {}
-    seen: set[int] = set()
-    stack: list[tuple[str, str, nn.Module]] = [("", "", model)]
-    while stack:
-        raw, clean, module = stack.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        if raw != clean:
-            prefixes.setdefault(raw, clean)
-        stack.extend((raw + edge.raw, clean + edge.clean, child) for _, child, edge in edges(module))
+    prefixes = {raw: clean for raw, clean, _ in walk(model, once=True) if raw != clean}
     if not prefixes:
         return state
     renamed: dict[str, object] = {}

@@ -118,10 +118,7 @@ def run_ranks(
                 p.wait()
             if first_failed is None and not timed_out:
                 first_failed = next((r for r, p in enumerate(procs) if p.returncode != 0), None)
-            outputs = []
-            for out in files:
-                out.seek(0)
-                outputs.append(out.read())
+            outputs = [Path(out.name).read_text() for out in files]  # the ranks wrote to the files' fds
         finally:
             for out in files:
                 out.close()

@@ -27,21 +27,21 @@ Paths go through wrappers by module identity (:mod:`lightning_sharded._fqn`): ea
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
 from torch import nn
 
-from lightning_sharded._fqn import edges
+from lightning_sharded._fqn import walk
 from lightning_sharded.tensors import adapter_for
 
 #: Set in the ``__dict__`` of every module whose hooks this library registered.
 MARKER = "_lightning_sharded_hooks"
 
 # Every nn.Module has these entries in its __dict__; none of them can hold a sharded attribute.
-_STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
+STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
 _modules_of = operator.itemgetter("_modules")
 _call: Callable[..., Any] = getattr(operator, "call", lambda fn, arg: fn(arg))  # operator.call: 3.11+
@@ -145,11 +145,12 @@ class SiteIndex:
         getters: list[Callable[[dict[str, Any]], tuple[Any, ...]]] = []
         sites: list[Site] = []
         owners: dict[str, nn.Module] = {}
-        for path, clean, module in _walk_unregistered(root):
+        # Registered submodules are not entered: their own hooks report their sites.
+        for path, clean, module in walk(root, enter=lambda child: MARKER not in vars(child)):
             modules.append(module)
             owners.setdefault(path, module)
             owners.setdefault(clean, module)
-            extras = [k for k in vars(module) if k not in _STANDARD_KEYS]
+            extras = [k for k in vars(module) if k not in STANDARD_KEYS]
             getters.append(operator.itemgetter(*extras, extras[0]) if extras else _NO_EXTRAS)
             for name in extras:
                 if adapter_for(module.__dict__[name]) is not None:
@@ -170,22 +171,3 @@ class SiteIndex:
             sites=tuple(sites),
             owners=owners,
         )
-
-
-def _walk_unregistered(root: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
-    """``(raw path, clean path, module)`` depth-first from ``root``, not entering registered submodules.
-
-    Like ``state_dict()`` (and unlike ``named_modules()``), a module reachable by two paths is visited
-    under both, since ``state_dict()`` stores its state under both keys; a wrapper's other view of the
-    module it wraps (Fabric's ``_forward_module``) is not a second path, ``state_dict()`` skips it too.
-    """
-    stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
-    while stack:
-        path, clean, module = stack.pop()
-        yield path, clean, module
-        children = [
-            (path + edge.raw, clean + edge.clean, child)
-            for _, child, edge in edges(module)
-            if MARKER not in vars(child)
-        ]
-        stack.extend(reversed(children))

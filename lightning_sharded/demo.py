@@ -240,6 +240,7 @@ def _rank_job(args: argparse.Namespace) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import lightning as L
     import torch.distributed as dist
+    from torch import nn
 
     from lightning_sharded.strategies import ShardedFSDPStrategy, ShardedModelParallelStrategy
 
@@ -252,10 +253,10 @@ def _rank_job(args: argparse.Namespace) -> None:
     model = _demo_model()
     strategy: Any
     if args.strategy == "fsdp":
-        strategy = ShardedFSDPStrategy(auto_wrap_policy={_linear()}, state_dict_type=args.state_dict_type)
+        strategy = ShardedFSDPStrategy(auto_wrap_policy={nn.Linear}, state_dict_type=args.state_dict_type)
     else:
         strategy = ShardedModelParallelStrategy(
-            fully_shard_policy={_linear()}, state_dict_type=args.state_dict_type
+            fully_shard_policy={nn.Linear}, state_dict_type=args.state_dict_type
         )
     values: dict[str, Any] = {}
 
@@ -290,12 +291,6 @@ def _rank_job(args: argparse.Namespace) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _linear() -> type:
-    from torch import nn
-
-    return nn.Linear
 
 
 def _demo_model() -> Any:

@@ -36,17 +36,10 @@ FUSED_PREFIX = "fused_optimizer__"
 _LAYOUTS = "_lightning_sharded_fused_layouts"
 
 
-def sharded_module_types() -> tuple[type, ...]:
-    """The classes of modules another library sharded: TorchRec's ``ShardedModule`` once it is imported."""
-    module = sys.modules.get(_TORCHREC_TYPES)
-    cls = getattr(module, "ShardedModule", None) if module is not None else None
-    return (cls,) if isinstance(cls, type) else ()
-
-
 def foreign_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of each outermost module under ``root`` (itself included) that TorchRec sharded."""
-    types = sharded_module_types()
-    if not types:
+    types = getattr(sys.modules.get(_TORCHREC_TYPES), "ShardedModule", None)  # once TorchRec is imported
+    if not isinstance(types, type):
         return []
     found: list[tuple[str, nn.Module]] = []
     inside: list[str] = []
@@ -79,11 +72,6 @@ def ddp_ignored_names(root: nn.Module) -> list[str]:
     names = [n for n, p in root.named_parameters() if id(p) in owned]
     names += [n for n, b in root.named_buffers() if id(b) in owned]
     return sorted(set(names))
-
-
-def describe(modules: list[tuple[str, nn.Module]]) -> str:
-    """``"sparse (ShardedEmbeddingBagCollection), ..."`` for a log line."""
-    return ", ".join(f"{name or '<root>'} ({type(module).__name__})" for name, module in modules)
 
 
 def attach_fused_state(root: nn.Module) -> None:
@@ -146,21 +134,17 @@ def _empty_like_layout(metadata: Any, group: Any) -> Any:
 
 
 def skipped_log(what: str, modules: list[tuple[str, nn.Module]]) -> str:
-    """The one log line that says which modules a wrapper left alone."""
-    return (
-        f"{what} leaves the modules TorchRec sharded alone (it moves their values itself):"
-        f" {describe(modules)}"
-    )
+    """The one log line that says which modules a wrapper left alone (``sparse (ShardedEBC), ...``)."""
+    names = ", ".join(f"{name or '<root>'} ({type(module).__name__})" for name, module in modules)
+    return f"{what} leaves the modules TorchRec sharded alone (it moves their values itself): {names}"
 
 
 __all__ = [
     "FUSED_PREFIX",
     "attach_fused_state",
     "ddp_ignored_names",
-    "describe",
     "foreign_modules",
     "foreign_parameters",
     "is_inside_foreign",
-    "sharded_module_types",
     "skipped_log",
 ]

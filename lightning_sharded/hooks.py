@@ -38,14 +38,11 @@ from torch import nn
 from lightning_sharded._compat import load_call, running_load
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._fqn import clean_prefix
-from lightning_sharded._sites import MARKER, SiteIndex
+from lightning_sharded._sites import MARKER, STANDARD_KEYS, SiteIndex
 from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.tensors import adapter_for, exchange_codes
 
 __all__ = ["has_sharded_state_hooks", "receiving_full_values", "register_sharded_state_hooks"]
-
-# Every nn.Module has these in its __dict__; a checkpoint key never assigns one of them.
-_STANDARD_KEYS = frozenset(nn.Module().__dict__) | {MARKER}
 
 #: Set by :func:`receiving_full_values`: attributes that are ``None`` or absent take full tensors.
 _FULL_VALUES: contextvars.ContextVar[bool] = contextvars.ContextVar(
@@ -78,10 +75,14 @@ def _live_frames(frame: FrameType | None) -> set[int]:
     return ids
 
 
-class _StateDictPreHook:
+class _Hook:
+    """One of a root's four hooks: they share its :class:`_HookState`."""
+
     def __init__(self, shared: _HookState) -> None:
         self.shared = shared
 
+
+class _StateDictPreHook(_Hook):
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         attach_fused_state(module)  # TorchRec's fused optimizer state becomes sharded attributes
         stack = self.shared.keep_vars
@@ -95,10 +96,7 @@ class _StateDictPreHook:
         stack.append((id(caller), keep_vars))
 
 
-class _StateDictHook:
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
-
+class _StateDictHook(_Hook):
     def __call__(
         self, module: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: dict[str, Any]
     ) -> None:
@@ -115,11 +113,8 @@ class _StateDictHook:
             destination[key] = value
 
 
-class _LoadPreHook:
+class _LoadPreHook(_Hook):
     """Loads every sharded attribute from the state dict, agreed with the other ranks that hold it."""
-
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
 
     def __call__(
         self,
@@ -217,13 +212,10 @@ class _LoadPreHook:
 
 def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
     """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
-    for relative in (raw, clean):
-        if prefix + relative in state_dict:
-            return prefix + relative
-    return None
+    return next((prefix + key for key in (raw, clean) if prefix + key in state_dict), None)
 
 
-class _LoadPostHook:
+class _LoadPostHook(_Hook):
     """Assigns the sharded values torch reported unexpected, where the strictness rule allows.
 
     It runs after torch and every submodule's hooks (FSDP's included) took their keys, so only keys no
@@ -235,9 +227,6 @@ class _LoadPostHook:
     buffers and submodules are never assigned. Everything it needs comes from the running
     ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
     """
-
-    def __init__(self, shared: _HookState) -> None:
-        self.shared = shared
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
         unexpected: list[str] = incompatible_keys.unexpected_keys
@@ -266,7 +255,7 @@ class _LoadPostHook:
                 name in owner._parameters
                 or name in owner._buffers
                 or name in owner._modules
-                or name in _STANDARD_KEYS
+                or name in STANDARD_KEYS  # a checkpoint key never assigns one of them
                 or hasattr(type(owner), name)
             ):
                 continue

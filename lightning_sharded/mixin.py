@@ -13,18 +13,6 @@ from lightning_sharded.hooks import receiving_full_values, register_sharded_stat
 from lightning_sharded.tensors import gather_full_values
 from lightning_sharded.user_state import register_rank_state
 
-
-def writes_sharded_checkpoints(strategy: Any) -> bool:
-    """Whether ``strategy`` saves a sharded (distributed) checkpoint directory rather than one file.
-
-    Lightning's ``FSDPStrategy`` says so with ``state_dict_type="sharded"``, ``ModelParallelStrategy``
-    with ``save_distributed_checkpoint=True``; this library's strategies inherit both attributes.
-    """
-    return getattr(strategy, "_state_dict_type", None) == "sharded" or bool(
-        getattr(strategy, "_save_distributed_checkpoint", False)
-    )
-
-
 _DDP_IGNORE = "_lightning_sharded_ddp_ignore"
 _DDP_SAID = "_lightning_sharded_ddp_said"
 
@@ -95,9 +83,12 @@ class ShardedStateMixin:
         parent = getattr(super(), "on_save_checkpoint", None)
         if parent is not None:
             parent(checkpoint)
-        trainer = getattr(self, "_trainer", None)
-        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-        if "state_dict" in checkpoint and not writes_sharded_checkpoints(strategy):
+        strategy = getattr(getattr(self, "_trainer", None), "strategy", None)
+        # A sharded directory: Lightning's FSDPStrategy says so with `state_dict_type="sharded"`,
+        # ModelParallelStrategy with `save_distributed_checkpoint=True` (ours inherit both attributes).
+        sharded = getattr(strategy, "_state_dict_type", None) == "sharded"
+        sharded = sharded or bool(getattr(strategy, "_save_distributed_checkpoint", False))
+        if "state_dict" in checkpoint and not sharded:
             gather_full_values(checkpoint["state_dict"])
 
     @classmethod

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,27 +37,22 @@ __all__ = ["register_rank_state", "registered_rank_state", "stateful"]
 _REGISTRY = "_lightning_sharded_rank_state"
 
 
-class _TorchGenerator:
-    def __init__(self, generator: torch.Generator) -> None:
-        self.obj = generator
+class _Adapter:
+    """A generator as DCP's ``Stateful``: ``{"state": get(obj)}``, set back with ``put(obj, state)``."""
+
+    def __init__(self, obj: Any, get: Callable[[Any], Any], put: Callable[[Any, Any], object]) -> None:
+        self.obj, self._get, self._put = obj, get, put
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": self.obj.get_state()}
+        return {"state": self._get(self.obj)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.obj.set_state(state["state"])
+        self._put(self.obj, state["state"])
 
 
-class _PythonRandom:
-    def __init__(self, rng: random.Random) -> None:
-        self.obj = rng
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": self.obj.getstate()}  # a tuple of ints, as the per-rank state keeps random's
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        version, internal, gauss = state["state"]
-        self.obj.setstate((version, tuple(internal), gauss))
+def _set_python(rng: random.Random, state: Any) -> None:
+    version, internal, gauss = state  # kept as a tuple of ints, as the per-rank state keeps random's
+    rng.setstate((version, tuple(internal), gauss))
 
 
 def _plain(value: Any) -> Any:
@@ -80,48 +75,39 @@ def _like(value: Any, template: Any) -> Any:
     return value
 
 
-class _NumpyGenerator:
+def _numpy_bits(rng: Any) -> Any:
     """``numpy.random.Generator`` (``default_rng``): its bit generator's state."""
-
-    def __init__(self, rng: Any) -> None:
-        self.obj = rng
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": _plain(self.obj.bit_generator.state)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        bits = self.obj.bit_generator
-        bits.state = _like(state["state"], bits.state)
+    return _plain(rng.bit_generator.state)
 
 
-class _NumpyRandomState:
+def _set_numpy_bits(rng: Any, state: Any) -> None:
+    rng.bit_generator.state = _like(state, rng.bit_generator.state)
+
+
+def _numpy_legacy(rng: Any) -> Any:
     """``numpy.random.RandomState``: its legacy state tuple, as lists."""
+    return _plain(rng.get_state(legacy=True))
 
-    def __init__(self, rng: Any) -> None:
-        self.obj = rng
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"state": _plain(self.obj.get_state(legacy=True))}
+def _set_numpy_legacy(rng: Any, state: Any) -> None:
+    import numpy
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        import numpy
-
-        name, keys, pos, has_gauss, cached = state["state"]
-        self.obj.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
+    name, keys, pos, has_gauss, cached = state
+    rng.set_state((name, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
 def stateful(obj: Any) -> Stateful | None:
     """``obj`` as DCP's ``Stateful``: itself if it has ``state_dict``/``load_state_dict``, an adapter for a
     ``torch.Generator``, ``random.Random``, ``numpy.random.Generator`` or ``RandomState``, else ``None``."""
     if isinstance(obj, torch.Generator):
-        return _TorchGenerator(obj)
+        return _Adapter(obj, torch.Generator.get_state, torch.Generator.set_state)
     if isinstance(obj, random.Random):
-        return _PythonRandom(obj)
+        return _Adapter(obj, random.Random.getstate, _set_python)
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.random.Generator):
-        return _NumpyGenerator(obj)
+        return _Adapter(obj, _numpy_bits, _set_numpy_bits)
     if numpy is not None and isinstance(obj, numpy.random.RandomState):
-        return _NumpyRandomState(obj)
+        return _Adapter(obj, _numpy_legacy, _set_numpy_legacy)
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return obj  # type: ignore[no-any-return]
     return None
@@ -129,7 +115,7 @@ def stateful(obj: Any) -> Stateful | None:
 
 def _target(entry: Any) -> Any:
     """The registered object itself (an adapter's wrapped object)."""
-    return getattr(entry, "obj", entry) if type(entry).__module__ == __name__ else entry
+    return entry.obj if isinstance(entry, _Adapter) else entry
 
 
 def register_rank_state(module: Any, name: str, obj: Any, *, replace: bool = False) -> None:

@@ -173,8 +173,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         notification is deferred to the moment it is published (checked at every training batch, and by
         every wait), and dropped if the save fails.
         """
-        module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = getattr(self.lightning_module, "_trainer", None)
         saver = self._async_saver
         if trainer is None or saver is None:
             return

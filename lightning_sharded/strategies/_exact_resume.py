@@ -63,6 +63,10 @@ def _stateful(loader: Any) -> bool:
     return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
 
 
+#: No plain loader was positioned.
+_UNSET = object()
+
+
 @dataclass
 class ExactResume:
     """One resume's pending per-rank state, and when each part of it is set (see the module docstring).
@@ -95,12 +99,11 @@ class ExactResume:
     _deferred: dict[int, dict[str, Any]] = field(default_factory=dict)
     _skipped: list[str] = field(default_factory=list)
     #: Why a plain loader's position is not restored (``None``: it is; unset: no plain loader to position).
-    _why: Any = None
+    _why: Any = _UNSET
     _started: bool = False
 
     def __post_init__(self) -> None:
         self._registered = dict(self.outcome.registered)
-        self._why = _UNSET
 
     def _restore_registered(self, module: Any) -> None:
         """Load the registered objects' states (collective: a failure on one rank fails every rank alike)."""
@@ -224,10 +227,6 @@ class ExactResume:
             if index < len(loaders) and states:
                 train_loaders.set_generator_states(loaders[index], states)
         self._deferred.clear()
-
-
-#: No plain loader was positioned.
-_UNSET = object()
 
 
 def _names(keys: Any) -> str:

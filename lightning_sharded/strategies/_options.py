@@ -1,7 +1,8 @@
 """The checkpoint options both strategies take: each declared once here, with its default and its check.
 
 The strategies take them as keyword arguments; their signatures (``inspect.signature``, ``help()``,
-Lightning's CLI) show them after the parent strategy's parameters (:func:`show_options`).
+Lightning's CLI) show them after the parent strategy's parameters (:func:`show_options`), and static tools
+(Pylance, PyCharm, mypy) read them from :class:`CheckpointOptionsKwargs` (PEP 692).
 """
 
 from __future__ import annotations
@@ -10,13 +11,19 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from lightning_sharded.checkpoint.backends import absolute, location
 from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.parts import check_parts
 
-__all__ = ["DEFAULT_CHECKPOINT_TIMEOUT", "CheckpointOptions", "StateDictType", "show_options"]
+__all__ = [
+    "DEFAULT_CHECKPOINT_TIMEOUT",
+    "CheckpointOptions",
+    "CheckpointOptionsKwargs",
+    "StateDictType",
+    "show_options",
+]
 
 StateDictType = Literal["sharded", "full"]
 #: The default ``checkpoint_timeout``: 5 minutes. It bounds how long the fastest rank waits for the
@@ -126,6 +133,23 @@ class CheckpointOptions:
         )
         for name, value in values.items():
             setattr(strategy, name, value)
+
+
+class CheckpointOptionsKwargs(TypedDict, total=False):
+    """:class:`CheckpointOptions` as the strategies' ``**options`` (``Unpack``), for static tools, which
+    read no ``__signature__``; tests/strategies/test_signatures.py holds it to the dataclass's fields."""
+
+    state_dict_type: StateDictType
+    async_save: bool
+    verify: bool | VerifyMode
+    save_rank_state: bool
+    warm_start: str | os.PathLike[str] | None
+    exclude_from_loading: Sequence[str]
+    save_trainable_only: bool
+    frozen_source: str | os.PathLike[str] | None
+    frozen_prefix: str
+    checkpoint_timeout: float | None
+    check_space: bool
 
 
 def show_options(

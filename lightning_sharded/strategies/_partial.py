@@ -26,7 +26,7 @@ from lightning_sharded.checkpoint.integrity import VerifyMode
 from lightning_sharded.checkpoint.load.checks import global_shape, summarize_keys
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.foreign import attach_fused_state
-from lightning_sharded.hooks import has_sharded_state_hooks, register_sharded_state_hooks
+from lightning_sharded.hooks import register_sharded_state_hooks
 
 __all__ = ["PartialCheckpoints"]
 
@@ -54,9 +54,8 @@ class PartialCheckpoints(ParallelStrategy):
     def _register_sharded_state_hooks(self) -> None:
         """Register the sharded-state hooks on the LightningModule unless it has them (the mixin)."""
         module = self.lightning_module
-        if module is not None and not has_sharded_state_hooks(module):
-            register_sharded_state_hooks(module)
         if module is not None:
+            register_sharded_state_hooks(module)  # idempotent: a no-op for a module of the mixin
             # TorchRec's fused optimizer state: its layouts are exchanged here, on every rank at once,
             # rather than at the first state_dict() (after configure_model, which sharded the tables).
             attach_fused_state(module)

@@ -35,11 +35,8 @@ class _Root:
         self.wrapper = wrapper
         self.options = options
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Any, ...]:  # copy.copy and copy.deepcopy use it too
         return (_Root, (None, None))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Root:
-        return _Root(None, None)
 
 
 def remember_fsdp1_root(module: nn.Module, wrapper: nn.Module, options: Hashable) -> None:

@@ -12,12 +12,12 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.nn import Module
-from typing_extensions import override
+from typing_extensions import Unpack, overload, override
 
 from lightning_sharded.checkpoint.names import MODEL
 from lightning_sharded.foreign import foreign_modules, skipped_log
 from lightning_sharded.strategies._checkpointing import ShardedCheckpointing
-from lightning_sharded.strategies._options import CheckpointOptions, show_options
+from lightning_sharded.strategies._options import CheckpointOptions, CheckpointOptionsKwargs, show_options
 from lightning_sharded.strategies._reentry import fsdp1_root, refuse_fsdp2_for_fsdp1, remember_fsdp1_root
 
 _UNSET = object()
@@ -55,6 +55,12 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
     _model_key = MODEL
     _registry_names = ("sharded_fsdp", "sharded_fsdp_cpu_offload")
 
+    # For static tools: the options by name and type (PEP 692), and anything else `FSDPStrategy` takes
+    # (mypy knows no TypedDict with extra items).
+    @overload
+    def __init__(self, *args: Any, **kwargs: Unpack[CheckpointOptionsKwargs]) -> None: ...
+    @overload
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         options = CheckpointOptions.take(kwargs)
         kwargs["state_dict_type"] = options.state_dict_type

@@ -13,13 +13,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_deprecation, rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_sharded._compat import materialize_distributed_module, optimizers_to_device
 from lightning_sharded.checkpoint.names import STATE_DICT
 from lightning_sharded.foreign import foreign_modules, foreign_parameters, is_inside_foreign, skipped_log
 from lightning_sharded.strategies._checkpointing import ShardedCheckpointing
-from lightning_sharded.strategies._options import CheckpointOptions, show_options
+from lightning_sharded.strategies._options import (
+    CheckpointOptions,
+    CheckpointOptionsKwargs,
+    StateDictType,
+    show_options,
+)
 from lightning_sharded.strategies._reentry import refuse_fsdp1_for_fsdp2
 
 #: Which submodules get their own ``fully_shard``: a collection of module classes, or a predicate.
@@ -69,10 +74,10 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         fully_shard_policy: FullyShardPolicy | None = None,
-        **options: Any,
+        **options: Unpack[CheckpointOptionsKwargs],
     ) -> None:
         if save_distributed_checkpoint is not None:
-            implied = "sharded" if save_distributed_checkpoint else "full"
+            implied: StateDictType = "sharded" if save_distributed_checkpoint else "full"
             rank_zero_deprecation(
                 f"`save_distributed_checkpoint={save_distributed_checkpoint}` is deprecated, to be removed"
                 f" in the next release: pass `state_dict_type={implied!r}` instead."
@@ -83,9 +88,10 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
                     f" `state_dict_type={options['state_dict_type']!r}` contradict each other; pass only"
                     " `state_dict_type`."
                 )
-        checked = CheckpointOptions.take(options)
-        if options:
-            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {sorted(options)}")
+        rest: dict[str, Any] = dict(options)
+        checked = CheckpointOptions.take(rest)
+        if rest:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {sorted(rest)}")
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -122,7 +128,6 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
             except TypeError as err:
                 raise TypeError(f"{err} {_hint(str(err))}".rstrip()) from err
             return
-        assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._apply_fully_shard_policy(self.model)

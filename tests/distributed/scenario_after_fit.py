@@ -50,6 +50,7 @@ from torch import nn  # noqa: E402
 
 from lightning_sharded import ShardedFSDPStrategy  # noqa: E402
 from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader  # noqa: E402
+from tests._compare import quiet_trainer  # noqa: E402
 from tests.distributed.scenario_async import fail_next_background_write_on, writer_module  # noqa: E402
 from tests.distributed.scenario_resume import make_model, make_parser, make_strategy  # noqa: E402
 
@@ -189,19 +190,17 @@ class Record(L.Callback):
 
 
 def trainer_for(args: Any, callbacks: list[Any], **kwargs: Any) -> L.Trainer:
-    settings: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 2,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "limit_val_batches": 2,
-        "limit_test_batches": 2,
-        "limit_predict_batches": 2,
-        "num_sanity_val_steps": 0,
+    """Checkpointing only with a ``ModelCheckpoint`` among ``callbacks``."""
+    return quiet_trainer(
+        callbacks,
+        devices=2,
+        strategy=strategy_for(args),
+        limit_val_batches=2,
+        limit_test_batches=2,
+        limit_predict_batches=2,
+        num_sanity_val_steps=0,
         **kwargs,
-    }
-    return L.Trainer(strategy=strategy_for(args), callbacks=callbacks, **settings)
+    )
 
 
 def checkpointing(dirpath: Path, weights_only: bool = False) -> ModelCheckpoint:
@@ -269,7 +268,7 @@ def fit_then_all(out: Path, args: Any, weights_only: bool = False) -> dict[str, 
         return result
     scramble(model)
     again, capture = Record(), Capture()
-    trainer = trainer_for(args, [again, capture], max_steps=STEPS, enable_checkpointing=False)
+    trainer = trainer_for(args, [again, capture], max_steps=STEPS)
     trainer.fit(model, ckpt_path=step4)
     result["refit"] = {"restored": capture.values, "rng": again.rng, "end": snapshot(trainer, model)}
     return result
@@ -278,8 +277,8 @@ def fit_then_all(out: Path, args: Any, weights_only: bool = False) -> dict[str, 
 def then_other(out: Path, first: Any, second: Any) -> dict[str, Any]:
     """A model trained by ``first``'s strategy, then given to a Trainer with ``second``'s."""
     model = make_model(first)
-    trainer_for(first, [], max_steps=2, enable_checkpointing=False).fit(model)
-    trainer = trainer_for(second, [], max_steps=2, enable_checkpointing=False)
+    trainer_for(first, [], max_steps=2).fit(model)
+    trainer = trainer_for(second, [], max_steps=2)
     try:
         trainer.validate(model)
     except Exception as err:
@@ -330,14 +329,14 @@ def slow_next_background_write(seconds: float) -> None:
 def manual_async(out: Path, args: Any) -> dict[str, Any]:
     """``trainer.save_checkpoint`` (async) after ``fit``, then a new Trainer resumes from it at once."""
     model = make_model(args)
-    trainer = trainer_for(args, [], max_steps=4, enable_checkpointing=False)
+    trainer = trainer_for(args, [], max_steps=4)
     trainer.fit(model)
     saved = snapshot(trainer, model)
     path = out / "manual.ckpt"
     slow_next_background_write(1.5)
     trainer.save_checkpoint(path)
     capture = Capture()
-    trainer = trainer_for(args, [capture], max_steps=STEPS, enable_checkpointing=False)
+    trainer = trainer_for(args, [capture], max_steps=STEPS)
     trainer.fit(model, ckpt_path=path)
     return {"saved": saved, "restored": capture.values}
 
