@@ -120,7 +120,7 @@ def check_pickles(
     """
     found = refused_pickles(backend, root, kind)
     if found and unpickling.resolve_weights_only(weights_only):
-        raise unpickling.refused(*found[0])
+        raise unpickling.RefusedPickleError(*found[0])
     return [
         f"{what} holds {held}, which a safe load refuses: it opens only with {unpickling.UNSAFE_FLAG}"
         " (weights_only=False), running code from the file"
