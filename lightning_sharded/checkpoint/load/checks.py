@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -161,11 +162,9 @@ def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     from lightning_sharded.checkpoint import fsdp1
 
     # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
-    if fsdp1.supported(model):  # FSDP1: parameters go into the flat shards without gathers
-        with fsdp1.views():
-            set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-        return
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    # FSDP1: parameters go into the flat shards without gathers.
+    with fsdp1.views() if fsdp1.supported(model) else contextlib.nullcontext():
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:

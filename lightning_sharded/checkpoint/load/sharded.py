@@ -30,6 +30,7 @@ from lightning_sharded.checkpoint.load.checks import (
     check_keys,
     check_optimizer_count,
     check_shapes,
+    copy_full_into,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
@@ -45,7 +46,6 @@ from lightning_sharded.checkpoint.state_dicts import (
     optimizer_pieces,
     torch_optimizer_template,
 )
-from lightning_sharded.tensors import adapter_for
 
 __all__ = ["restore_sharded"]
 
@@ -142,20 +142,12 @@ def restore_sharded(
     return metadata, report, from_source
 
 
-@torch.no_grad()
 def _copy_into(to_load: dict[str, Any], read: dict[str, Any]) -> None:
     """The values ``read`` (:meth:`StagingBuffers.stage` twins of ``to_load``'s tensors) into
     ``to_load``'s own tensors; an entry read as an object replaces its value. A twin has its target's
     layout, so each sharded copy is local (no collective)."""
     for key, value in read.items():
-        target = to_load[key]
-        adapter = adapter_for(target)
-        if adapter is not None:
-            adapter.copy_into(target, value)
-        elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-            target.copy_(value)
-        else:
-            to_load[key] = value
+        to_load[key] = copy_full_into(to_load[key], value)
 
 
 def _prepare_optimizer(
