@@ -222,5 +222,5 @@ def param_index(model: nn.Module) -> dict[int, tuple[Any, int]]:
     """``id(original parameter) -> (handle, index)`` for every FSDP1 unit of ``model``."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m._handle is not None]
-    return {id(p): (unit._handle, i) for unit in units for i, p in enumerate(unit._handle.flat_param._params)}
+    handles: list[Any] = [m._handle for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    return {id(p): (h, i) for h in handles if h is not None for i, p in enumerate(h.flat_param._params)}

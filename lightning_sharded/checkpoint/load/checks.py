@@ -252,13 +252,8 @@ def template_like(
             f"The optimizer state in {source} does not fit the optimizer: {'; '.join(bad)}. Resume with the"
             " model and optimizer configuration that saved the checkpoint."
         )
-    groups = []
-    position = 0
-    for group in optimizer.param_groups:
-        count = len(group[PARAMS])
-        names = [name for name, _ in named[position : position + count]]
-        position += count
-        groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: names})
+    names = {id(param): name for name, param in named}
+    groups = [{**group, PARAMS: [names[id(p)] for p in group[PARAMS]]} for group in optimizer.param_groups]
     return {STATE: state, PARAM_GROUPS: groups}
 
 

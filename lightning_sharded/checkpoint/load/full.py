@@ -137,8 +137,8 @@ def _restore_full_optimizer(
     index: int,
     *,
     strict: bool,
-    mapping: FileMapping | None = None,
-    model_state: dict[str, Any] | None = None,
+    mapping: FileMapping,
+    model_state: dict[str, Any],
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
     # A parameter that is this rank's piece of a sharded model value (TorchRec's tables): its full state
@@ -205,17 +205,15 @@ def _restore_full_optimizer(
                 label = f"{name}.{entry}"
                 check_shapes(path, {label: entries[entry]}, {label: tuple(value.shape)})
                 entries[entry] = copy_full_into(entries[entry], value)
-                if mapping is not None:
-                    mapping.release(value)  # its memory-mapped pages are not needed again
+                mapping.release(value)  # its memory-mapped pages are not needed again
             else:
                 entries[entry] = value
         if not entries:
             state.pop(name)
-    for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True):
-        params = group[PARAMS]
-        group.clear()
-        group.update(source_group)
-        group[PARAMS] = params
+    template[PARAM_GROUPS] = [
+        {**source_group, PARAMS: group[PARAMS]}
+        for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True)
+    ]
     shard_pieces.unwrap_state(template, backing)
     if fsdp1_local is not None:
         optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
