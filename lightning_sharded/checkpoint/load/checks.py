@@ -21,6 +21,7 @@ from lightning_sharded.tensors import adapter_for
 
 __all__ = [
     "KeyReport",
+    "Stored",
     "check_keys",
     "check_optimizer_count",
     "check_shapes",
@@ -33,6 +34,11 @@ __all__ = [
     "summarize_keys",
     "template_like",
 ]
+
+
+#: An optimizer's stored state: parameter name -> entry -> (global shape, dtype); ``(None, None)`` for a
+#: non-tensor entry.
+Stored = dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]
 
 
 def summarize_keys(keys: list[str], limit: int = 10) -> str:
@@ -186,7 +192,7 @@ def named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple
 def template_like(
     model: nn.Module,
     optimizer: Optimizer,
-    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+    stored: Stored,
     pieces: Mapping[str, shard_pieces.Piece] | None = None,
     backing: dict[int, torch.Tensor] | None = None,
     where: str = "",
@@ -194,9 +200,9 @@ def template_like(
 ) -> dict[str, Any] | None:
     """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
 
-    ``stored`` maps parameter name -> state entry -> (global shape, dtype), or ``(None, None)`` for a
-    non-tensor entry. Each state tensor with its parameter's global shape is made like the parameter (a
-    ``DTensor`` stays sharded the same way, so each rank holds only its piece). A parameter in
+    ``stored``: the checkpoint's entries (:data:`Stored`). Each state tensor with its parameter's global
+    shape is made like the parameter (a ``DTensor`` stays sharded the same way, so each rank holds only
+    its piece). A parameter in
     ``pieces`` (this rank's piece of a sharded model value, :mod:`~lightning_sharded.checkpoint.shard_pieces`)
     gets, for a state of the value's global shape, a sharded value of its layout over a new tensor of the
     parameter's shape (recorded in ``backing``: ``id(sharded) -> tensor``, what the optimizer then holds).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
+    Stored,
     check_keys,
     check_optimizer_count,
     check_shapes,
@@ -47,7 +49,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     torch_optimizer_template,
 )
 
-__all__ = ["restore_sharded"]
+__all__ = ["OptimizerTemplate", "optimizer_template", "restore_sharded"]
 
 
 def restore_sharded(
@@ -162,33 +164,11 @@ def _prepare_optimizer(
     model_state: dict[str, Any],
 ) -> Callable[[], None]:
     """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
-    it into the optimizer once read. Checks first.
-
-    The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
-    read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
-    rank reads its own piece, resharded from whatever plan and world size saved it."""
+    it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
-    pieces, _ = optimizer_pieces(model, optimizer, model_state)
-    backing: dict[int, torch.Tensor] = {}
-    template = collective.agree(
-        lambda: template_like(
-            model, optimizer, stored, pieces, backing, where=f"{key}.{STATE}.", source=repr(str(path))
-        ),
-        step="checking the optimizer state",
-    )
-    fsdp1_local = None
-    if template is None:
-        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
-        fast = fsdp1.optimizer_template(model, optimizer, stored)
-        if fast is not None:
-            template, fsdp1_local = fast
-    from_index = template is not None
-    if template is None:
-        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
-        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
-        template = torch_optimizer_template(model, optimizer)
-        backing = shard_pieces.wrap_state(template, pieces)
+    made = optimizer_template(model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path)))
+    template, from_index = made.state, made.from_index
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
@@ -243,23 +223,70 @@ def _prepare_optimizer(
             template[PARAM_GROUPS][int(index)][name] = into[flat_key]
         for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
-        shard_pieces.unwrap_state(template, backing)
-        if fsdp1_local is not None:
-            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
-        elif from_index:
-            optimizer.load_state_dict(key_by_index(template))
-        else:
-            set_optimizer_state(model, optimizer, template)
+        made.load(model, optimizer)
 
     return finish
 
 
-def _stored_optimizer_entries(
-    layout: ShardedLayout, key: str
-) -> dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]:
+@dataclass
+class OptimizerTemplate:
+    """What an optimizer's stored state is read into (``state``, name-keyed; by DCP or from a full file):
+    made from the checkpoint's entries (``from_index``) or by torch's helper; ``backing``: the plain
+    tensors behind the pieces' sharded views; ``fsdp1_local``: FSDP1's local flat tensors behind it."""
+
+    state: dict[str, Any]
+    from_index: bool
+    backing: dict[int, torch.Tensor]
+    fsdp1_local: dict[str, dict[str, Any]] | None = None
+
+    def load(self, model: nn.Module, optimizer: Optimizer) -> None:
+        """Put the state read into ``state`` into ``optimizer``."""
+        shard_pieces.unwrap_state(self.state, self.backing)
+        if self.fsdp1_local is not None:
+            loaded = fsdp1.loaded_optimizer_state(self.state, self.fsdp1_local)
+            optimizer.load_state_dict(key_by_index(loaded))
+        elif self.from_index:
+            optimizer.load_state_dict(key_by_index(self.state))
+        else:
+            set_optimizer_state(model, optimizer, self.state)
+
+
+def optimizer_template(
+    model: nn.Module,
+    optimizer: Optimizer,
+    stored: Stored,
+    model_state: dict[str, Any],
+    where: str,
+    source: str,
+) -> OptimizerTemplate:
+    """What to read ``optimizer``'s state into: from ``stored`` (the checkpoint's entries, checked and
+    agreed by every rank: :func:`template_like`), else FSDP1's local pieces, else torch's helper's.
+
+    The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
+    read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
+    rank reads its own piece, resharded from whatever plan and world size saved it."""
+    pieces, _ = optimizer_pieces(model, optimizer, model_state)
+    backing: dict[int, torch.Tensor] = {}
+    template = collective.agree(
+        lambda: template_like(model, optimizer, stored, pieces, backing, where=where, source=source),
+        step="checking the optimizer state",
+    )
+    if template is not None:
+        return OptimizerTemplate(template, True, backing)
+    # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
+    fast = fsdp1.optimizer_template(model, optimizer, stored)
+    if fast is not None:
+        return OptimizerTemplate(fast[0], True, backing, fast[1])
+    # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
+    # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
+    template = torch_optimizer_template(model, optimizer)
+    return OptimizerTemplate(template, False, shard_pieces.wrap_state(template, pieces))
+
+
+def _stored_optimizer_entries(layout: ShardedLayout, key: str) -> Stored:
     """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
     prefix = f"{key}.{STATE}."
-    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
+    stored: Stored = {}
     for flat_key in sorted(layout.entries):
         if flat_key.startswith(prefix):
             name, _, entry = flat_key[len(prefix) :].rpartition(".")
