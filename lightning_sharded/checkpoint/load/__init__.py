@@ -179,13 +179,9 @@ def _restore(
         # Local files with a manifest are checked from the load's own reads (each byte read once); for
         # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
         # storage), every file is checksummed before the first read.
-        from_reads = mode is not None and ReadVerification.applies(found)
-        verification = (
-            ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
-            if from_reads
-            else None
-        )
-        if verification is not None:
+        verification = None
+        if mode is not None and ReadVerification.applies(found):
+            verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
             verification.check_sizes()
         else:
             check_found(found, verify=mode is not None)

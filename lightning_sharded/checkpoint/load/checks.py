@@ -130,18 +130,13 @@ def global_shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def check_shapes(
-    path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
-) -> None:
+def check_shapes(path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None]) -> None:
     bad = []
     for key in sorted(targets):
         expected = global_shape(targets[key])
-        stored = shapes.get(prefix + key)
+        stored = shapes.get(key)
         if expected is not None and stored is not None and tuple(stored) != expected:
-            bad.append(
-                f"size mismatch for {key}: the checkpoint has shape {list(stored)},"
-                f" the model {list(expected)}"
-            )
+            bad.append(_mismatch(key, stored, expected, None))
     if bad:
         raise CheckpointError(
             f"The checkpoint {str(path)!r} does not fit the model: {'; '.join(bad)}. Resume with the model"
