@@ -31,7 +31,7 @@ from lightning_sharded.checkpoint.load.checks import (
     summarize_keys,
 )
 from lightning_sharded.checkpoint.load.pages import FileMapping
-from lightning_sharded.checkpoint.load.sharded import optimizer_template
+from lightning_sharded.checkpoint.load.sharded import make_template
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.names import FROZEN_KEY, OPTIMIZER_STATES, STATE_DICT
 from lightning_sharded.checkpoint.state_dicts import (
@@ -158,13 +158,11 @@ def _restore_full_optimizer(
     }
     # A parameter that is this rank's piece of a sharded model value (TorchRec's tables): its full state
     # is cut into the piece through a sharded value of that layout.
-    made = optimizer_template(model, optimizer, stored, model_state, "", where)
-    template = made.state
-    if not made.from_index:  # torch's template, keyed by the names of the flat parameters
-        source_state = _name_keyed(where, source, param_names(template))
+    template, from_index, load = make_template(model, optimizer, stored, model_state, "", where)
     state: dict[str, dict[str, Any]] = template[STATE]
-    missing = []
-    if not made.from_index:
+    missing: list[str] = []
+    if not from_index:  # torch's template, keyed by the names of the flat parameters
+        source_state = _name_keyed(where, source, param_names(template))
         missing = [f"{n}.{e}" for n in sorted(state) for e in state[n] if e not in source_state.get(n, {})]
     elif source_state:
         trainable = [n for n, p in named_optimizer_params(model, optimizer) if p.requires_grad]
@@ -195,7 +193,7 @@ def _restore_full_optimizer(
         {**source_group, PARAMS: group[PARAMS]}
         for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True)
     ]
-    made.load(model, optimizer)
+    load()
 
 
 def _name_keyed(where: str, source: dict[str, Any], names: list[str]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,7 +48,7 @@ from lightning_sharded.checkpoint.state_dicts import (
     torch_optimizer_template,
 )
 
-__all__ = ["OptimizerTemplate", "optimizer_template", "restore_sharded"]
+__all__ = ["make_template", "restore_sharded"]
 
 
 def restore_sharded(
@@ -167,8 +166,9 @@ def _prepare_optimizer(
     it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
-    made = optimizer_template(model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path)))
-    template, from_index = made.state, made.from_index
+    template, from_index, load = make_template(
+        model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path))
+    )
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
@@ -223,44 +223,22 @@ def _prepare_optimizer(
             template[PARAM_GROUPS][int(index)][name] = into[flat_key]
         for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
-        made.load(model, optimizer)
+        load()
 
     return finish
 
 
-@dataclass
-class OptimizerTemplate:
-    """What an optimizer's stored state is read into (``state``, name-keyed; by DCP or from a full file):
-    made from the checkpoint's entries (``from_index``) or by torch's helper; ``backing``: the plain
-    tensors behind the pieces' sharded views; ``fsdp1_local``: FSDP1's local flat tensors behind it."""
-
-    state: dict[str, Any]
-    from_index: bool
-    backing: dict[int, torch.Tensor]
-    fsdp1_local: dict[str, dict[str, Any]] | None = None
-
-    def load(self, model: nn.Module, optimizer: Optimizer) -> None:
-        """Put the state read into ``state`` into ``optimizer``."""
-        shard_pieces.unwrap_state(self.state, self.backing)
-        if self.fsdp1_local is not None:
-            loaded = fsdp1.loaded_optimizer_state(self.state, self.fsdp1_local)
-            optimizer.load_state_dict(key_by_index(loaded))
-        elif self.from_index:
-            optimizer.load_state_dict(key_by_index(self.state))
-        else:
-            set_optimizer_state(model, optimizer, self.state)
-
-
-def optimizer_template(
+def make_template(
     model: nn.Module,
     optimizer: Optimizer,
     stored: Stored,
     model_state: dict[str, Any],
     where: str,
     source: str,
-) -> OptimizerTemplate:
-    """What to read ``optimizer``'s state into: from ``stored`` (the checkpoint's entries, checked and
-    agreed by every rank: :func:`template_like`), else FSDP1's local pieces, else torch's helper's.
+) -> tuple[dict[str, Any], bool, Callable[[], None]]:
+    """What to read ``optimizer``'s state into (name-keyed): from ``stored`` (the checkpoint's entries,
+    checked and agreed by every rank: :func:`template_like`) or FSDP1's local pieces (``True``), else
+    torch's helper's (``False``); and what loads it into the optimizer once read.
 
     The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
     read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
@@ -271,16 +249,27 @@ def optimizer_template(
         lambda: template_like(model, optimizer, stored, pieces, backing, where=where, source=source),
         step="checking the optimizer state",
     )
-    if template is not None:
-        return OptimizerTemplate(template, True, backing)
-    # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
-    fast = fsdp1.optimizer_template(model, optimizer, stored)
-    if fast is not None:
-        return OptimizerTemplate(fast[0], True, backing, fast[1])
-    # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
-    # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
-    template = torch_optimizer_template(model, optimizer)
-    return OptimizerTemplate(template, False, shard_pieces.wrap_state(template, pieces))
+    local = None
+    if template is None:
+        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
+        template, local = fsdp1.optimizer_template(model, optimizer, stored) or (None, None)
+    from_index = template is not None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
+        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
+        template = torch_optimizer_template(model, optimizer)
+        backing = shard_pieces.wrap_state(template, pieces)
+
+    def load() -> None:
+        shard_pieces.unwrap_state(template, backing)
+        if local is not None:
+            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, local)))
+        elif from_index:
+            optimizer.load_state_dict(key_by_index(template))
+        else:
+            set_optimizer_state(model, optimizer, template)
+
+    return template, from_index, load
 
 
 def _stored_optimizer_entries(layout: ShardedLayout, key: str) -> Stored:
