@@ -25,8 +25,6 @@ def _sharded_tensor_type() -> type | None:
 class ShardedTensorAdapter:
     """Answers the :class:`~lightning_sharded.tensors.base.ShardedAdapter` questions for ``ShardedTensor``."""
 
-    name = "ShardedTensor"
-
     def is_sharded(self, value: Any) -> bool:
         cls = _sharded_tensor_type()
         return cls is not None and isinstance(value, cls)
