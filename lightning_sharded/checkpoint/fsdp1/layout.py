@@ -18,9 +18,7 @@ from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter, from_
 
 __all__ = [
     "TORCH_NAMES",
-    "Box",
     "ParamLayout",
-    "boxes",
     "copy_into_shard",
     "layouts",
     "param_index",
