@@ -205,12 +205,10 @@ def read_sharded_layout(
             f"The sharded checkpoint {str(data)!r} is incomplete: " + "; ".join(listed) + ". The files were"
             " truncated or removed after the save; resume from an earlier checkpoint."
         )
-    entries: dict[str, tuple[int, ...] | None] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        entries[key] = tuple(item.size) if isinstance(item, TensorStorageMetadata) else None
-        if isinstance(item, TensorStorageMetadata):
-            dtypes[key] = item.properties.dtype
+    items = metadata.state_dict_metadata
+    tensors = {key: item for key, item in items.items() if isinstance(item, TensorStorageMetadata)}
+    entries = {key: tuple(tensors[key].size) if key in tensors else None for key in items}
+    dtypes = {key: item.properties.dtype for key, item in tensors.items()}
     return _layout(data, entries, dtypes, top_level_keys(metadata), metadata=metadata)
 
 

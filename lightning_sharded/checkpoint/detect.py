@@ -102,7 +102,7 @@ _PARTS = {
 }
 
 
-#: The parts :func:`_part_of` knows by their name alone (the others only beside a checkpoint's files).
+#: The parts :func:`_refuse_part` knows by their name alone (the others only beside a checkpoint's files).
 _PARTS_BY_NAME = (names.DCP_METADATA, names.MANIFEST_NAME)
 
 
@@ -110,11 +110,11 @@ def _beside_checkpoint_files(backend: Backend, folder: Location, name: str) -> b
     return any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
 
 
-def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
-    """``(the checkpoint directory, what loc is in it)`` when ``loc`` is one part of a checkpoint
-    directory; ``None`` otherwise. A shard file, ``.metadata``, the manifest, a per-rank state file and
-    the per-rank index's files are parts by their names; ``meta.pt``, ``rank_state/`` and ``index/``
-    when their folder holds a checkpoint's other files (a lone ``meta.pt`` is read as the file it is)."""
+def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
+    """The one error for a path to one part of a checkpoint directory. A shard file, ``.metadata``, the
+    manifest, a per-rank state file and the per-rank index's files are parts by their names; ``meta.pt``,
+    ``rank_state/`` and ``index/`` when their folder holds a checkpoint's other files (a lone ``meta.pt``
+    is read as the file it is)."""
     name, folder = basename(loc), parent(loc)
     rank = names.shard_rank(name)
     state = names.RANK_STATE_FILE.match(f"{basename(folder)}/{name}")
@@ -130,18 +130,9 @@ def _part_of(backend: Backend, loc: Location) -> tuple[Location, str] | None:
     elif name in _PARTS and (name in _PARTS_BY_NAME or _beside_checkpoint_files(backend, folder, name)):
         what = _PARTS[name]
     else:
-        return None
+        return
     if names.DATA_DIR.match(basename(folder)):  # a version (object storage's data-<token>):
         folder = parent(folder)  # its checkpoint is above it
-    return folder, what
-
-
-def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
-    """The one error for a path to a part of a checkpoint directory (see :func:`_part_of`)."""
-    part = _part_of(backend, loc)
-    if part is None:
-        return
-    folder, what = part
     if hf_layout.is_weights_listing(backend.list_files(folder)):
         whole, takes = "Hugging Face weights directory", "`inspect`, `verify` and `load_pretrained`"
     else:

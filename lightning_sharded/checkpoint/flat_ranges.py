@@ -31,27 +31,22 @@ def boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
     inner = math.prod(shape[1:])
     if inner == 0:
         return []
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:  # [lo, hi) of one row
+        return [((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(lo, hi, shape[1:])]
+
     first_full = -(-start // inner)  # first row that starts inside the range
     last_full = stop // inner  # rows [first_full, last_full) are whole
     if first_full > last_full:  # inside one row
         row = start // inner
-        return [
-            ((row, *o), (1, *s), row * inner + f)
-            for o, s, f in boxes(start - row * inner, stop - row * inner, shape[1:])
-        ]
+        return in_row(row, start - row * inner, stop - row * inner)
     out: list[Box] = []
     if start < first_full * inner:
-        row = first_full - 1
-        out += [
-            ((row, *o), (1, *s), row * inner + f) for o, s, f in boxes(start - row * inner, inner, shape[1:])
-        ]
+        out += in_row(first_full - 1, start - (first_full - 1) * inner, inner)
     if first_full < last_full:
         out.append(
             ((first_full, *(0,) * (len(shape) - 1)), (last_full - first_full, *shape[1:]), first_full * inner)
         )
     if last_full * inner < stop:
-        out += [
-            ((last_full, *o), (1, *s), last_full * inner + f)
-            for o, s, f in boxes(0, stop - last_full * inner, shape[1:])
-        ]
+        out += in_row(last_full, 0, stop - last_full * inner)
     return out

@@ -15,6 +15,7 @@ the tensors.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -141,9 +142,7 @@ def _tensor_problem(name: str, tensor: StoredTensor) -> Problem | None:
     item = _ITEM_SIZES.get(tensor.dtype)
     if item is None:
         return None  # a dtype this module does not size: nothing to compare
-    numel = 1
-    for n in tensor.shape:
-        numel *= n
+    numel = math.prod(tensor.shape)
     if tensor.end - tensor.begin != numel * item:
         return Problem(
             name,

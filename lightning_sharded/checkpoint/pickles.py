@@ -30,10 +30,14 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
         CheckpointError: a pickle that cannot be read at all (not a ``torch.save`` archive, cut short):
             the checkpoint is damaged, and the message names the file, the entry, its byte and rank.
     """
+
+    def whole(file: Location, rel: str, what: str, rank: int | None = None) -> list[tuple[str, str]]:
+        with backend.open_file(file) as f:
+            found = _globals_or_raise(root, f, rel, "its pickle", rank)
+        return [(what, ", ".join(found))] if found else []
+
     if kind is CheckpointKind.FULL:
-        with backend.open_file(root) as f:
-            found = _globals_or_raise(root, f, basename(root), "its pickle")
-        return [(f"The checkpoint file {str(root)!r}", ", ".join(found))] if found else []
+        return whole(root, basename(root), f"The checkpoint file {str(root)!r}")
     try:
         metadata = read_index(backend, root, weights_only=True)
     except unpickling.RefusedPickleError as err:
@@ -61,29 +65,21 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
                 if found:
                     what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
                     refused.append((what, ", ".join(found)))
-    for rel in _rank_state_files(backend, root):
-        match = names.RANK_STATE_FILE.match(rel)
-        rank = int(match.group(1)) if match else None
-        with backend.open_file(join(root, *rel.split("/"))) as f:
-            found = _globals_or_raise(root, f, rel, "its pickle", rank)
-        if found:
-            what = f"The per-rank state {rel!r} of the sharded checkpoint {str(root)!r} (rank {rank})"
-            refused.append((what, ", ".join(found)))
+    for rel, rank in _rank_state_files(backend, root):
+        what = f"The per-rank state {rel!r} of the sharded checkpoint {str(root)!r} (rank {rank})"
+        refused += whole(join(root, *rel.split("/")), rel, what, rank)
     meta = join(root, names.LIGHTNING_METADATA)
     if backend.exists(meta):
-        with backend.open_file(meta) as f:
-            found = _globals_or_raise(root, f, names.LIGHTNING_METADATA, "its pickle")
-        if found:
-            refused.append((f"The Lightning metadata {str(meta)!r}", ", ".join(found)))
+        refused += whole(meta, names.LIGHTNING_METADATA, f"The Lightning metadata {str(meta)!r}")
     return refused
 
 
-def _rank_state_files(backend: Backend, root: Location) -> list[str]:
-    """The per-rank state files of a sharded checkpoint, relative to it (sorted)."""
+def _rank_state_files(backend: Backend, root: Location) -> list[tuple[str, int]]:
+    """The per-rank state files of a sharded checkpoint, relative to it, with their ranks (sorted)."""
     if names.RANK_STATE_DIR not in backend.list_dirs(root):
         return []
     listed = (f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR)))
-    return sorted(rel for rel in listed if names.RANK_STATE_FILE.match(rel))
+    return sorted((rel, int(m.group(1))) for rel in listed if (m := names.RANK_STATE_FILE.match(rel)))
 
 
 def _globals_or_raise(root: Location, source: Any, rel: str, part: str, rank: int | None = None) -> list[str]:
@@ -120,7 +116,7 @@ def check_pickles(
     """
     found = refused_pickles(backend, root, kind)
     if found and unpickling.resolve_weights_only(weights_only):
-        raise unpickling.refused(*found[0])
+        raise unpickling.RefusedPickleError(*found[0])
     return [
         f"{what} holds {held}, which a safe load refuses: it opens only with {unpickling.UNSAFE_FLAG}"
         " (weights_only=False), running code from the file"

@@ -19,7 +19,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import clean_keys, parameter_names
-from lightning_sharded.checkpoint import shard_pieces
+from lightning_sharded.checkpoint import fsdp1, shard_pieces
+from lightning_sharded.checkpoint.fsdp1.layout import param_index
 from lightning_sharded.foreign import foreign_modules
 from lightning_sharded.tensors import gather_full_values, to_full
 
@@ -72,9 +73,7 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
             # the clean names are the ones every other save and every load use.
             state = gather_state_dict(model.state_dict(), ranks_only=(0,))
             return clean_keys(model, state)
-    if not full and _fsdp1_views(model):
-        from lightning_sharded.checkpoint import fsdp1
-
+    if not full and fsdp1.supported(model):
         # What get_model_state_dict does for a sharded FSDP1 state dict (the sharded state-dict type,
         # `state_dict()`, clean keys), without its checks of every parameter's names, 0.8 ms of a 50 MB
         # model's save: no gather, nothing offloaded, no submodule or frozen-parameter options here.
@@ -96,26 +95,21 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
 
     optimizer = plain_optimizer(optimizer)
     pieces, over_plain = optimizer_pieces(model, optimizer)
+    if not full and fsdp1.supported(model):
+        fast = fsdp1.optimizer_state_views(model, optimizer)
+        if fast is not None:
+            return _sharded_pieces(fast, pieces, over_plain)
     if full and _fsdp1_on_cpu(model):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         with _fsdp1_type(model, full=True):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
-        state = _full_pieces(optimizer, state, pieces, over_plain)
-        return key_by_index(state) if state else {}
-    if not full and _fsdp1_views(model):
-        from lightning_sharded.checkpoint import fsdp1
-
-        fast = fsdp1.optimizer_state_views(model, optimizer)
-        if fast is not None:
-            return _sharded_pieces(fast, pieces, over_plain)
-    state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
-    if not full:
-        return _sharded_pieces(state, pieces, over_plain)
+    else:
+        state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
+        if not full:
+            return _sharded_pieces(state, pieces, over_plain)
     state = _full_pieces(optimizer, state, pieces, over_plain)
-    if state:
-        state = key_by_index(state)
-    return state
+    return key_by_index(state) if state else {}
 
 
 def plain_optimizer(optimizer: Optimizer) -> Optimizer:
@@ -177,20 +171,12 @@ def optimizer_pieces(
     sharded state dict where the caller has it."""
     names = parameter_names(model)
     params = {names[id(p)]: p for group in optimizer.param_groups for p in group[PARAMS] if id(p) in names}
-    exclude = frozenset(_fsdp1_params(model))
+    exclude = frozenset(param_index(model))  # FSDP1's original parameters
     if not shard_pieces.candidates(params, exclude):
         return {}, []
     if model_state is None:
         model_state = model_state_dict(model, full=False)
     return shard_pieces.find_pieces(params, model_state, exclude)
-
-
-def _fsdp1_params(model: nn.Module) -> set[int]:
-    if not has_fsdp1(model):
-        return set()
-    from lightning_sharded.checkpoint.fsdp1.layout import param_index
-
-    return set(param_index(model))
 
 
 def _sharded_pieces(
@@ -248,15 +234,6 @@ def has_fsdp1(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
-
-
-def _fsdp1_views(model: nn.Module) -> bool:
-    """Whether ``model`` is FSDP1 that :mod:`~lightning_sharded.checkpoint.fsdp1` serves without gathers."""
-    if not has_fsdp1(model):
-        return False
-    from lightning_sharded.checkpoint import fsdp1
-
-    return fsdp1.supported(model)
 
 
 def _fsdp1_on_cpu(model: nn.Module) -> bool:

@@ -153,10 +153,7 @@ def to_after_last_batch(checkpoint: Mapping[str, Any]) -> None:
 
 def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
     """The fit loop's count of batches that stepped the optimizer (the loggers' step) in a checkpoint."""
-    loop: Any = checkpoint
-    for part in (*_FIT_LOOP, "epoch_loop.state_dict"):
-        loop = loop.get(part) if isinstance(loop, Mapping) else None
-    value = loop.get("_batches_that_stepped") if isinstance(loop, Mapping) else None
+    value = (_progress(checkpoint, "epoch_loop.state_dict") or {}).get("_batches_that_stepped")
     return int(value) if isinstance(value, int) else None
 
 

@@ -16,9 +16,6 @@ import torch
 class ShardedAdapter(Protocol):
     """What the library needs to know about one kind of sharded tensor."""
 
-    #: A short human-readable name, used in messages ("DTensor", "ShardedTensor").
-    name: str
-
     def is_sharded(self, value: Any) -> bool:
         """Whether ``value`` is of this kind."""
         ...
@@ -33,10 +30,6 @@ class ShardedAdapter(Protocol):
 
     def detach(self, value: Any) -> Any:
         """``value`` without autograd history, as ``state_dict(keep_vars=False)`` returns tensors."""
-        ...
-
-    def same_layout(self, target: Any, source: Any) -> bool:
-        """Whether ``source`` is sharded exactly like ``target`` so local shards can be copied directly."""
         ...
 
     def copy_into(self, target: Any, source: Any) -> None:

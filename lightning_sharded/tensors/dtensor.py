@@ -16,8 +16,6 @@ _StridedShard: Any = strided_shard()
 class DTensorAdapter:
     """Answers the :class:`~lightning_sharded.tensors.base.ShardedAdapter` questions for ``DTensor``."""
 
-    name = "DTensor"
-
     def is_sharded(self, value: Any) -> bool:
         return isinstance(value, DTensor)
 

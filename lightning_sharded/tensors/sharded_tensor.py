@@ -25,8 +25,6 @@ def _sharded_tensor_type() -> type | None:
 class ShardedTensorAdapter:
     """Answers the :class:`~lightning_sharded.tensors.base.ShardedAdapter` questions for ``ShardedTensor``."""
 
-    name = "ShardedTensor"
-
     def is_sharded(self, value: Any) -> bool:
         cls = _sharded_tensor_type()
         return cls is not None and isinstance(value, cls)
@@ -75,29 +73,35 @@ class ShardedTensorAdapter:
         return full
 
     def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
-        ShardedTensor, Shard, _, ShardedTensorMetadata, TensorProperties = sharded_tensor_api()
-
-        meta = value.metadata()
-        properties = TensorProperties(
-            dtype=dtype,
-            layout=torch.strided,
-            requires_grad=False,
-            memory_format=torch.contiguous_format,
-            pin_memory=False,
-        )
+        Shard = sharded_tensor_api()[1]
         shards = [
             Shard(piece, shard.metadata) for piece, shard in zip(pieces, value.local_shards(), strict=True)
         ]
-        metadata = ShardedTensorMetadata(list(meta.shards_metadata), meta.size, properties)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            shards, metadata, process_group=value._process_group
-        )
+        meta = value.metadata()
+        return from_local_shards(shards, meta.shards_metadata, meta.size, dtype, value._process_group)
 
     def groups(self, value: Any) -> list[Any]:
         group = value._process_group
         if not dist.is_initialized() or dist.get_world_size(group) <= 1:
             return []
         return [group]
+
+
+def from_local_shards(
+    shards: list[Any], shards_metadata: Any, size: Any, dtype: torch.dtype, group: Any
+) -> Any:
+    """A ``ShardedTensor`` of ``size`` and ``dtype`` laid out as ``shards_metadata`` (every rank's) with
+    this rank's ``shards``; no communication (each rank knows the whole layout)."""
+    ShardedTensor, _, _, ShardedTensorMetadata, TensorProperties = sharded_tensor_api()
+    properties = TensorProperties(
+        dtype=dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
+    metadata = ShardedTensorMetadata(list(shards_metadata), torch.Size(size), properties)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=group)
 
 
 def rank_device(value: Any) -> torch.device:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sharded.checkpoint.fsdp1 import boxes
+from lightning_sharded.checkpoint.flat_ranges import boxes
 from tests.distributed.launch import run_ranks
 
 SCRIPT = Path(__file__).resolve().parents[1] / "distributed" / "fsdp1_views_script.py"

@@ -47,7 +47,7 @@ STRATEGIES = ("mp", "fsdp", "stock-mp", "stock-fsdp")
 
 
 def message(what: str) -> str:
-    return str(unpickling.refused(what, HOSTILE_NAME))
+    return str(unpickling.RefusedPickleError(what, HOSTILE_NAME))
 
 
 def rewrite_manifest_entry(directory: Path, name: str) -> None:
@@ -502,7 +502,7 @@ def test_verify_reports_an_object_entry_it_cannot_read(hostile_item: Path, marke
 
 
 def test_a_refusal_survives_pickling_as_dcp_gathers_it_from_rank_to_rank() -> None:
-    err = unpickling.refused("The entry 'x' of 'ckpt'", "builtins.eval")
+    err = unpickling.RefusedPickleError("The entry 'x' of 'ckpt'", "builtins.eval")
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err)
     assert (back.what, back.name) == (err.what, err.name)

@@ -20,7 +20,7 @@ says the model fits (every FSDP unit ``FULL_SHARD`` or ``SHARD_GRAD_OP``, ``use_
 shared parameters, no device mesh); anything else takes torch's path.
 """
 
-from lightning_sharded.checkpoint.fsdp1.layout import boxes, supported
+from lightning_sharded.checkpoint.fsdp1.layout import supported
 from lightning_sharded.checkpoint.fsdp1.optimizer import (
     loaded_optimizer_state,
     optimizer_state_views,
@@ -29,7 +29,6 @@ from lightning_sharded.checkpoint.fsdp1.optimizer import (
 from lightning_sharded.checkpoint.fsdp1.views import views
 
 __all__ = [
-    "boxes",
     "loaded_optimizer_state",
     "optimizer_state_views",
     "optimizer_template",

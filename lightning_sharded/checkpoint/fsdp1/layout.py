@@ -14,21 +14,17 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_sharded.checkpoint.flat_ranges import Box, boxes
-from lightning_sharded.tensors import adapter_for
+from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter, from_local_shards
 
 __all__ = [
     "TORCH_NAMES",
-    "Box",
     "ParamLayout",
-    "boxes",
     "copy_into_shard",
-    "handles",
     "layouts",
     "param_index",
     "param_tensor",
     "sharded_tensor",
     "supported",
-    "torch_hooks",
 ]
 
 
@@ -58,21 +54,16 @@ def layouts(handle: Any) -> list[ParamLayout]:
         for r in range(handle.world_size)
     ]
     layouts = []
-    for index, (shape, info) in enumerate(zip(flat._shapes, flat._shard_param_infos, strict=True)):
-        shape = tuple(shape)
-        per_rank = []
-        for rank_infos in ranges:
-            piece = rank_infos[index]
-            if piece.in_shard:
-                per_rank.append(
-                    tuple(boxes(piece.intra_param_start_idx, piece.intra_param_end_idx + 1, shape))
-                )
-            else:
-                per_rank.append(())
+    for index, (size, info) in enumerate(zip(flat._shapes, flat._shard_param_infos, strict=True)):
+        shape = tuple(size)
+        per_rank = tuple(
+            tuple(boxes(p.intra_param_start_idx, p.intra_param_end_idx + 1, shape)) if p.in_shard else ()
+            for p in (rank_infos[index] for rank_infos in ranges)
+        )
         local = (
             (info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx) if info.in_shard else None
         )
-        layouts.append(ParamLayout(shape, local, tuple(per_rank)))
+        layouts.append(ParamLayout(shape, local, per_rank))
     _LAYOUTS[handle] = layouts
     return layouts
 
@@ -94,23 +85,6 @@ TORCH_NAMES = (
 )
 
 
-def torch_hooks() -> Any:
-    """torch's FSDP1 state-dict hook module (private: its names are checked by :func:`supported`)."""
-    from lightning_sharded._compat import fsdp1_state_dict_utils
-
-    return fsdp1_state_dict_utils()
-
-
-def handles(model: nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return [
-        module._handle
-        for module in model.modules()
-        if isinstance(module, FullyShardedDataParallel) and module._handle is not None
-    ]
-
-
 def supported(model: nn.Module) -> bool:
     """Whether every FSDP1 unit of ``model`` can use the views (see the module docstring).
 
@@ -118,8 +92,10 @@ def supported(model: nn.Module) -> bool:
     """
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+    from lightning_sharded._compat import fsdp1_state_dict_utils
+
     try:
-        sdu = torch_hooks()
+        sdu = fsdp1_state_dict_utils()  # torch's private hook module: the names views() uses checked
     except ImportError:
         return False
     if not all(hasattr(sdu, name) for name in TORCH_NAMES):
@@ -173,7 +149,7 @@ def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: i
     """
     from lightning_sharded._compat import sharded_tensor_api
 
-    ShardedTensor, Shard, ShardMetadata, ShardedTensorMetadata, TensorProperties = sharded_tensor_api()
+    _, Shard, ShardMetadata, _, _ = sharded_tensor_api()
 
     device = local.device
     shards_metadata = []
@@ -188,17 +164,7 @@ def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: i
                 numel = math.prod(sizes)
                 piece = _own_storage(local, flat_start - first, numel).view(sizes)
                 local_shards.append(Shard(piece, meta))
-    properties = TensorProperties(
-        dtype=local.dtype,
-        layout=torch.strided,
-        requires_grad=False,
-        memory_format=torch.contiguous_format,
-        pin_memory=False,
-    )
-    metadata = ShardedTensorMetadata(shards_metadata, torch.Size(layout.shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, metadata, process_group=group
-    )
+    return from_local_shards(local_shards, shards_metadata, layout.shape, local.dtype, group)
 
 
 #: Each handle's parameter views already made: index -> (where its memory is, the ``ShardedTensor``).
@@ -243,21 +209,16 @@ def state_tensor(value: torch.Tensor, layout: ParamLayout, group: Any, rank: int
 
 def copy_into_shard(target: Any, value: Any) -> None:
     """Put ``value`` (a sharded or full tensor) into ``target``'s views, unless it already is them."""
-    mine = [shard.tensor.data_ptr() for shard in target.local_shards()]
-    adapter = adapter_for(value)
-    if adapter is not None and type(value) is type(target):
-        theirs = [shard.tensor.data_ptr() for shard in value.local_shards()]
-        if mine == theirs and target.metadata() == value.metadata():
+    if type(value) is type(target) and target.metadata() == value.metadata():
+        mine = [shard.tensor.data_ptr() for shard in target.local_shards()]
+        if mine == [shard.tensor.data_ptr() for shard in value.local_shards()]:
             return  # read in place already (the sharded load reads into these very views)
-    adapter_of_target = adapter_for(target)
-    assert adapter_of_target is not None
-    adapter_of_target.copy_into(target, value)
+    ShardedTensorAdapter().copy_into(target, value)
 
 
 def param_index(model: nn.Module) -> dict[int, tuple[Any, int]]:
     """``id(original parameter) -> (handle, index)`` for every FSDP1 unit of ``model``."""
-    found = {}
-    for handle in handles(model):
-        for index, param in enumerate(handle.flat_param._params):
-            found[id(param)] = (handle, index)
-    return found
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    handles: list[Any] = [m._handle for m in model.modules() if isinstance(m, FullyShardedDataParallel)]
+    return {id(p): (h, i) for h in handles if h is not None for i, p in enumerate(h.flat_param._params)}

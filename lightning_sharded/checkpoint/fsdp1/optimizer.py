@@ -27,7 +27,7 @@ PARAM_GROUPS = "param_groups"
 PARAMS = "params"
 
 
-def _groups(model: nn.Module, optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+def _groups(optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: [names[id(p)] for p in group[PARAMS]]}
         for group in optimizer.param_groups
@@ -93,7 +93,7 @@ def optimizer_state_views(model: nn.Module, optimizer: Optimizer) -> dict[str, A
     agreed = collective.all_true(state is not None, collective.ranks(), "agreeing on the optimizer's views")
     if not agreed or state is None:
         return None
-    return {STATE: state, PARAM_GROUPS: _groups(model, optimizer, names)}
+    return {STATE: state, PARAM_GROUPS: _groups(optimizer, names)}
 
 
 def optimizer_template(
@@ -134,7 +134,7 @@ def optimizer_template(
                     piece = value = torch.empty(shape, dtype=dtype)
             template.setdefault(name, {})[entry] = value
             local.setdefault(name, {})[entry] = piece
-    return {STATE: template, PARAM_GROUPS: _groups(model, optimizer, names)}, local
+    return {STATE: template, PARAM_GROUPS: _groups(optimizer, names)}, local
 
 
 def loaded_optimizer_state(template: dict[str, Any], local: dict[str, dict[str, Any]]) -> dict[str, Any]:

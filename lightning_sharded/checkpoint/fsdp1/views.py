@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_sharded.checkpoint.fsdp1.layout import copy_into_shard, param_tensor, torch_hooks
+from lightning_sharded.checkpoint.fsdp1.layout import copy_into_shard, param_tensor
 
 __all__ = ["views"]
 
@@ -24,9 +24,9 @@ def views() -> Iterator[None]:
     sharded load read into), and loads the rest (buffers, sharded attributes, extra state) as usual.
     Only for models :func:`supported` accepts.
     """
-    sdu = torch_hooks()
-    from lightning_sharded._compat import fsdp1_names
+    from lightning_sharded._compat import fsdp1_names, fsdp1_state_dict_utils
 
+    sdu = fsdp1_state_dict_utils()
     FSDP_PREFIX, FLAT_PARAM = fsdp1_names()
 
     # The roots whose ``_is_root`` reads False from their post hook until their next pre hook or the
@@ -49,15 +49,9 @@ def views() -> Iterator[None]:
     def post_save(
         module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
     ) -> dict[str, Any]:
-        state_dict = views_of(module, fsdp_state, state_dict, prefix)
         if fsdp_state._is_root is True:  # read next by torch's logging only (see `quiet`)
             fsdp_state._is_root = False
             quiet.append(fsdp_state)
-        return state_dict
-
-    def views_of(
-        module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
-    ) -> dict[str, Any]:
         if not sdu._has_fsdp_params(fsdp_state, module):
             done: dict[str, Any] = sdu._common_unshard_post_state_dict_hook(
                 module, fsdp_state, state_dict, prefix, None

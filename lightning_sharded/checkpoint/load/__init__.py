@@ -19,7 +19,6 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, names
-from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.integrity import (
@@ -55,12 +54,6 @@ class Restored(NamedTuple):
     #: A trainable-only checkpoint: the model keys it left out that the model has, and where they are.
     #: They were not loaded: the caller reads them from the source (``load_pretrained``'s machinery).
     frozen: FrozenPart | None = None
-
-    @property
-    def data(self) -> Location:
-        """Where the checkpoint's files were read: the sharded directory (on object storage, its
-        published version) or the full file."""
-        return self.found.data
 
 
 def restore_checkpoint(
@@ -179,13 +172,9 @@ def _restore(
         # Local files with a manifest are checked from the load's own reads (each byte read once); for
         # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
         # storage), every file is checksummed before the first read.
-        from_reads = mode is not None and ReadVerification.applies(found)
-        verification = (
-            ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
-            if from_reads
-            else None
-        )
-        if verification is not None:
+        verification = None
+        if mode is not None and ReadVerification.applies(found):
+            verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
             verification.check_sizes()
         else:
             check_found(found, verify=mode is not None)

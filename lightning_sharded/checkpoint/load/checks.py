@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from lightning_sharded.tensors import adapter_for
 
 __all__ = [
     "KeyReport",
+    "Stored",
     "check_keys",
     "check_optimizer_count",
     "check_shapes",
@@ -32,6 +34,11 @@ __all__ = [
     "summarize_keys",
     "template_like",
 ]
+
+
+#: An optimizer's stored state: parameter name -> entry -> (global shape, dtype); ``(None, None)`` for a
+#: non-tensor entry.
+Stored = dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]
 
 
 def summarize_keys(keys: list[str], limit: int = 10) -> str:
@@ -123,18 +130,13 @@ def global_shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def check_shapes(
-    path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None], prefix: str = ""
-) -> None:
+def check_shapes(path: Location, targets: dict[str, Any], shapes: dict[str, tuple[int, ...] | None]) -> None:
     bad = []
     for key in sorted(targets):
         expected = global_shape(targets[key])
-        stored = shapes.get(prefix + key)
+        stored = shapes.get(key)
         if expected is not None and stored is not None and tuple(stored) != expected:
-            bad.append(
-                f"size mismatch for {key}: the checkpoint has shape {list(stored)},"
-                f" the model {list(expected)}"
-            )
+            bad.append(_mismatch(key, stored, expected, None))
     if bad:
         raise CheckpointError(
             f"The checkpoint {str(path)!r} does not fit the model: {'; '.join(bad)}. Resume with the model"
@@ -161,11 +163,9 @@ def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     from lightning_sharded.checkpoint import fsdp1
 
     # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
-    if fsdp1.supported(model):  # FSDP1: parameters go into the flat shards without gathers
-        with fsdp1.views():
-            set_model_state_dict(model, state, options=StateDictOptions(strict=False))
-        return
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    # FSDP1: parameters go into the flat shards without gathers.
+    with fsdp1.views() if fsdp1.supported(model) else contextlib.nullcontext():
+        set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def set_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
@@ -187,7 +187,7 @@ def named_optimizer_params(model: nn.Module, optimizer: Optimizer) -> list[tuple
 def template_like(
     model: nn.Module,
     optimizer: Optimizer,
-    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
+    stored: Stored,
     pieces: Mapping[str, shard_pieces.Piece] | None = None,
     backing: dict[int, torch.Tensor] | None = None,
     where: str = "",
@@ -195,9 +195,9 @@ def template_like(
 ) -> dict[str, Any] | None:
     """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
 
-    ``stored`` maps parameter name -> state entry -> (global shape, dtype), or ``(None, None)`` for a
-    non-tensor entry. Each state tensor with its parameter's global shape is made like the parameter (a
-    ``DTensor`` stays sharded the same way, so each rank holds only its piece). A parameter in
+    ``stored``: the checkpoint's entries (:data:`Stored`). Each state tensor with its parameter's global
+    shape is made like the parameter (a ``DTensor`` stays sharded the same way, so each rank holds only
+    its piece). A parameter in
     ``pieces`` (this rank's piece of a sharded model value, :mod:`~lightning_sharded.checkpoint.shard_pieces`)
     gets, for a state of the value's global shape, a sharded value of its layout over a new tensor of the
     parameter's shape (recorded in ``backing``: ``id(sharded) -> tensor``, what the optimizer then holds).
@@ -253,13 +253,8 @@ def template_like(
             f"The optimizer state in {source} does not fit the optimizer: {'; '.join(bad)}. Resume with the"
             " model and optimizer configuration that saved the checkpoint."
         )
-    groups = []
-    position = 0
-    for group in optimizer.param_groups:
-        count = len(group[PARAMS])
-        names = [name for name, _ in named[position : position + count]]
-        position += count
-        groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: names})
+    names = {id(param): name for name, param in named}
+    groups = [{**group, PARAMS: [names[id(p)] for p in group[PARAMS]]} for group in optimizer.param_groups]
     return {STATE: state, PARAM_GROUPS: groups}
 
 

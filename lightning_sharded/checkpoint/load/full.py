@@ -15,11 +15,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_sharded.checkpoint import collective, fsdp1, shard_pieces
+from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import read_failed
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
+    Stored,
     check_keys,
     check_optimizer_count,
     check_shapes,
@@ -27,22 +28,18 @@ from lightning_sharded.checkpoint.load.checks import (
     frozen_of,
     named_optimizer_params,
     set_model_state,
-    set_optimizer_state,
     summarize_keys,
-    template_like,
 )
 from lightning_sharded.checkpoint.load.pages import FileMapping
+from lightning_sharded.checkpoint.load.sharded import make_template
 from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.names import FROZEN_KEY, OPTIMIZER_STATES, STATE_DICT
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
     PARAMS,
     STATE,
-    key_by_index,
     model_state_dict,
-    optimizer_pieces,
     param_names,
-    torch_optimizer_template,
 )
 from lightning_sharded.checkpoint.unpickling import refused_name
 
@@ -137,53 +134,35 @@ def _restore_full_optimizer(
     index: int,
     *,
     strict: bool,
-    mapping: FileMapping | None = None,
-    model_state: dict[str, Any] | None = None,
+    mapping: FileMapping,
+    model_state: dict[str, Any],
 ) -> None:
     where = f"optimizer_states[{index}] of {str(path)!r}"
-    # A parameter that is this rank's piece of a sharded model value (TorchRec's tables): its full state
-    # is cut into the piece through a sharded value of that layout.
-    pieces, _ = optimizer_pieces(model, optimizer, model_state)
-    backing: dict[int, torch.Tensor] = {}
     source_groups = source.get(PARAM_GROUPS, [])
     if len(source_groups) != len(optimizer.param_groups):
         raise CheckpointError(
             f"The optimizer state {where} has {len(source_groups)} parameter group(s), the optimizer"
             f" configured now has {len(optimizer.param_groups)}. Resume with the same parameter groups."
         )
-    template = None
-    fsdp1_local = None
     try:
         names = [name for name, _ in named_optimizer_params(model, optimizer)]
     except KeyError:  # FSDP1 without use_orig_params: the optimizer holds flat parameters
         names = []
-    if names:
-        source_state = _name_keyed(where, source, names)
-        stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {
-            name: {
-                entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
-                for entry, v in entries.items()
-            }
-            for name, entries in source_state.items()
+    source_state = _name_keyed(where, source, names) if names else {}
+    stored: Stored = {
+        name: {
+            entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
+            for entry, v in entries.items()
         }
-        template = collective.agree(
-            lambda: template_like(model, optimizer, stored, pieces, backing, source=where),
-            step="checking the optimizer state",
-        )
-        if template is None:  # FSDP1: the local pieces of the flat parameters (when it applies)
-            fast = fsdp1.optimizer_template(model, optimizer, stored)
-            if fast is not None:
-                template, fsdp1_local = fast
-    with_helpers = template is None
-    if template is None:
-        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step).
-        template = torch_optimizer_template(model, optimizer)
-        backing = shard_pieces.wrap_state(template, pieces)
-        names = param_names(template)
-        source_state = _name_keyed(where, source, names)
+        for name, entries in source_state.items()
+    }
+    # A parameter that is this rank's piece of a sharded model value (TorchRec's tables): its full state
+    # is cut into the piece through a sharded value of that layout.
+    template, from_index, load = make_template(model, optimizer, stored, model_state, "", where)
     state: dict[str, dict[str, Any]] = template[STATE]
-    missing = []
-    if with_helpers:
+    missing: list[str] = []
+    if not from_index:  # torch's template, keyed by the names of the flat parameters
+        source_state = _name_keyed(where, source, param_names(template))
         missing = [f"{n}.{e}" for n in sorted(state) for e in state[n] if e not in source_state.get(n, {})]
     elif source_state:
         trainable = [n for n, p in named_optimizer_params(model, optimizer) if p.requires_grad]
@@ -205,24 +184,16 @@ def _restore_full_optimizer(
                 label = f"{name}.{entry}"
                 check_shapes(path, {label: entries[entry]}, {label: tuple(value.shape)})
                 entries[entry] = copy_full_into(entries[entry], value)
-                if mapping is not None:
-                    mapping.release(value)  # its memory-mapped pages are not needed again
+                mapping.release(value)  # its memory-mapped pages are not needed again
             else:
                 entries[entry] = value
         if not entries:
             state.pop(name)
-    for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True):
-        params = group[PARAMS]
-        group.clear()
-        group.update(source_group)
-        group[PARAMS] = params
-    shard_pieces.unwrap_state(template, backing)
-    if fsdp1_local is not None:
-        optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
-    elif with_helpers:
-        set_optimizer_state(model, optimizer, template)
-    else:
-        optimizer.load_state_dict(key_by_index(template))
+    template[PARAM_GROUPS] = [
+        {**source_group, PARAMS: group[PARAMS]}
+        for group, source_group in zip(template[PARAM_GROUPS], source_groups, strict=True)
+    ]
+    load()
 
 
 def _name_keyed(where: str, source: dict[str, Any], names: list[str]) -> dict[str, Any]:

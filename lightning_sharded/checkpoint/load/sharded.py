@@ -28,9 +28,11 @@ from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
+    Stored,
     check_keys,
     check_optimizer_count,
     check_shapes,
+    copy_full_into,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
@@ -46,9 +48,8 @@ from lightning_sharded.checkpoint.state_dicts import (
     optimizer_pieces,
     torch_optimizer_template,
 )
-from lightning_sharded.tensors import adapter_for
 
-__all__ = ["restore_sharded"]
+__all__ = ["make_template", "restore_sharded"]
 
 
 def restore_sharded(
@@ -143,20 +144,12 @@ def restore_sharded(
     return metadata, report, from_source
 
 
-@torch.no_grad()
 def _copy_into(to_load: dict[str, Any], read: dict[str, Any]) -> None:
     """The values ``read`` (:meth:`StagingBuffers.stage` twins of ``to_load``'s tensors) into
     ``to_load``'s own tensors; an entry read as an object replaces its value. A twin has its target's
     layout, so each sharded copy is local (no collective)."""
     for key, value in read.items():
-        target = to_load[key]
-        adapter = adapter_for(target)
-        if adapter is not None:
-            adapter.copy_into(target, value)
-        elif isinstance(target, torch.Tensor) and isinstance(value, torch.Tensor):
-            target.copy_(value)
-        else:
-            to_load[key] = value
+        to_load[key] = copy_full_into(to_load[key], value)
 
 
 def _prepare_optimizer(
@@ -171,33 +164,12 @@ def _prepare_optimizer(
     model_state: dict[str, Any],
 ) -> Callable[[], None]:
     """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
-    it into the optimizer once read. Checks first.
-
-    The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
-    read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
-    rank reads its own piece, resharded from whatever plan and world size saved it."""
+    it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
     stored = _stored_optimizer_entries(layout, key)
-    pieces, _ = optimizer_pieces(model, optimizer, model_state)
-    backing: dict[int, torch.Tensor] = {}
-    template = collective.agree(
-        lambda: template_like(
-            model, optimizer, stored, pieces, backing, where=f"{key}.{STATE}.", source=repr(str(path))
-        ),
-        step="checking the optimizer state",
+    template, from_index, load = make_template(
+        model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path))
     )
-    fsdp1_local = None
-    if template is None:
-        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
-        fast = fsdp1.optimizer_template(model, optimizer, stored)
-        if fast is not None:
-            template, fsdp1_local = fast
-    from_index = template is not None
-    if template is None:
-        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
-        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
-        template = torch_optimizer_template(model, optimizer)
-        backing = shard_pieces.wrap_state(template, pieces)
     groups_in_checkpoint = {
         int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
     }
@@ -252,23 +224,59 @@ def _prepare_optimizer(
             template[PARAM_GROUPS][int(index)][name] = into[flat_key]
         for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
             group[PARAMS] = params
+        load()
+
+    return finish
+
+
+def make_template(
+    model: nn.Module,
+    optimizer: Optimizer,
+    stored: Stored,
+    model_state: dict[str, Any],
+    where: str,
+    source: str,
+) -> tuple[dict[str, Any], bool, Callable[[], None]]:
+    """What to read ``optimizer``'s state into (name-keyed): from ``stored`` (the checkpoint's entries,
+    checked and agreed by every rank: :func:`template_like`) or FSDP1's local pieces (``True``), else
+    torch's helper's (``False``); and what loads it into the optimizer once read.
+
+    The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
+    read as a sharded value of that layout (:mod:`~lightning_sharded.checkpoint.shard_pieces`), so each
+    rank reads its own piece, resharded from whatever plan and world size saved it."""
+    pieces, _ = optimizer_pieces(model, optimizer, model_state)
+    backing: dict[int, torch.Tensor] = {}
+    template = collective.agree(
+        lambda: template_like(model, optimizer, stored, pieces, backing, where=where, source=source),
+        step="checking the optimizer state",
+    )
+    local = None
+    if template is None:
+        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
+        template, local = fsdp1.optimizer_template(model, optimizer, stored) or (None, None)
+    from_index = template is not None
+    if template is None:
+        # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
+        # FSDP's own optim_state_dict_to_load maps it onto the flat parameters.
+        template = torch_optimizer_template(model, optimizer)
+        backing = shard_pieces.wrap_state(template, pieces)
+
+    def load() -> None:
         shard_pieces.unwrap_state(template, backing)
-        if fsdp1_local is not None:
-            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, fsdp1_local)))
+        if local is not None:
+            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, local)))
         elif from_index:
             optimizer.load_state_dict(key_by_index(template))
         else:
             set_optimizer_state(model, optimizer, template)
 
-    return finish
+    return template, from_index, load
 
 
-def _stored_optimizer_entries(
-    layout: ShardedLayout, key: str
-) -> dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]]:
+def _stored_optimizer_entries(layout: ShardedLayout, key: str) -> Stored:
     """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
     prefix = f"{key}.{STATE}."
-    stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]] = {}
+    stored: Stored = {}
     for flat_key in sorted(layout.entries):
         if flat_key.startswith(prefix):
             name, _, entry = flat_key[len(prefix) :].rpartition(".")

@@ -91,7 +91,7 @@ class OfflineReader:
         return model_key(top_level_keys(self.metadata), self.root)
 
     def what(self, fqn: str, relative_path: str | None = None) -> str:
-        """An entry in words, for :func:`unpickling.refused`."""
+        """An entry in words, for :class:`unpickling.RefusedPickleError`."""
         rank = names.shard_rank(relative_path or "")
         where = (
             f" (in {relative_path!r}" + (f", written by rank {rank})" if rank is not None else ")")

@@ -142,14 +142,10 @@ _recorded = threading.local()
 
 
 def _torch_globals() -> list[Any]:
-    entries: list[Any] = [(_AttributeDictStub, name) for name in ATTRIBUTE_DICT_NAMES]
-    for name in LIGHTNING_SAFE_GLOBALS:
-        if name in ATTRIBUTE_DICT_NAMES:
-            continue
-        obj = resolve_name(name)
-        if obj is not None:
-            entries.append((obj, name))
-    return entries
+    others = [name for name in LIGHTNING_SAFE_GLOBALS if name not in ATTRIBUTE_DICT_NAMES]
+    return [(_AttributeDictStub, name) for name in ATTRIBUTE_DICT_NAMES] + [
+        (obj, name) for name in others if (obj := resolve_name(name)) is not None
+    ]
 
 
 @contextlib.contextmanager
@@ -194,17 +190,12 @@ def restore_attribute_dicts(obj: Any, made: list[dict[Any, Any]]) -> Any:
         key = id(node)
         if key in done:
             return done[key]
-        if type(node) is dict:
-            out = cls() if key in targets else node
+        if isinstance(node, dict):
+            out = cls() if key in targets else node  # a target is a plain dict, the stub's
             done[key] = out
             for k, v in list(node.items()):
                 out[k] = walk(v)
             return out
-        if isinstance(node, dict):
-            done[key] = node
-            for k, v in list(node.items()):
-                node[k] = walk(v)
-            return node
         if isinstance(node, list):
             done[key] = node
             node[:] = [walk(v) for v in node]

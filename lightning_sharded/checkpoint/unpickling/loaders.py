@@ -5,7 +5,7 @@
 - :func:`load_pickle`: a plain pickle (DCP's ``.metadata``) restricted to the classes DCP writes.
 - :func:`unsafe_globals`: the types a ``torch.save`` file holds that would be refused, read
   statically (nothing is unpickled), for ``verify``.
-- :class:`RefusedPickleError` / :func:`refused`: the refusal, naming the pickle, its file and the type.
+- :class:`RefusedPickleError`: the refusal, naming the pickle, its file and the type.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ __all__ = [
     "UNSAFE_FLAG",
     "RefusedPickleError",
     "load_pickle",
-    "refused",
     "refused_name",
     "safe_load",
     "unsafe_globals",
@@ -46,8 +45,8 @@ class RefusedPickleError(CheckpointError):
     """A checkpoint holds a type that a safe load does not unpickle (a :class:`CheckpointError`).
 
     Attributes:
-        what: The pickle, in words, with its file.
-        name: The type or function that is not allowed.
+        what: The pickle, in words, with its file (``"The Lightning metadata '.../meta.pt'"``).
+        name: The type or function that is not allowed (``"builtins.exec"``).
     """
 
     def __init__(self, what: str, name: str) -> None:
@@ -63,16 +62,6 @@ class RefusedPickleError(CheckpointError):
     def __reduce__(self) -> tuple[type[RefusedPickleError], tuple[str, str]]:
         # Rebuilt from its two fields: DCP gathers a rank's error to every rank by pickling it.
         return type(self), (self.what, self.name)
-
-
-def refused(what: str, name: str) -> RefusedPickleError:
-    """The one error for a checkpoint that holds something not on the list.
-
-    Args:
-        what: The pickle, in words, with its file (``"The Lightning metadata '.../meta.pt'"``).
-        name: The type or function that is not allowed (``"builtins.exec"``).
-    """
-    return RefusedPickleError(what, name)
 
 
 _NAME_PATTERNS = (
@@ -117,7 +106,7 @@ def safe_load(
         The unpickled object.
 
     Raises:
-        CheckpointError: the pickle holds a type that is not allowed (see :func:`refused`).
+        CheckpointError: the pickle holds a type that is not allowed (:class:`RefusedPickleError`).
     """
     if not resolve_weights_only(weights_only):
         return load(source, weights_only=False, **kwargs)
@@ -125,7 +114,7 @@ def safe_load(
         try:
             obj = load(source, weights_only=True, **kwargs)
         except pickle.UnpicklingError as err:
-            raise refused(what, refused_name(err)) from None
+            raise RefusedPickleError(what, refused_name(err)) from None
     return restore_attribute_dicts(obj, made)
 
 
@@ -164,7 +153,7 @@ def load_pickle(
             memory formats, and what ``torch.serialization.add_safe_globals`` allowed, always are.
 
     Raises:
-        CheckpointError: it holds anything else (see :func:`refused`). A truncated or corrupt pickle
+        CheckpointError: it holds anything else (:class:`RefusedPickleError`). A truncated or corrupt pickle
             raises what ``pickle`` raises (``UnpicklingError``, ``EOFError``...), for the caller to report.
     """
     if not resolve_weights_only(weights_only):
@@ -172,7 +161,7 @@ def load_pickle(
     try:
         return _RestrictedUnpickler(file, allowed_objects(allowed)).load()
     except _NotAllowed as err:  # a truncated or corrupt pickle raises something else: the caller's damage
-        raise refused(what, refused_name(err)) from None
+        raise RefusedPickleError(what, refused_name(err)) from None
 
 
 def unsafe_globals(source: str | os.PathLike[str] | IO[bytes] | bytes) -> list[str]:
