@@ -170,11 +170,11 @@ def ranges_checksum(
     """
     pieces: list[tuple[int, int, int | None]] = []  # (start, end, its CRC-32, or None: to read)
     position = 0
-    for offset, length, part in sorted(known):
+    for offset, length, known_crc in sorted(known):
         if offset < position or offset + length > size:
             continue
         pieces += [(position, offset, None)] if offset > position else []
-        pieces.append((offset, offset + length, part))
+        pieces.append((offset, offset + length, known_crc))
         position = offset + length
     pieces += [(position, size, None)] if position < size else []
     reads = [cut for start, end, part in pieces if part is None for cut in _cuts(start, end)]

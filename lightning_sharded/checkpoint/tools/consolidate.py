@@ -434,8 +434,9 @@ class _FillChecksums:
                 self._base = base
         self._fd = os.open(file, os.O_RDONLY)
 
-    def filled(self, region: torch.Tensor) -> None:
-        """Checksum a region just filled (a view of a mapped storage) and start writing it back."""
+    def filled(self, region: torch.Tensor, crc: int | None = None) -> None:
+        """Checksum a region just filled (a view of a mapped storage; ``crc``: its CRC-32, computed by the
+        read) and start writing it back."""
         if self._base is None or not region.is_contiguous() or not region.numel():
             return
         start = region.data_ptr() - self._base
@@ -443,8 +444,9 @@ class _FillChecksums:
         index = bisect.bisect_right(self._starts, start) - 1
         if index < 0 or start + nbytes > self._starts[index] + self._sizes[self._starts[index]]:
             return
-        data = memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy()))
-        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc32(data)))
+        if crc is None:
+            crc = crc32(memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy())))
+        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc))
         libc.sync_file_range(self._fd, start, nbytes, libc.SYNC_FILE_RANGE_WRITE)  # advice: start writing
 
     def crcs(self) -> dict[int, int]:
