@@ -1,7 +1,8 @@
 """The offline tools' figures of ``benchmarks.run``: the CLI on the kept 2-rank checkpoint, against the disk.
 
 ``inspect`` and ``verify`` (a fresh process each, its start and torch's import counted, cold cache)
-against ``cat`` of the checkpoint's files to ``/dev/null``; ``consolidate`` (one read of the source,
+against ``cat`` of the checkpoint's files to ``/dev/null``, and against the floor of every CLI command
+(:data:`START`: a process that only imports what they need); ``consolidate`` (one read of the source,
 checksummed as it is read; ``--no-verify`` without the checksums) against a raw cold read of the
 source plus a write+fsync of as many bytes. Peak RSS and peak anonymous memory of each command.
 """
@@ -39,6 +40,11 @@ elapsed = time.perf_counter() - start
 child.stderr.read()
 print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, child.returncode, peak_anon)
 """
+
+
+#: The floor of every CLI command: a process that imports what ``inspect`` needs before it reads a byte
+#: (torch, the package, ``torch.distributed.checkpoint`` whose classes ``.metadata`` pickles), then exits.
+START = "CLI start (imports only)"
 
 
 def measure(command: list[str]) -> tuple[float, int, int]:
@@ -92,6 +98,7 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
 
     for _ in range(repeats):
         run("cat", ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files) + " > /dev/null"])
+        run(START, [sys.executable, "-c", "import lightning_sharded.cli, torch.distributed.checkpoint"])
         run("inspect", [*cli, "inspect", str(ckpt)])
         if not quick:
             run("verify", [*cli, "verify", str(ckpt)])
@@ -127,11 +134,13 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     }
     ratios = {
         "inspect / cat": med["inspect"] / med["cat"],
+        "CLI start / cat": med[START] / med["cat"],
         "consolidate --no-verify GB/s / disk copy": med["disk copy"] / med["consolidate --no-verify"],
         "consolidate peak anonymous memory / checkpoint": anon["consolidate --no-verify"] / nbytes,
     }
     if not quick:
         ratios["verify / cat"] = med["verify"] / med["cat"]
+        ratios["verify less the CLI start / cat"] = (med["verify"] - med[START]) / med["cat"]
         ratios["consolidate GB/s / disk copy"] = med["disk copy"] / med["consolidate"]
     above = [f"{name} {value:.2f}" for name, value in ratios.items() if "disk copy" in name and value > 1.0]
     return {

@@ -211,11 +211,13 @@ _CHECKPOINT_COMMANDS = {
         "list the entries of a checkpoint, its size, epoch and step",
         "List the entries of a checkpoint (tensors with shape, dtype and size; other values as they"
         " are), its files, world size, epoch and step, after checking that every file is there with its"
-        " size. Reads no tensor data.",
+        " size. Reads .metadata, the manifest, meta.pt and the non-tensor entries (the optimizers' param"
+        " groups: a few KB of the shard files): no tensor's bytes, no checksum (that is verify).",
     ),
     "verify": (
         "check every file of a checkpoint (presence, size, checksum)",
-        "Check every file of a checkpoint: presence, size and checksum (reads every byte).",
+        "Check every file of a checkpoint: presence, size and checksum (reads every byte once, a large"
+        " file in two streams at once, and leaves none of it in the page cache).",
     ),
     "consolidate": (
         "convert a sharded directory into one full file or safetensors",

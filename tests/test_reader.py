@@ -176,3 +176,42 @@ def test_what_only_one_rank_reads_leaves_the_cache_what_two_read_stays(droppable
             assert whole == 1.0, cached
         else:
             assert inside == 0, cached
+
+
+def test_a_file_checksum_reads_each_byte_once_in_two_streams_and_drops_the_cache_behind(
+    droppable: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What `verify` and the completion of a verified load read: a large file in two contiguous parts
+    # at once, each byte once, the pages read leaving the page cache (a checksum reads them once).
+    import zlib
+
+    from lightning_sharded.checkpoint import checksum
+
+    file = droppable / "shard"
+    data = os.urandom(70 * MiB + 5)  # above the size split in two streams
+    with open(file, "wb") as f:  # on disk and cached, as just saved
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    reads: list[tuple[int, int, str]] = []
+    preadv = os.preadv
+
+    def spy(fd: int, buffers: list[memoryview], offset: int) -> int:
+        n = preadv(fd, buffers, offset)
+        reads.append((offset, n, threading.current_thread().name))
+        return n
+
+    monkeypatch.setattr(checksum.os, "preadv", spy)
+    assert checksum.file_checksum(file) == (len(data), f"{zlib.crc32(data):08x}")
+    position = 0
+    for offset, n, _ in sorted(reads):
+        assert offset == position
+        position += n
+    assert position == len(data)
+    assert len({name for _, _, name in reads}) == checksum.STREAMS == 2
+    # Only the large folios at the two parts' ends may stay.
+    assert resident(file) <= 3 * EDGE / len(data)
+    known = [(MiB, 4 * MiB, zlib.crc32(data[MiB : 5 * MiB]))]
+    reads.clear()
+    assert checksum.ranges_checksum(file, len(data), known) == (len(data), f"{zlib.crc32(data):08x}")
+    assert sum(n for _, n, _ in reads) == len(data) - 4 * MiB  # the known range is not read

@@ -129,6 +129,57 @@ def test_consolidate_checksums_each_chunk_as_it_fills_it(
     assert len(seen) == 1 and len(seen[0]) == len(data) > 4
 
 
+def _adam_checkpoint(path: Path) -> Path:
+    """A sharded checkpoint of two ``Linear(1024, 1024)`` and Adam's state: six 4 MiB tensors."""
+    from tests.checkpoint.one_process import save_sharded, stepped
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    optimizer = torch.optim.Adam(model.parameters())
+    stepped(model, optimizer, 1024)
+    return save_sharded(path, model, optimizer)
+
+
+def test_consolidate_writes_behind_its_fill(droppable: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once WINDOW bytes more of the output are filled, a filled region's pages leave the page cache:
+    # the output does not take its size in memory (it kept every byte cached).
+    from lightning_sharded.checkpoint.tools import consolidate
+    from tests._pages import resident
+
+    monkeypatch.setattr(consolidate, "WINDOW", 4 << 20)
+    out = consolidate_checkpoint(
+        _adam_checkpoint(droppable / "ckpt"), droppable / "full.ckpt", progress=False
+    )
+    assert out.stat().st_size > 24 << 20
+    assert resident(out) < 0.5  # at most the last 4 MiB region, the window and the small records
+    assert torch.equal(  # and the bytes are those of the source
+        load_checkpoint(out)["state_dict"]["0.weight"],
+        load_checkpoint(droppable / "ckpt")["state_dict"]["0.weight"],
+    )
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_consolidate_takes_each_direct_read_s_crc_from_the_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    # The output's records have the bytes the reads read: their CRC-32, computed by the reader's threads
+    # as the bytes arrive (with or without verify), is not computed again from the output's memory.
+    from lightning_sharded.checkpoint.tools import consolidate
+
+    src = _adam_checkpoint(tmp_path / "ckpt")
+    hashed: list[int] = []
+    real = consolidate.crc32
+
+    def spy(data: Any, value: int = 0) -> int:
+        hashed.append(len(memoryview(data).cast("B")))
+        return real(data, value)
+
+    monkeypatch.setattr(consolidate, "crc32", spy)
+    out = consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False, verify=verify)
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+    assert not [n for n in hashed if n >= 1 << 20], hashed  # the 4 MiB weights and their Adam state
+
+
 def test_consolidate_refuses_a_full_file(sharded_ckpt: Path, tmp_path: Path) -> None:
     out = consolidate_checkpoint(sharded_ckpt, tmp_path / "full.ckpt", progress=False)
     with pytest.raises(

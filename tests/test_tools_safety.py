@@ -351,6 +351,31 @@ def test_inspect_reads_no_shard_data_so_a_flipped_bit_there_is_verify_s_to_find(
         verify_checkpoint(sharded_ckpt)
 
 
+def _bytes_read() -> int:
+    """Bytes this process has read through ``read`` calls so far (``rchar``: page cache or disk)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no /proc/self/io here")
+def test_inspect_reads_the_index_and_the_small_entries_never_a_tensor_s_bytes(tmp_path: Path) -> None:
+    # What `inspect --help` says it reads: `.metadata`, the manifest, `meta.pt` and the non-tensor
+    # entries (the param groups, bytes each); not the shards' tensors, nor their checksums.
+    from tests.checkpoint.one_process import save_sharded, stepped
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    optimizer = torch.optim.Adam(model.parameters())
+    stepped(model, optimizer, 1024)
+    path = save_sharded(tmp_path / "ckpt", model, optimizer)  # 8 MiB of weights, 24 with Adam's state
+    inspect_checkpoint(path)  # once, so that what the first call imports is not counted
+    before = _bytes_read()
+    info = inspect_checkpoint(path)
+    read = _bytes_read() - before
+    shards = sum(p.stat().st_size for p in path.glob("*.distcp"))
+    assert info.total_size > 24 << 20 and shards > info.total_size
+    assert read < 1 << 20, f"inspect read {read} bytes of a checkpoint of {shards}"
+
+
 def test_inspect_counts_files_as_verify_does(sharded_ckpt: Path, tmp_path: Path) -> None:
     full = consolidate(sharded_ckpt, tmp_path / "full.ckpt")
     (sharded_ckpt / "notes.txt").write_text("not part of the checkpoint")

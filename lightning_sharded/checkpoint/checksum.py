@@ -6,6 +6,10 @@ GB/s at which these disks write (blake2b: 0.9 GB/s, sha256: 1.8 GB/s); it catche
 error and every burst up to 32 bits, which is what a checkpoint needs (protection against
 corruption, not against an attacker). ``benchmarks/checksum_throughput.py`` reproduces the figures.
 
+A file's checksum (:func:`file_checksum`, :func:`ranges_checksum`: what ``verify`` and the completion
+of a verified load read) is read by :data:`STREAMS` threads at once, each its contiguous part, in
+:data:`CHUNK_SIZE` pieces hashed as they arrive, the pages read dropped from the page cache behind.
+
 :class:`HashingStream` is the one stream that checksums bytes on their way to a file (local DCP
 shards, fsspec objects). It only ever hashes bytes it may read: a large write is hashed in a helper
 thread *while* the same buffer is written to the file (a piece at a time, so a local file's
@@ -48,6 +52,11 @@ __all__ = [
 
 #: Bytes read per call while checksumming a file.
 CHUNK_SIZE = 8 << 20
+#: Threads that read a large file's bytes to checksum them, each its contiguous part: as a load's reader
+#: (``backends.dcp_reader``), since this disk reads a cold file faster with a second stream.
+STREAMS = 2
+# Smaller gaps are read by one stream.
+_SPLIT_FROM = 64 << 20
 # Smaller writes (zip headers, pickles) are hashed inline: a thread hand-off costs more than the CRC.
 _HASH_INLINE_BELOW = 1 << 20
 
@@ -125,7 +134,7 @@ def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
 
 
 def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple[int, str]:
-    """Size and CRC-32 of a local file, read in chunks of :data:`CHUNK_SIZE` bytes.
+    """Size and CRC-32 of a local file, read as :func:`ranges_checksum` reads it.
 
     Args:
         path: The file.
@@ -134,9 +143,9 @@ def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple
     Returns:
         ``(size in bytes, checksum)`` with the checksum as 8 lowercase hex digits.
     """
-    with open(path, "rb", buffering=0) as f:
-        figures = _overlapped_checksum(f)
-        if fsync:
+    figures = ranges_checksum(path, os.stat(path).st_size, ())
+    if fsync:
+        with open(path, "rb", buffering=0) as f:
             os.fsync(f.fileno())
     return figures
 
@@ -145,7 +154,9 @@ def ranges_checksum(
     path: str | os.PathLike[str], size: int, known: Sequence[tuple[int, int, int]]
 ) -> tuple[int, str]:
     """Size and CRC-32 of the first ``size`` bytes of a local file, given the CRC-32 of some of its byte
-    ranges: only the bytes between them are read.
+    ranges: only the bytes between them are read, a large gap by :data:`STREAMS` threads at once, each
+    its contiguous part, in :data:`CHUNK_SIZE` pieces hashed as they arrive, the page cache dropped
+    behind (a checksum reads each byte once).
 
     Args:
         path: The file.
@@ -157,57 +168,54 @@ def ranges_checksum(
         ``(bytes counted, checksum)`` with the checksum as 8 lowercase hex digits; the count is less
         than ``size`` when the file is shorter.
     """
+    pieces: list[tuple[int, int, int | None]] = []  # (start, end, its CRC-32, or None: to read)
+    position = 0
+    for offset, length, known_crc in sorted(known):
+        if offset < position or offset + length > size:
+            continue
+        pieces += [(position, offset, None)] if offset > position else []
+        pieces.append((offset, offset + length, known_crc))
+        position = offset + length
+    pieces += [(position, size, None)] if position < size else []
+    reads = [cut for start, end, part in pieces if part is None for cut in _cuts(start, end)]
     crc, position = 0, 0
-    with open(path, "rb", buffering=0) as f:
-        for offset, length, part in sorted(known):
-            if offset < position or offset + length > size:
+    with ThreadPoolExecutor(STREAMS, thread_name_prefix="lightning-sharded-crc32") as pool:
+        found = pool.map(lambda cut: _range_crc(path, *cut), reads)  # in file order, STREAMS at a time
+        for start, end, part in pieces:
+            if part is not None:
+                crc, position = crc32_combine(crc, part, end - start), end
                 continue
-            if offset > position:
-                crc, position = _range_crc(f, position, offset, crc)
-                if position < offset:  # the file ended early
+            for cut_start, cut_end in _cuts(start, end):
+                cut_crc, n = next(found)
+                crc, position = crc32_combine(crc, cut_crc, n), position + n
+                if n < cut_end - cut_start:  # the file ended early
                     return position, _hex(crc)
-            crc, position = crc32_combine(crc, part, length), offset + length
-        if position < size:
-            crc, position = _range_crc(f, position, size, crc)
     return position, _hex(crc)
 
 
-def _range_crc(f: Any, start: int, end: int, crc: int) -> tuple[int, int]:
-    """``crc`` continued over bytes ``start`` to ``end`` of ``f``; returns it and where the read ended."""
-    position = start
-    while position < end:
-        chunk = os.pread(f.fileno(), min(CHUNK_SIZE, end - position), position)
-        if not chunk:
-            break
-        crc = crc32(chunk, crc)
-        position += len(chunk)
-    return crc, position
+def _cuts(start: int, end: int) -> list[tuple[int, int]]:
+    """Bytes ``start`` to ``end`` in :data:`STREAMS` contiguous parts, or one if fewer than
+    :data:`_SPLIT_FROM`."""
+    n = STREAMS if end - start >= _SPLIT_FROM else 1
+    return [(start + k * (end - start) // n, start + (k + 1) * (end - start) // n) for k in range(n)]
 
 
-def _overlapped_checksum(f: Any) -> tuple[int, str]:
-    """:func:`stream_checksum` of a local file with reading and hashing overlapped.
-
-    Two buffers: a helper thread hashes one while the next is read into the other (``readinto`` and
-    ``zlib.crc32`` release the GIL), and the kernel is told the file is read sequentially (a larger
-    read-ahead), so checksumming a cold file runs at about the disk's read speed.
-    """
-    libc.fadvise(f.fileno(), 0, 0, "SEQUENTIAL")
-    buffers = [bytearray(CHUNK_SIZE), bytearray(CHUNK_SIZE)]
-    crc = 0
-    size = 0
-    pending: Any = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-sharded-crc32") as pool:
-        turn = 0
-        while True:
-            n = f.readinto(buffers[turn])
-            if pending is not None:
-                crc = pending.result()
+def _range_crc(path: str | os.PathLike[str], start: int, end: int) -> tuple[int, int]:
+    """CRC-32 of bytes ``start`` to ``end`` of a file and how many there were (fewer: it ended early),
+    read by their own file descriptor in :data:`CHUNK_SIZE` pieces, the page cache dropped behind."""
+    crc, position = 0, start
+    buffer = memoryview(bytearray(min(CHUNK_SIZE, end - start)))
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        libc.fadvise(fd, start, end - start, "SEQUENTIAL")
+        while position < end:
+            n = os.preadv(fd, [buffer[: end - position]], position)
             if not n:
                 break
-            size += n
-            pending = pool.submit(crc32, memoryview(buffers[turn])[:n], crc)
-            turn ^= 1
-    return size, _hex(crc)
+            crc = crc32(buffer[:n], crc)
+            position += n
+            libc.fadvise(fd, start, position - start, "DONTNEED")
+    return crc, position - start
 
 
 class HashingStream(io.RawIOBase):

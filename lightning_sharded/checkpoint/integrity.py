@@ -305,9 +305,17 @@ class ReadChecksums:
 
     def __init__(self) -> None:
         self.ranges: dict[str, list[tuple[int, int, int]]] = {}
+        self._last: int | None = None
 
     def add(self, relative: str, offset: int, length: int, crc: int) -> None:
         self.ranges.setdefault(relative, []).append((offset, length, crc))
+        self._last = crc
+
+    def take(self) -> int | None:
+        """The CRC-32 of the range added last, once: called as its item is committed (a direct read is
+        recorded right before its commit, in the same thread), ``None`` for an item read otherwise."""
+        last, self._last = self._last, None
+        return last
 
     def covered(self) -> dict[str, int]:
         """Bytes read (and checksummed) of each file."""

@@ -35,6 +35,7 @@ from lightning_sharded.checkpoint.tools.reader import (
     set_path,
     to_lightning,
 )
+from lightning_sharded.checkpoint.writeback import WINDOW
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.detect import Found
@@ -433,9 +434,11 @@ class _FillChecksums:
             if all(ptr - base == start for (ptr, _), (start, _) in zip(storages, records, strict=True)):
                 self._base = base
         self._fd = os.open(file, os.O_RDONLY)
+        self._behind: list[tuple[int, int]] = []  # filled regions still in the page cache, in order
 
-    def filled(self, region: torch.Tensor) -> None:
-        """Checksum a region just filled (a view of a mapped storage) and start writing it back."""
+    def filled(self, region: torch.Tensor, crc: int | None = None) -> None:
+        """Checksum a region just filled (a view of a mapped storage; ``crc``: its CRC-32, computed by the
+        read) and start writing it back."""
         if self._base is None or not region.is_contiguous() or not region.numel():
             return
         start = region.data_ptr() - self._base
@@ -443,9 +446,24 @@ class _FillChecksums:
         index = bisect.bisect_right(self._starts, start) - 1
         if index < 0 or start + nbytes > self._starts[index] + self._sizes[self._starts[index]]:
             return
-        data = memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy()))
-        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc32(data)))
+        if crc is None:
+            crc = crc32(memoryview(cast(Any, region.detach().reshape(-1).view(torch.uint8).numpy())))
+        self._pieces.setdefault(self._starts[index], []).append((start, nbytes, crc))
         libc.sync_file_range(self._fd, start, nbytes, libc.SYNC_FILE_RANGE_WRITE)  # advice: start writing
+        # Write-behind, as a save's writer: once WINDOW bytes more are filled, the region's pages, on disk
+        # by then, leave the mapping and the page cache (the output does not take its size in memory).
+        self._behind.append((start, nbytes))
+        while sum(n for _, n in self._behind) > WINDOW:
+            self._drop(*self._behind.pop(0))
+
+    def _drop(self, start: int, nbytes: int) -> None:
+        assert self._base is not None
+        waits = (
+            libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
+        )
+        libc.sync_file_range(self._fd, start, nbytes, waits)
+        libc.madvise(self._base + start, nbytes, libc.MADV_DONTNEED)  # whole pages: from the mapping,
+        libc.fadvise(self._fd, start, nbytes, "DONTNEED")  # then from the page cache
 
     def crcs(self) -> dict[int, int]:
         """``{record data start: CRC-32}`` of every record its filled pieces cover exactly."""

@@ -31,7 +31,7 @@ from lightning_sharded.checkpoint.backends.dcp_reader import SafeBytesPlanner
 from lightning_sharded.checkpoint.dcp_index import model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.integrity import ReadVerification, check_found
+from lightning_sharded.checkpoint.integrity import ReadChecksums, ReadVerification, check_found
 from lightning_sharded.checkpoint.lightning_meta import VERIFY_HINT, read_meta
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class OfflineReader:
         self,
         state: dict[str, Any],
         on_tensor: Callable[[int], None] | None = None,
-        on_filled: Callable[[torch.Tensor], None] | None = None,
+        on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
     ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -117,6 +117,9 @@ class OfflineReader:
 
         refusals: list[CheckpointError] = []
         outer = self
+        checksums = self.verification.checksums if self.verification is not None else None
+        if checksums is None and on_filled is not None and self.backend.reads_checksums:
+            checksums = ReadChecksums()  # each direct read's CRC-32 for on_filled, computed as it is read
 
         def what(read_item: Any) -> str:
             info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
@@ -126,7 +129,7 @@ class OfflineReader:
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
                 super().commit_tensor(read_item, tensor)
                 if on_filled is not None:
-                    on_filled(tensor)
+                    on_filled(tensor, checksums.take() if checksums is not None else None)
                 if on_tensor is not None:
                     on_tensor(int(torch.Size(read_item.lengths).numel()) * tensor.element_size())
 
@@ -144,7 +147,6 @@ class OfflineReader:
             weights_only=self.weights_only,
             what=what,
         )
-        checksums = self.verification.checksums if self.verification is not None else None
         reader = self.backend.dcp_reader(self.root, self.metadata, checksums)  # metadata: read safely
         with self.reading():
             try:
@@ -225,14 +227,16 @@ class OfflineReader:
         self,
         targets: dict[str, torch.Tensor],
         on_tensor: Callable[[int], None] | None,
-        on_filled: Callable[[torch.Tensor], None] | None = None,
+        on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
     ) -> None:
         """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk.
 
         Args:
             targets: Where each tensor entry goes, by key.
             on_tensor: Called with the bytes of each chunk once it is copied (a progress bar).
-            on_filled: Called with the region of the target each chunk was copied into (a view).
+            on_filled: Called with the region of the target each chunk was copied into (a view) and
+                the CRC-32 of its bytes where the read computed it (a direct read, local files), else
+                ``None``.
         """
         self._load(dict(targets), on_tensor, on_filled)
 
