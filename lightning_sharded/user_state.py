@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import sys
 from collections.abc import Callable, Mapping
+from operator import methodcaller
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,6 +49,10 @@ class _Adapter:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._put(self.obj, state["state"])
+
+
+def _set_torch(rng: torch.Generator, state: Any) -> None:
+    rng.set_state(state)
 
 
 def _set_python(rng: random.Random, state: Any) -> None:
@@ -100,9 +105,9 @@ def stateful(obj: Any) -> Stateful | None:
     """``obj`` as DCP's ``Stateful``: itself if it has ``state_dict``/``load_state_dict``, an adapter for a
     ``torch.Generator``, ``random.Random``, ``numpy.random.Generator`` or ``RandomState``, else ``None``."""
     if isinstance(obj, torch.Generator):
-        return _Adapter(obj, torch.Generator.get_state, torch.Generator.set_state)
+        return _Adapter(obj, methodcaller("get_state"), _set_torch)
     if isinstance(obj, random.Random):
-        return _Adapter(obj, random.Random.getstate, _set_python)
+        return _Adapter(obj, methodcaller("getstate"), _set_python)
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(obj, numpy.random.Generator):
         return _Adapter(obj, _numpy_bits, _set_numpy_bits)

@@ -126,3 +126,31 @@ def test_the_mixin_registers_on_itself() -> None:
     model = Model()
     assert registered_rank_state(model) == {"counter": model.counter}
     assert "counter" not in model.state_dict()
+
+
+def test_a_generator_subclass_is_saved_and_restored_through_its_own_methods() -> None:
+    """The adapter calls the object's own ``getstate``/``setstate`` (a subclass's override), so what is
+    saved is what it restores; ``random.SystemRandom``, which has no state, is refused at the save."""
+    import random
+
+    from lightning_sharded.user_state import stateful
+
+    class Counted(random.Random):
+        saves = 0
+
+        def getstate(self) -> object:
+            Counted.saves += 1
+            return super().getstate()
+
+    rng = Counted(3)
+    adapter = stateful(rng)
+    assert adapter is not None
+    state = adapter.state_dict()
+    assert Counted.saves == 1, "the subclass's getstate was not called"
+    expected = [rng.random() for _ in range(3)]
+    adapter.load_state_dict(state)
+    assert [rng.random() for _ in range(3)] == expected
+    system = stateful(random.SystemRandom())
+    assert system is not None
+    with pytest.raises(NotImplementedError):
+        system.state_dict()
