@@ -209,9 +209,10 @@ def state_tensor(value: torch.Tensor, layout: ParamLayout, group: Any, rank: int
 
 def copy_into_shard(target: Any, value: Any) -> None:
     """Put ``value`` (a sharded or full tensor) into ``target``'s views, unless it already is them."""
-    if type(value) is type(target) and target.metadata() == value.metadata():
+    if type(value) is type(target):  # the pointers first: the metadata compares every rank's shards
         mine = [shard.tensor.data_ptr() for shard in target.local_shards()]
-        if mine == [shard.tensor.data_ptr() for shard in value.local_shards()]:
+        theirs = [shard.tensor.data_ptr() for shard in value.local_shards()]
+        if mine == theirs and target.metadata() == value.metadata():
             return  # read in place already (the sharded load reads into these very views)
     ShardedTensorAdapter().copy_into(target, value)
 

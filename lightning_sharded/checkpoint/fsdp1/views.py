@@ -49,25 +49,23 @@ def views() -> Iterator[None]:
     def post_save(
         module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str
     ) -> dict[str, Any]:
-        if fsdp_state._is_root is True:  # read next by torch's logging only (see `quiet`)
-            fsdp_state._is_root = False
-            quiet.append(fsdp_state)
-        if not sdu._has_fsdp_params(fsdp_state, module):
-            done: dict[str, Any] = sdu._common_unshard_post_state_dict_hook(
-                module, fsdp_state, state_dict, prefix, None
-            )
-            return done
-        handle = sdu._module_handle(fsdp_state, module)
-        index = {fqn: i for i, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state))}
+        param_hook = None
+        if sdu._has_fsdp_params(fsdp_state, module):
+            handle = sdu._module_handle(fsdp_state, module)
+            index = {fqn: i for i, (fqn, _, _) in enumerate(sdu._param_name_infos(module, fsdp_state))}
 
-        def param_hook(state_dict: dict[str, Any], prefix: str, fqn: str) -> None:
-            state_dict[fqn] = param_tensor(handle, index[fqn[len(prefix) :]])
+            def param_hook(state_dict: dict[str, Any], prefix: str, fqn: str) -> None:
+                state_dict[fqn] = param_tensor(handle, index[fqn[len(prefix) :]])
 
         # torch's own post hook (prefixes, buffers and their dtypes), with views for the parameters.
         state_dict = sdu._common_unshard_post_state_dict_hook(
             module, fsdp_state, state_dict, prefix, param_hook
         )
-        state_dict.pop(prefix + FLAT_PARAM, None)
+        if param_hook is not None:
+            state_dict.pop(prefix + FLAT_PARAM, None)
+        if fsdp_state._is_root is True:  # read next by torch's logging only (see `quiet`); after torch's
+            fsdp_state._is_root = False  # hook, as before: a torch that reads it there sees the truth
+            quiet.append(fsdp_state)
         return state_dict
 
     def pre_load(module: nn.Module, fsdp_state: Any, state_dict: dict[str, Any], prefix: str) -> None:
