@@ -21,9 +21,10 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
@@ -177,15 +178,21 @@ def ranges_checksum(
         pieces.append((offset, offset + length, known_crc))
         position = offset + length
     pieces += [(position, size, None)] if position < size else []
-    reads = [cut for start, end, part in pieces if part is None for cut in _cuts(start, end)]
+    cuts = {start: _cuts(start, end) for start, end, part in pieces if part is None}
+    reads = [cut for gap in cuts.values() for cut in gap]
     crc, position = 0, 0
-    with ThreadPoolExecutor(STREAMS, thread_name_prefix="lightning-sharded-crc32") as pool:
-        found = pool.map(lambda cut: _range_crc(path, *cut), reads)  # in file order, STREAMS at a time
+    with contextlib.ExitStack() as stack:
+        found: Iterator[tuple[int, int]] = (_range_crc(path, *cut) for cut in reads)
+        if len(reads) > 1:  # a pool only for several reads: a small file is read on this thread
+            pool = stack.enter_context(
+                ThreadPoolExecutor(STREAMS, thread_name_prefix="lightning-sharded-crc32")
+            )
+            found = pool.map(lambda cut: _range_crc(path, *cut), reads)  # in file order, STREAMS at a time
         for start, end, part in pieces:
             if part is not None:
                 crc, position = crc32_combine(crc, part, end - start), end
                 continue
-            for cut_start, cut_end in _cuts(start, end):
+            for cut_start, cut_end in cuts[start]:
                 cut_crc, n = next(found)
                 crc, position = crc32_combine(crc, cut_crc, n), position + n
                 if n < cut_end - cut_start:  # the file ended early
@@ -294,5 +301,9 @@ class HashingStream(io.RawIOBase):
         return self._size, _hex(self._crc)
 
     def close(self) -> None:
-        # DCP closes the stream inside `create_stream`; the file itself is closed by its owner.
+        # DCP closes the stream inside `create_stream`; the file itself is closed by its owner. The
+        # helper thread stops here too, so a stream left by an error (``with``) leaves no thread behind.
         self._raw.flush()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

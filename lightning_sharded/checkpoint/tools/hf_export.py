@@ -199,8 +199,7 @@ def export_safetensors(
             for index, group in enumerate(files, start=1):
                 name = file_name(index, len(files))
                 ordered = storage_order(group)
-                with open(staging / name, "xb") as raw:
-                    f = HashingStream(raw)
+                with open(staging / name, "xb") as raw, HashingStream(raw) as f:  # closed: no thread left
                     f.write(encode_header(ordered))
                     for batch in plan_files(ordered, BATCH_BYTES):  # a batch in memory at a time
                         buffers = {
