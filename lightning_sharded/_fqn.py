@@ -103,9 +103,10 @@ def walk(
     stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
     while stack:
         raw, clean, module = stack.pop()
-        if once and id(module) in seen:
-            continue
-        seen.add(id(module))
+        if once:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
         yield raw, clean, module
         children = [
             (raw + edge.raw, clean + edge.clean, child)
@@ -145,7 +146,8 @@ def clean_keys(model: nn.Module, state: dict[str, object]) -> dict[str, object]:
     (``body._orig_mod.0.weight`` -> ``body.0.weight`` for a compiled ``body``). A key whose module is not
     found stays as it is.
     """
-    prefixes = {raw: clean for raw, clean, _ in walk(model, once=True) if raw != clean}
+    # Every path, as state_dict() writes a module reachable by two paths under both.
+    prefixes = {raw: clean for raw, clean, _ in walk(model) if raw != clean}
     if not prefixes:
         return state
     renamed: dict[str, object] = {}

@@ -212,7 +212,11 @@ class _LoadPreHook(_Hook):
 
 def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
     """The first spelling of a site's key present in ``state_dict``: the raw key, then the clean FQN."""
-    return next((prefix + key for key in (raw, clean) if prefix + key in state_dict), None)
+    # Per site, per load: no generator object on this path.
+    for key in (prefix + raw, prefix + clean):
+        if key in state_dict:
+            return key
+    return None
 
 
 class _LoadPostHook(_Hook):
