@@ -2,7 +2,9 @@
 
 The strategies take them as keyword arguments; their signatures (``inspect.signature``, ``help()``,
 Lightning's CLI) show them after the parent strategy's parameters (:func:`show_options`), and static tools
-(Pylance, PyCharm, mypy) read them from :class:`CheckpointOptionsKwargs` (PEP 692).
+(Pylance, PyCharm, mypy) read them from :class:`CheckpointOptionsKwargs` (PEP 692): mypy checks them
+for ``ShardedModelParallelStrategy``; for ``ShardedFSDPStrategy`` they are hints only (its overload for
+FSDP's own keywords takes ``**Any``).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ def test_saves_and_resumes_reach_the_backend_through_the_documented_modules(runs
     ran = {record["at"] for record in records}
     assert ran == set(walks), f"a documented walk never ran, or one ran undocumented: {sorted(ran)}"
     for record in records:
+        assert record["before"], f"no module of ours recorded before the backend: {record}"
         modules, hooks = walks[record["at"]]
         assert is_subsequence(record["before"], modules), (record, modules)
         assert len(record["before"]) <= 4, record
