@@ -425,6 +425,32 @@ def test_a_removal_queued_after_a_save_runs_after_it_and_never_after_a_failed_on
     saver.close()
 
 
+def test_savers_of_one_process_write_one_at_a_time_in_the_order_they_were_started(tmp_path: Path) -> None:
+    # Every saver's background writes share one process group (collective.bounded_group): a second
+    # Trainer's save must not start writing while the first Trainer's save after fit still writes, or
+    # their collectives could interleave in another order on another rank. The first save's error is
+    # its own: the second save starts all the same, and the first saver's wait raises it.
+    first, second = AsyncSaver("first"), AsyncSaver("second")
+    events: list[str] = []
+    release = threading.Event()
+
+    def held(path: Path, state: Any, group: Any) -> None:
+        release.wait(10)
+        events.append(f"written {path.name}")
+        raise OSError(28, "No space left on device")
+
+    def write(path: Path, state: Any, group: Any) -> None:
+        events.append(f"started {path.name}")
+
+    first.save(tmp_path / "a", {"x": torch.zeros(3)}, held)
+    threading.Timer(0.3, release.set).start()
+    second.save(tmp_path / "b", {"x": torch.zeros(3)}, write)
+    second.close()
+    assert events == ["written a", "started b"]
+    with pytest.raises(CheckpointError, match=r"No space left on device"):
+        first.close()
+
+
 def test_only_what_the_optimizers_update_is_deferred() -> None:
     # The model-state entries an async save copies after it returns: the trainable parameters' memory
     # (views of it too), never buffers, frozen parameters or tensors of their own.

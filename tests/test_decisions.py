@@ -129,3 +129,21 @@ def test_full_state_dicts_are_gathered_on_rank_0_only(reports: list[dict]) -> No
         assert one == [[], 0, None], kind
     # Both wrappers gathered the same full values (same seed, same step).
     assert reports[0]["full-gather"]["fsdp1"][2] == reports[0]["full-gather"]["fsdp2"][2]
+
+
+def test_the_checkpoint_groups_are_made_once_and_replaced_on_every_rank_after_a_failure(
+    reports: list[dict],
+) -> None:
+    # A group per role and timeout, reused by every later strategy and saver of the process; after rank 1
+    # alone gave up on a group (a collective failed there), both ranks take a new one (alone, rank 1
+    # would wait in new_group for rank 0 until the timeout).
+    for report in reports:
+        assert report["groups"] == {
+            "reused": True,
+            "background apart": True,
+            "background reused": True,
+            "other timeout apart": True,
+            "replaced": True,
+            "replacement works": True,
+            "replacement reused": True,
+        }

@@ -4,7 +4,8 @@
 (collective, every rank):
 
 1. waits for the previous background save of this saver, raising its error if it failed (one save in
-   flight at a time, so the staging buffers can be reused and saves publish in order);
+   flight at a time, so the staging buffers can be reused and saves publish in order), and for those
+   of the process's other savers (an earlier ``Trainer``'s), whose writes share its process group;
 2. copies every tensor of the state (``DTensor`` and ``ShardedTensor`` shards, plain tensors) into
    CPU staging buffers (pinned for CUDA tensors) kept from the previous save when shapes and dtypes
    match (so a steady run allocates nothing), and deep-copies the small non-tensor rest; sharded
@@ -12,8 +13,8 @@
    training may change the model as soon as this returns;
 3. hands the staged state to one background thread that runs the write: for a sharded directory the
    same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
-   staging directory, checksums, manifest, one rename), with its collectives on a process group of its
-   own (gloo), so they never interleave with training's.
+   staging directory, checksums, manifest, one rename), with its collectives on a gloo group of the
+   background writes (made once per process), so they never interleave with training's.
 
 What happens to a save in flight:
 
@@ -81,6 +82,17 @@ def wait_for_saves_to(path: Location) -> None:
         in_flight = saver.in_flight
         if in_flight is not None and str(absolute(in_flight)) == key:
             saver.wait()
+
+
+def _wait_for_other_savers(saver: AsyncSaver) -> None:
+    """Wait (without raising their errors: their own :meth:`AsyncSaver.wait` does) until the saves in
+    flight of this process's other savers are done: the background writes of all of them run on one
+    process group (:func:`collective.bounded_group`), so one at a time, in the order every rank started
+    them (an earlier Trainer's ``save_checkpoint`` after ``fit`` may still be writing)."""
+    for other in list(_SAVING):
+        future = other._future
+        if other is not saver and future is not None:
+            concurrent.futures.wait([future])
 
 
 class AsyncSaver:
@@ -162,7 +174,7 @@ class AsyncSaver:
         ``None`` without an initialized default group or with one rank.
         """
         if not self._group_made:
-            self._group = collective.bounded_group(self._timeout_s)
+            self._group = collective.bounded_group(self._timeout_s, background=True)
             self._group_made = True
         return self._group
 
@@ -200,6 +212,7 @@ class AsyncSaver:
             CheckpointError: the previous background save failed (this save is then not started).
         """
         self.wait()
+        _wait_for_other_savers(self)
         group = self.group()
         start = time.perf_counter()
         if not self._may_defer(optimizers):

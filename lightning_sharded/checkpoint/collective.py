@@ -27,7 +27,7 @@ import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from lightning_sharded.checkpoint import presence
 from lightning_sharded.checkpoint.errors import (
@@ -94,9 +94,21 @@ def scope(group: ProcessGroup | None) -> Iterator[None]:
         _scoped.reset(token)
 
 
-def bounded_group(timeout_s: float | None) -> ProcessGroup | None:
-    """A new gloo group of every rank whose collectives fail after ``timeout_s`` seconds (the process
+#: The bounded groups of this process: (default group, role, timeout) -> group. Every ``Trainer``'s
+#: strategy and async saver reuse them: a gloo group holds 3 threads and about 5 descriptors on each
+#: rank for as long as the process lives, and a process that runs many Trainers (fit then test, a
+#: sweep) made 2 more per Trainer.
+_bounded: dict[tuple[int, bool, float | None], ProcessGroup] = {}
+
+
+def bounded_group(timeout_s: float | None, *, background: bool = False) -> ProcessGroup | None:
+    """A gloo group of every rank whose collectives fail after ``timeout_s`` seconds (the process
     group's default when ``None``); ``None`` without a process group or with one rank.
+
+    Made once per process (and default group) for each timeout, and reused while it serves: one for the
+    training thread's checkpoint collectives, one (``background``) for the async saves' thread, so the
+    two never share a group. A group whose collective failed here (:func:`presence.gave_up`: gloo does
+    not recover from a timeout or a lost peer) is replaced, and every rank agrees on that first.
 
     Collective over the default group: every rank calls it, in the same order.
     """
@@ -104,11 +116,29 @@ def bounded_group(timeout_s: float | None) -> ProcessGroup | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
+    key = (id(dist.group.WORLD), background, timeout_s)
+    group = _bounded.get(key)
+    if group is not None:
+        world = Ranks(dist.get_rank(), dist.get_world_size(), 0, None)
+        if all_true(_serves(group), world, "bounded group check"):
+            return group
     timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None  # None: the default
-    group: ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
+    group = _bounded[key] = cast("ProcessGroup", dist.new_group(backend="gloo", timeout=timeout))
     if timeout_s is not None:
         presence.set_timeout(group, timeout_s)
     return group
+
+
+def _serves(group: ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (no ``destroy_process_group``) and none of its collectives
+    failed in this process."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return not presence.gave_up(group)
 
 
 def ranks(group: ProcessGroup | None = None, *, alone: bool = False) -> Ranks:

@@ -29,7 +29,7 @@ from lightning_sharded.checkpoint.errors import RanksLost
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["GRACE_S", "LINGER_S", "RanksLost", "lost", "reach", "set_timeout"]
+__all__ = ["GRACE_S", "LINGER_S", "RanksLost", "gave_up", "lost", "reach", "set_timeout"]
 
 #: Seconds a rank whose collective failed waits for the marks of the ranks behind it (which may be
 #: giving up at the same moment, or just arriving): a rank that died never comes, so this is the most
@@ -53,6 +53,7 @@ class _Group:
     local: str  # the key of its timeout (see _local_name)
     count: int = 0
     step: str = ""
+    gave_up: bool = False  # a collective on it failed here (see lost): not to be used again
 
 
 _lock = threading.Lock()
@@ -131,6 +132,14 @@ def reach(group: ProcessGroup | None, step: str) -> None:
     _put(_key(state, state.me), [state.count, step])
 
 
+def gave_up(group: ProcessGroup) -> bool:
+    """Whether a checkpoint collective on ``group`` failed in this process (:func:`lost`): a gloo group
+    whose collective timed out or lost a peer is not used again."""
+    with _lock:
+        known = _groups.get(_local_name(group))
+    return known is not None and known.gave_up
+
+
 def _read(state: _Group) -> dict[int, list[Any]] | None:
     """Every member's mark (``[count, step]`` or ``[count, step, missing]``); ``None`` if the store
     does not answer."""
@@ -152,6 +161,7 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     """The error of a checkpoint collective on ``group`` that failed with ``err``, naming the ranks
     that did not reach this rank's current step; marks this rank as having given up."""
     state = _group(group)
+    state.gave_up = True
     count, step = state.count, state.step
     deadline = time.monotonic() + GRACE_S
     while True:
@@ -180,11 +190,11 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
                 " serves (unless a launcher's agent does), does not answer"
             )
         return RanksLost(f"{message}. Check the log of rank 0 and of the machine it ran on.", names)
-    gave_up = {r: m for r, m in marks.items() if r != state.me and len(m) >= 3}
+    given_up = {r: m for r, m in marks.items() if r != state.me and len(m) >= 3}
     missing = set(behind)
-    for mark in gave_up.values():
+    for mark in given_up.values():
         missing |= {int(r) for r in mark[2] if int(r) != state.me}
-    missing -= set(gave_up)
+    missing -= set(given_up)
     names = sorted(missing)
     _put(_key(state, state.me), [count, step, names])
     if state.me == 0:

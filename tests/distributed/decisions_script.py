@@ -130,6 +130,28 @@ def during_cases(out: Path, rank: int, results: dict[str, Any]) -> None:
     local.ranges_checksum = real_ranges  # type: ignore[assignment]
 
 
+def bounded_groups(rank: int) -> dict[str, Any]:
+    """The checkpoint's bounded groups: made once per role and timeout, then reused; replaced on every
+    rank when a collective on one failed on one rank only (rank 1 gives up on it here)."""
+    from lightning_sharded.checkpoint import collective, presence
+
+    first = collective.bounded_group(30.0)
+    found: dict[str, Any] = {
+        "reused": collective.bounded_group(30.0) is first,
+        "background apart": collective.bounded_group(30.0, background=True) not in (first, None),
+        "background reused": collective.bounded_group(30.0, background=True)
+        is collective.bounded_group(30.0, background=True),
+        "other timeout apart": collective.bounded_group(31.0) is not first,
+    }
+    if rank == 1:
+        presence.lost(first, RuntimeError("Connection closed by peer (injected)"))
+    replaced = collective.bounded_group(30.0)
+    found["replaced"] = replaced is not first
+    found["replacement works"] = collective.all_true(True, collective.ranks(replaced))
+    found["replacement reused"] = collective.bounded_group(30.0) is replaced
+    return found
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -253,6 +275,7 @@ def main(out: Path) -> None:
         results["rank-state-world"] = {"type": type(err).__name__, "message": str(err)}
     dist.barrier()
     results["full-gather"] = full_gathers()
+    results["groups"] = bounded_groups(rank)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 

@@ -336,9 +336,26 @@ def manual_async(out: Path, args: Any) -> dict[str, Any]:
     slow_next_background_write(1.5)
     trainer.save_checkpoint(path)
     capture = Capture()
+    made = groups()
     trainer = trainer_for(args, [capture], max_steps=STEPS)
     trainer.fit(model, ckpt_path=path)
-    return {"saved": saved, "restored": capture.values}
+    trainer.save_checkpoint(out / "again.ckpt")  # async too: the second Trainer's saver
+    trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
+    made_by_resume = groups() - made
+    made = groups()
+    trainer_for(args, [], max_steps=2).fit(model)  # neither loads nor saves
+    return {
+        "saved": saved,
+        "restored": capture.values,
+        "groups": {"resume and save": made_by_resume, "plain fit": groups() - made},
+    }
+
+
+def groups() -> int:
+    """How many process groups this process has made (Lightning's own included: a device mesh each)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return len(_world.pg_map)
 
 
 def run(out: Path, case: str, body: Callable[[Path], dict[str, Any]]) -> None:
