@@ -149,7 +149,7 @@ def test_every_other_figure_of_the_page_is_in_a_results_file() -> None:
 
 
 def test_the_lookup_finds_a_figure_of_the_results_and_misses_one_typed_by_hand() -> None:
-    page = "rank 0 1,006,763,538 bytes; 0.93 of the read; 3.4 KB; 5.9 ms"
+    page = "rank 0 1,006,763,410 bytes; 0.92 of the read; 3.4 KB; 5.9 ms"
     assert unfound(page) == []
     assert unfound("rank 0 1,006,747,964 bytes") == [(1, "1,006,747,964")]
 
