@@ -85,7 +85,7 @@ def _values() -> list[float]:
         elif isinstance(node, str):
             values.extend(float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*(?:\.\d+)?", node))
 
-    for path in sorted(RESULTS.iterdir()):
+    for path in sorted(RESULTS.rglob("*")):  # results/8gb/ too (the 8 GB case)
         if path.suffix == ".json":
             walk(json.loads(path.read_text()))
         elif path.suffix in (".md", ".txt"):
