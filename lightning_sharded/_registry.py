@@ -19,9 +19,10 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 if TYPE_CHECKING:
+    from importlib.abc import Loader
     from importlib.machinery import ModuleSpec
 
 __all__ = ["STRATEGIES", "install", "register"]
@@ -101,8 +102,8 @@ def _register_into(module: ModuleType) -> None:
 
 class _RegisterAfterImport:
     """A ``sys.meta_path`` finder that finds nothing itself: it lets the other finders find
-    :data:`REGISTRY_MODULE`, and makes the module's loader register this library's names once the
-    module has executed. (Not an ``importlib.abc.MetaPathFinder``: importing that module costs more
+    :data:`REGISTRY_MODULE` and hands the import system their spec with the loader wrapped
+    (:class:`_Registering`). (Not an ``importlib.abc.MetaPathFinder``: importing that module costs more
     than all of this one.)"""
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> ModuleSpec | None:
@@ -117,19 +118,29 @@ class _RegisterAfterImport:
                 break
         else:
             return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            execute(module)  # an error leaves the hook in place: the next import tries again
-            del loader.exec_module  # type: ignore[union-attr]  # the loader's own method again
-            _uninstall()
-            _register_into(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]  # this module's loader only
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = cast("Loader", _Registering(spec.loader))  # this import's spec, made for it now
         return spec
+
+
+class _Registering:
+    """The found loader of :data:`REGISTRY_MODULE`, wrapped as ``importlib.util.LazyLoader`` wraps one:
+    the module gets its own loader back, runs, then this library's names are registered in it."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.loader  # as LazyLoader does: the module keeps the loader that found it
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)  # an error leaves the hook in place: the next import tries again
+        _uninstall()
+        _register_into(module)
 
 
 def _uninstall() -> None:

@@ -89,6 +89,7 @@ def test_the_post_import_hook_registers_right_after_the_module_executes(
     (tmp_path / "fake_strategies.py").write_text(
         "from lightning.fabric.strategies.registry import _StrategyRegistry\n"
         "StrategyRegistry = _StrategyRegistry()\n"
+        "PATCHED = 'exec_module' in vars(__loader__)  # the hook replaced a method of the loader\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(_registry, "REGISTRY_MODULE", "fake_strategies")
@@ -101,6 +102,8 @@ def test_the_post_import_hook_registers_right_after_the_module_executes(
     assert sorted(fake_strategies.StrategyRegistry) == NAMES
     assert not any(isinstance(f, _registry._RegisterAfterImport) for f in sys.meta_path)  # removed itself
     assert fake_strategies.__loader__.exec_module.__func__ is type(fake_strategies.__loader__).exec_module
+    assert fake_strategies.__spec__.loader is fake_strategies.__loader__  # the loader that found it
+    assert not fake_strategies.PATCHED  # the loader ran with its own methods
     made = fake_strategies.StrategyRegistry.get("sharded_fsdp_cpu_offload")
     assert type(made) is ShardedFSDPStrategy and made.cpu_offload.offload_params
     # Already imported: registered at once, no hook.
