@@ -23,7 +23,6 @@ __all__ = [
     "LOAD_INNER_LOCALS",
     "LOAD_LOCALS",
     "SHARDED_TENSOR_MODULE",
-    "FakeTensorMode",
     "create_chunk_list",
     "create_file_view",
     "dcp_load_state_dict",
@@ -205,17 +204,6 @@ def fsdp1_names() -> tuple[str, str]:
     from torch.distributed.fsdp._unshard_param_utils import FLAT_PARAM
 
     return FSDP_PREFIX, FLAT_PARAM
-
-
-def FakeTensorMode() -> Any:
-    """A ``FakeTensorMode``: tensors with shapes and dtypes and no memory.
-
-    Public replacement: ``torch.device("meta")`` for most uses (not for ``torch.save``'s layout, which
-    needs fake storages).
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode as Mode
-
-    return Mode()
 
 
 # -- Lightning --------------------------------------------------------------------------------------------

@@ -234,7 +234,7 @@ _save_state_dict(state, FileSystemWriter(root / "ckpt"), no_dist=True)
 torch.save({"epoch": 0}, root / "ckpt" / "meta.pt")
 del state
 import gc; gc.collect()
-# a first, small consolidation imports what it needs (FakeTensor, tqdm...): code, not data
+# a first, small consolidation imports what it needs (tqdm...): code, not data
 tiny = {"state_dict": {"w": torch.ones(4)}}
 _save_state_dict(tiny, FileSystemWriter(root / "tiny"), no_dist=True)
 torch.save({"epoch": 0}, root / "tiny" / "meta.pt")

@@ -302,10 +302,17 @@ class LocalBackend:
             return file_checksum(loc)
         return ranges_checksum(loc, os.stat(loc).st_size, known)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
+    def dcp_reader(
+        self,
+        data: Location,
+        metadata: Any = None,
+        checksums: ReadRecorder | None = None,
+        *,
+        prefault: bool = True,
+    ) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
-        return DirectReader(data, metadata=metadata, checksums=checksums)
+        return DirectReader(data, metadata=metadata, checksums=checksums, prefault=prefault)
 
     # -------------------------------------------------------------------------------------- commit
 

@@ -232,7 +232,14 @@ class ObjectStoreBackend:
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
 
-    def dcp_reader(self, data: Location, metadata: Any = None, checksums: ReadRecorder | None = None) -> Any:
+    def dcp_reader(
+        self,
+        data: Location,
+        metadata: Any = None,
+        checksums: ReadRecorder | None = None,
+        *,
+        prefault: bool = True,
+    ) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
         if checksums is not None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import gc
 import logging
+import math
 import mmap
 import os
 import re
 import struct
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,8 @@ from lightning_sharded.checkpoint.tools.reader import (
 from lightning_sharded.checkpoint.writeback import WINDOW
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from lightning_sharded.checkpoint.detect import Found
     from lightning_sharded.checkpoint.manifest import FrozenPart
     from lightning_sharded.checkpoint.tools.reader import OfflineReader
@@ -236,19 +241,19 @@ def _structure(found: Found, reader: OfflineReader, weights_only: bool | None) -
 def _plan(
     found: Found, reader: OfflineReader, out: Location, weights_only: bool | None, progress: bool | None
 ) -> _Filling:
-    """What the output holds (its skeleton, with fake tensors) and where each tensor's bytes come from."""
+    """What the output holds (its skeleton, a slot per tensor) and where each tensor's bytes come from."""
     real = found.data
     checkpoint = _structure(found, reader, weights_only)
     # A trainable-only checkpoint: its frozen parameters come from the source it names (checked now,
     # before anything is written), so the output is a complete checkpoint, as any other consolidation.
     frozen = found.manifest.frozen if found.manifest is not None else None
     listing = None
-    fakes_frozen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    frozen_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     if frozen is not None:
         listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
         for key in frozen.keys:
             stored = key[len(frozen.prefix) :]
-            fakes_frozen[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
+            frozen_shapes[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
             checkpoint[names.STATE_DICT][key] = _Slot(_FROZEN + key)
         log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
     slots: dict[str, tuple[Any, ...]] = {}
@@ -258,20 +263,16 @@ def _plan(
             slots[leaf.key] = path
         elif isinstance(leaf, torch.Tensor):
             real_tensors[path] = leaf
-    from lightning_sharded._compat import FakeTensorMode
-
-    with FakeTensorMode():
-        fakes = {
-            key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
-        }
-        fakes.update({key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in fakes_frozen.items()})
-    total = sum(int(fake.numel()) * fake.element_size() for fake in fakes.values())
+    shapes = {key: (tuple(md.size), md.properties.dtype) for key, md in reader.tensors.items()}
+    shapes.update(frozen_shapes)
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
     frozen_part = (frozen, listing) if frozen is not None and listing is not None else None
     return _Filling(
         out,
         real,
         reader,
-        _map_slots(checkpoint, fakes),
+        checkpoint,
+        shapes,
         slots,
         real_tensors,
         frozen_part,
@@ -288,7 +289,10 @@ class _Filling:
     out: Location
     real: Location
     reader: OfflineReader
+    #: The checkpoint with a :class:`_Slot` for each tensor entry.
     skeleton: Any
+    #: Each slot's shape and dtype, by key.
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
     #: Each slot's key (a DCP key, or ``_FROZEN`` + a frozen key) and its path in the checkpoint.
     slots: dict[str, tuple[Any, ...]]
     #: The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
@@ -302,8 +306,8 @@ class _Filling:
     def write(self, tmp: Path) -> None:
         """Write the skeleton with empty tensors at ``tmp``, then fill it memory-mapped, chunk by chunk."""
         try:
-            with torch.serialization.skip_data(materialize_fake_tensors=True):
-                torch.save(self.skeleton, tmp)
+            with _unbacked(self.shapes) as empty, torch.serialization.skip_data():
+                torch.save(_map_slots(self.skeleton, empty), tmp)
         except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
             raise _write_error(self.out, err) from err
         _reserve(tmp)
@@ -328,7 +332,7 @@ class _Filling:
         slots = self.slots
         targets = {key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(_FROZEN)}
         with progress_bar(self.total, self.progress, f"consolidating {basename(self.real)}") as tick:
-            self.reader.read_tensors(targets, tick, sums.filled)
+            self.reader.read_tensors(targets, tick, sums.filled, mapped=True)
             if self.frozen is not None:
                 frozen, listing = self.frozen
                 into = {
@@ -378,13 +382,34 @@ def _reserve(file: Path) -> None:
         os.close(fd)
 
 
-def _map_slots(obj: Any, fakes: dict[str, torch.Tensor]) -> Any:
+@contextlib.contextmanager
+def _unbacked(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Tensors of ``shapes`` that take no memory, for ``torch.save`` under ``skip_data`` (which writes
+    their records' sizes, not their bytes): each maps a sparse temporary file, shared and never
+    touched, so no page is read, written or committed; the file is gone on exit. (Fake tensors would
+    do, but ``FakeTensorMode()`` imports ``torch._dynamo``: 0.55 s of a 2 GB consolidate.)
+    """
+    fd, scratch = tempfile.mkstemp(prefix="lightning-sharded-unbacked-")
+    try:
+        os.ftruncate(fd, max((math.prod(s) * d.itemsize for s, d in shapes.values()), default=0))
+        yield {
+            key: torch.from_file(scratch, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+            if math.prod(shape)
+            else torch.empty(shape, dtype=dtype)
+            for key, (shape, dtype) in shapes.items()
+        }
+    finally:
+        os.close(fd)
+        os.unlink(scratch)
+
+
+def _map_slots(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, _Slot):
-        return fakes[obj.key]
+        return tensors[obj.key]
     if isinstance(obj, dict):
-        return type(obj)((k, _map_slots(v, fakes)) for k, v in obj.items())
+        return type(obj)((k, _map_slots(v, tensors)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_slots(v, fakes) for v in obj)
+        return type(obj)(_map_slots(v, tensors) for v in obj)
     return obj
 
 

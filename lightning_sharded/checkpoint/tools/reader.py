@@ -110,6 +110,7 @@ class OfflineReader:
         state: dict[str, Any],
         on_tensor: Callable[[int], None] | None = None,
         on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
+        prefault: bool = True,
     ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -147,7 +148,8 @@ class OfflineReader:
             weights_only=self.weights_only,
             what=what,
         )
-        reader = self.backend.dcp_reader(self.root, self.metadata, checksums)  # metadata: read safely
+        # metadata: already read safely
+        reader = self.backend.dcp_reader(self.root, self.metadata, checksums, prefault=prefault)
         with self.reading():
             try:
                 dcp_load_state_dict(state, storage_reader=reader, planner=planner)
@@ -228,6 +230,8 @@ class OfflineReader:
         targets: dict[str, torch.Tensor],
         on_tensor: Callable[[int], None] | None,
         on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
+        *,
+        mapped: bool = False,
     ) -> None:
         """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk.
 
@@ -237,8 +241,9 @@ class OfflineReader:
             on_filled: Called with the region of the target each chunk was copied into (a view) and
                 the CRC-32 of its bytes where the read computed it (a direct read, local files), else
                 ``None``.
+            mapped: The targets map a file (their pages are not faulted in ahead of the reads).
         """
-        self._load(dict(targets), on_tensor, on_filled)
+        self._load(dict(targets), on_tensor, on_filled, prefault=not mapped)
 
 
 def first_line(err: BaseException) -> str:
