@@ -201,15 +201,9 @@ def _read(found: Found, rank: int, weights_only: bool | None) -> dict[str, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal structure and values, tensors compared exactly."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a, b))
-        )
+    """Equal structure and values, tensors compared exactly (a tensor and another type: not alike)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -40,19 +41,11 @@ _BATCH_PROGRESS = "epoch_loop.batch_progress"
 _EPOCH_PROGRESS = "epoch_progress"
 
 
-def _attr(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def generators(loader: Any) -> dict[str, torch.Generator]:
     """The generators ``loader`` owns, by the first path of :data:`GENERATOR_PATHS` that reaches each."""
     found: dict[str, torch.Generator] = {}
     for path in GENERATOR_PATHS:
-        gen = _attr(loader, path)
+        gen = functools.reduce(lambda obj, part: getattr(obj, part, None), path.split("."), loader)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
             found[path] = gen
     return found
