@@ -66,26 +66,20 @@ def set_generator_states(loader: Any, states: Mapping[str, torch.Tensor]) -> lis
 
 
 class ResumePoint(enum.Enum):
-    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells.
+    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells (the table of
+    ``docs/checkpoint-format.md``, "When it is restored", says what a resume does at each).
 
-    ``MID_EPOCH``: the epoch goes on from a batch (a save in ``on_train_batch_end`` of any batch but the
-    last, or at a validation within the epoch): the loader's position is restored and the generators
-    are set once its resumed iterator exists. At the other points the epoch's batches were all done and
-    the unbroken run went on with a new iterator for the next epoch, drawn from the generators' saved
-    states; what Lightning does first on a resume decides when they are set:
-
-    - ``LAST_BATCH`` (saved in the last batch's ``on_train_batch_end``): Lightning starts the next epoch
-      with the iterator it creates when the train dataloader is set up; the loader's saved position (the
-      done epoch's end) is not restored, and the generators are set before that iterator is created.
-    - ``EPOCH_END`` (saved in ``on_train_epoch_end``, or after): training by epochs (``max_steps=-1``),
-      Lightning ignores the loader's state and goes on as at ``LAST_BATCH``. Training by steps, it would
-      process the done epoch a second time, giving the sampler's ``set_epoch`` one more than the epoch
-      from then on: the checkpoint's progress is read as ``AFTER_LAST_BATCH``'s
+    - ``MID_EPOCH``: the epoch goes on from a batch; the loader's position is restored, the generators
+      are set once its resumed iterator exists.
+    - ``LAST_BATCH`` (the last batch's ``on_train_batch_end``): Lightning starts the next epoch with the
+      iterator it creates at the loader's setup; the saved position (the done epoch's end) is dropped and
+      the generators are set before that iterator exists.
+    - ``EPOCH_END`` (``on_train_epoch_end``, or after): by epochs, as ``LAST_BATCH``; by steps Lightning
+      would process the done epoch again, so the progress is read as ``AFTER_LAST_BATCH``'s
       (:func:`to_after_last_batch`).
-    - ``AFTER_LAST_BATCH`` (saved at a validation after the last batch, as ``ModelCheckpoint`` does at
-      ``on_validation_end``): Lightning finishes the epoch without a batch (it fetches one only when no
-      validation is due there: the loader's first iterator must then be empty, see
-      :func:`skip_epoch`), then creates the next epoch's iterator; the generators are set before that.
+    - ``AFTER_LAST_BATCH`` (a validation after the last batch): Lightning finishes the epoch without a
+      batch (when a fetch is due, the loader's first iterator must be empty: :func:`skip_epoch`), then
+      creates the next epoch's iterator; the generators are set before that.
     """
 
     MID_EPOCH = "mid-epoch"

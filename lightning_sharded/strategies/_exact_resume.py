@@ -3,18 +3,10 @@
 Saving: :func:`rank_extras` gives the train dataloaders' generator states and the registered objects'
 states to :func:`~lightning_sharded.checkpoint.rank_state.collect`. Restoring: :func:`plan` (in
 ``load_checkpoint``) turns what :func:`~.rank_state.restore` decided into an :class:`ExactResume`, which
-sets each state when the resumed run needs it (:class:`~.train_loaders.ResumePoint` says why):
-
-- :meth:`ExactResume.on_train_loader` (the strategy's ``process_dataloader``), before Lightning loads
-  the train dataloader's state and creates its first iterator: the registered objects, a plain
-  ``DataLoader``'s position (:func:`.train_loaders.skip_batches`) and, where that iterator starts the
-  next epoch, the RNG and generator states it draws from;
-- :meth:`ExactResume.on_train_start`, once that iterator exists (its creation draws random numbers, a
-  ``StatefulDataLoader`` resets its generator) and before the first batch: the RNG and generator states
-  otherwise, and what was registered after the dataloader's setup;
-- :meth:`ExactResume.on_first_batch`: the generators of a plain ``DataLoader`` whose position could not
-  be restored (Lightning starts its epoch over, drawing from them; the epochs after it draw as the
-  unbroken run's did).
+sets each state at the moment the unbroken run would go on drawing from it: as the train dataloader is
+set up (:meth:`~ExactResume.on_train_loader`), at ``on_train_start`` once its first iterator exists, or
+after the first batch (``docs/checkpoint-format.md``, "When it is restored";
+:class:`~.train_loaders.ResumePoint`).
 """
 
 from __future__ import annotations
@@ -153,7 +145,9 @@ class ExactResume:
             self._deferred[index] = self._saved(index) or {}
 
     def on_train_start(self, trainer: Any, module: Any) -> list[str]:
-        """Set what is still pending but the deferred generators; returns what could not be restored."""
+        """Set what is still pending but the deferred generators, now that the first iterator exists (its
+        creation draws random numbers; a ``StatefulDataLoader`` resets its generator); returns what could
+        not be restored."""
         self._started = True
         self._restore_registered(module)
         loaders = train_loaders_of(trainer)
