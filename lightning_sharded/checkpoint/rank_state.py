@@ -1,25 +1,13 @@
 """Each rank's own state: its random number generators and its train dataloader position.
 
-Lightning builds the checkpoint on every rank but writes rank 0's non-tensor part only, and saves no
-random number generator (RNG) state at all. What this module keeps, per rank (see
-``docs/checkpoint-format.md#per-rank-state``):
-
-- the RNG states: torch's CPU generator, CUDA's of every device when CUDA is initialized, Python's
-  ``random``, and NumPy's global ``np.random`` when NumPy is imported (stored as plain lists, so a
-  ``weights_only`` load reads it);
-- the train dataloader state, as Lightning's fit loop keeps it for its combined loader
-  (``loops.fit_loop.state_dict.combined_loader``: what each ``StatefulDataLoader`` returns);
-- the states of the generators each train dataloader owns (:mod:`.train_loaders`);
-- the states of the objects registered with :func:`lightning_sharded.register_rank_state`, by name.
-
-Where it goes: in a sharded directory, one file per rank (:func:`~.names.rank_state_file`), written
-by that rank, checksummed and listed in the manifest, with a marker in ``meta.pt`` under
-:data:`~.names.RANK_STATE_KEY`; in a full file, every rank's state under that key (gathered on rank 0).
-
-:func:`restore` runs in the strategy's ``load_checkpoint``: it gives each rank its own dataloader
-state in the Lightning checkpoint (Lightning then loads it where it always does) and returns the RNG,
-generator and registered states, which the strategy sets where the resumed run needs them
-(``lightning_sharded.strategies._exact_resume``).
+Lightning writes rank 0's non-tensor checkpoint part only, and no random number generator (RNG) state.
+This keeps, per rank (``docs/checkpoint-format.md#per-rank-state``): the RNG states (torch's CPU, CUDA's
+when initialized, ``random``'s, NumPy's when imported: plain data, which a ``weights_only`` load reads),
+the fit loop's train dataloader state, the train dataloaders' generators (:mod:`.train_loaders`) and the
+registered objects' states. A sharded directory has one file per rank (:func:`~.names.rank_state_file`,
+a marker in ``meta.pt``), a full file every rank's under :data:`~.names.RANK_STATE_KEY`. :func:`restore`
+gives each rank its own train dataloader state in the Lightning checkpoint and returns the rest, which
+``lightning_sharded.strategies._exact_resume`` sets where the resumed run needs it.
 """
 
 from __future__ import annotations
@@ -34,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
-from lightning_sharded.checkpoint import collective, names
+from lightning_sharded.checkpoint import collective, names, train_loaders
 from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -47,6 +35,7 @@ __all__ = [
     "gathered",
     "loader_state",
     "marker",
+    "quoted",
     "restore",
     "rng_states",
     "set_loader_state",
@@ -70,8 +59,7 @@ TORCH = "torch"
 CUDA = "torch.cuda"
 PYTHON = "python"
 NUMPY = "numpy"
-#: Where Lightning's fit loop keeps the combined loader's state in a checkpoint.
-_LOOP_PATH = ("loops", "fit_loop", "state_dict")
+#: Where Lightning's fit loop keeps the combined loader's state in a checkpoint (under its state_dict).
 _COMBINED_LOADER = "combined_loader"
 
 
@@ -85,10 +73,7 @@ def _module_generators() -> dict[str, Stateful]:
 
 
 def rng_states() -> dict[str, Any]:
-    """This process's RNG states: torch CPU, CUDA (when initialized), ``random``, NumPy (when imported).
-
-    Every value is a tensor or plain Python data, so ``torch.load(weights_only=True)`` reads it.
-    """
+    """This process's RNG states: torch CPU, CUDA (when initialized), ``random``, NumPy (when imported)."""
     states: dict[str, Any] = {TORCH: torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states[CUDA] = torch.cuda.get_rng_state_all()
@@ -116,22 +101,15 @@ def set_rng_states(states: Mapping[str, Any]) -> list[str]:
 
 def loader_state(checkpoint: Mapping[str, Any]) -> Any:
     """This rank's train dataloader state in a Lightning checkpoint dict, or ``None`` when it has none."""
-    loop: Any = checkpoint
-    for key in _LOOP_PATH:
-        loop = loop.get(key) if isinstance(loop, Mapping) else None
-    return loop.get(_COMBINED_LOADER) if isinstance(loop, Mapping) else None
+    return (train_loaders.fit_loop(checkpoint, "state_dict") or {}).get(_COMBINED_LOADER)
 
 
 def set_loader_state(checkpoint: dict[str, Any], state: Any) -> None:
     """Put ``state`` where Lightning keeps the train dataloader state in ``checkpoint`` (``None``: none)."""
-    loop: Any = checkpoint
-    for key in _LOOP_PATH:
-        loop = loop.get(key) if isinstance(loop, dict) else None
-    if not isinstance(loop, dict):
-        return
-    if state is None:
+    loop = train_loaders.fit_loop(checkpoint, "state_dict")
+    if isinstance(loop, dict) and state is None:
         loop.pop(_COMBINED_LOADER, None)
-    else:
+    elif isinstance(loop, dict):
         loop[_COMBINED_LOADER] = state
 
 
@@ -182,9 +160,9 @@ class RankRestore:
     """What :func:`restore` decided for this rank.
 
     Attributes:
-        rng: The RNG states to set where training continues (``None``: leave the generators alone).
+        rng: The RNG states to set (``None``: leave the generators alone).
         generators: Each train dataloader's generator states to set (``None``: leave them alone).
-        registered: The states of registered objects to load, by name (this rank's own, or at another
+        registered: The registered objects' states to load, by name (this rank's own, or at another
             world size those that were the same on every saved rank).
         registered_saved: The names of every registered state the checkpoint holds.
         warning: What was not restored and why (one message for ``rank_zero_warn``), or ``None``.
@@ -199,6 +177,16 @@ class RankRestore:
     saved_world_size: int | None = None
 
 
+def _checked(state: Any, rank: int, what: str) -> dict[str, Any]:
+    """``state`` if it is rank ``rank``'s, else the error naming ``what`` it is."""
+    if not isinstance(state, dict) or state.get(RANK) != rank or RNG not in state:
+        raise CheckpointError(
+            f"The per-rank state {what} is not rank {rank}'s state written by lightning_sharded."
+            " Resume from another checkpoint."
+        )
+    return state
+
+
 def _read(found: Found, rank: int, weights_only: bool | None) -> dict[str, Any]:
     loc = join(found.data, names.rank_state_file(rank))
     try:
@@ -209,35 +197,13 @@ def _read(found: Found, rank: int, weights_only: bool | None) -> dict[str, Any]:
             " checkpoint, or save with `save_rank_state=False` and delete the folder"
             f" {names.RANK_STATE_DIR!r} to resume without it."
         ) from ex
-    if not isinstance(state, dict) or state.get(RANK) != rank or RNG not in state:
-        raise CheckpointError(
-            f"The per-rank state {str(loc)!r} is not rank {rank}'s state written by lightning_sharded."
-            " Resume from another checkpoint."
-        )
-    return state
-
-
-def _own_entry(states: Any, rank: int, path: str) -> dict[str, Any]:
-    """Rank ``rank``'s entry of a full file's gathered states, checked to be its own."""
-    own = states[rank] if isinstance(states, list) and rank < len(states) else None
-    if not isinstance(own, dict) or own.get(RANK) != rank or RNG not in own:
-        raise CheckpointError(
-            f"The per-rank state of rank {rank} in {path!r} ({names.RANK_STATE_KEY!r}) is not rank"
-            f" {rank}'s state written by lightning_sharded. Resume from another checkpoint."
-        )
-    return own
+    return _checked(state, rank, repr(str(loc)))
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal structure and values, tensors compared exactly."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-            and bool(torch.equal(a, b))
-        )
+    """Equal structure and values, tensors compared exactly (a tensor and another type: not alike)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
@@ -245,18 +211,14 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and bool(a == b)
 
 
-@dataclass(frozen=True)
-class _Alike:
-    """What every saved rank had alike, for a resume at another world size (decided on rank 0)."""
-
-    has_loader: bool  # a train dataloader state or generator states on some rank
-    same_loader: bool  # ... and the same on every rank
-    generators: list[dict[str, torch.Tensor]] | None  # rank 0's, when the same on every rank
-    registered: dict[str, Any]  # the registered states that are the same on every rank
-    differing: list[str]  # the names of those that differ (or that some rank lacks)
+#: A registered name some saved rank has no state for.
+_ABSENT = object()
 
 
-def _alike(states: list[dict[str, Any]]) -> _Alike:
+def _alike(states: list[dict[str, Any]], what: str) -> tuple[RankRestore, bool]:
+    """What a resume at another world size restores of every saved rank's ``states``: what they all had
+    alike, ``what`` warned with the rest; and whether the train dataloader state must be dropped."""
+
     def loader(s: dict[str, Any]) -> Any:
         return (s.get(LOADER), s.get(GENERATORS) or None)
 
@@ -264,18 +226,33 @@ def _alike(states: list[dict[str, Any]]) -> _Alike:
     same_loader = has_loader and all(_same(loader(states[0]), loader(s)) for s in states[1:])
     keys = sorted({k for s in states for k in (s.get(REGISTERED) or {})})
     per_name = {k: [(s.get(REGISTERED) or {}).get(k, _ABSENT) for s in states] for k in keys}
-    alike = [k for k, v in per_name.items() if all(x is not _ABSENT and _same(v[0], x) for x in v)]
-    return _Alike(
-        has_loader=has_loader,
-        same_loader=same_loader,
+    alike = {k: v[0] for k, v in per_name.items() if all(x is not _ABSENT and _same(v[0], x) for x in v)}
+    differing = [k for k in keys if k not in alike]
+    if same_loader:
+        what += " The train dataloader state, the same on every saved rank, was restored on every rank."
+    elif has_loader:
+        what += (
+            " The train dataloader state was not restored either: it differs between the saved ranks (each"
+            " had its own position or shuffle), so every train dataloader starts from its beginning."
+        )
+    if alike:
+        what += (
+            f" The registered per-rank state {quoted(alike)}, the same on every saved rank, was"
+            " restored on every rank."
+        )
+    if differing:
+        what += (
+            f" The registered per-rank state {quoted(differing)} was not restored: it differs between"
+            " the saved ranks, so those objects keep their current state."
+        )
+    outcome = RankRestore(
         generators=states[0].get(GENERATORS) if same_loader else None,
-        registered={k: per_name[k][0] for k in alike},
-        differing=[k for k in keys if k not in alike],
+        registered=alike,
+        registered_saved=(*alike, *differing),
+        warning=what + " The model and optimizer states were restored (resharded).",
+        saved_world_size=len(states),
     )
-
-
-#: A registered name some saved rank has no state for.
-_ABSENT = object()
+    return outcome, has_loader and not same_loader
 
 
 def _shape(entry: Any) -> tuple[int, bool] | None:
@@ -296,18 +273,16 @@ def restore(
 ) -> RankRestore:
     """Take the per-rank state out of a loaded checkpoint's ``metadata`` and decide what to restore.
 
-    Collective (every rank calls it with its own ``metadata``); what the entry is (its saved world size,
-    a full file's or a directory's) is decided on rank 0 and shared, so every rank takes the same branch.
-    ``metadata`` loses :data:`~.names.RANK_STATE_KEY`; at the same world size its train dataloader state
-    becomes this rank's own, and the returned RNG, generator and registered states are this rank's. At
-    another world size the RNG states are not restored, nor the dataloader state (with its generators)
-    or a registered object's state unless every saved rank had the same one (then it is restored on
-    every rank); :attr:`RankRestore.warning` says which and why.
+    Collective: what the entry is (its saved world size, a full file's or a directory's) is decided on
+    rank 0, so every rank takes the same branch. ``metadata`` loses :data:`~.names.RANK_STATE_KEY`; at the
+    same world size its train dataloader state becomes this rank's own, and the returned states are this
+    rank's. At another world size the RNG states are not restored, nor the dataloader state (with its
+    generators) or a registered state unless every saved rank had the same one (then every rank gets it);
+    :attr:`RankRestore.warning` says which and why.
 
     Args:
         metadata: The Lightning checkpoint without model and optimizer states (``Restored.metadata``).
-        found: The checkpoint loaded (``Restored.found``): a sharded directory's per-rank files are read
-            through its backend.
+        found: The checkpoint loaded (``Restored.found``), whose backend reads a directory's rank files.
         rank: This process's global rank.
         world_size: The number of ranks now.
         weights_only: ``torch.load``'s, as ``fit()`` was given it, for the per-rank files.
@@ -317,19 +292,22 @@ def restore(
         CheckpointError: a per-rank file cannot be read, or holds another rank's state; on every rank.
     """
     entry = metadata.pop(names.RANK_STATE_KEY, None)
-
     shape = collective.decide(lambda: _shape(entry))
     if shape is None:
         return RankRestore()
     saved, full = shape
     states: Any = entry.get("ranks") if full and isinstance(entry, dict) else None
+
+    def of(r: int) -> dict[str, Any]:  # rank r's state: a full file's entry, or a directory's file
+        if not full:
+            return _read(found, r, weights_only)
+        own = states[r] if isinstance(states, list) and r < len(states) else None
+        return _checked(own, r, f"of rank {r} in {path!r} ({names.RANK_STATE_KEY!r})")
+
     if saved == world_size:
-        if full:
-            # Agreed: a rank whose own entry is bad must not raise alone while the others go on into
-            # the next collective (every rank holds the same entries, so they normally agree anyway).
-            own = collective.agree(lambda: _own_entry(states, rank, path))
-        else:
-            own = collective.agree(lambda: _read(found, rank, weights_only))
+        # Agreed: a rank whose own entry is bad must not raise alone while the others go on into the
+        # next collective (in a full file every rank holds the same entries, so they normally agree).
+        own = collective.agree(lambda: of(rank))
         set_loader_state(metadata, own.get(LOADER))
         return RankRestore(
             rng=own[RNG],
@@ -338,46 +316,19 @@ def restore(
             registered_saved=tuple(own.get(REGISTERED) or ()),
             saved_world_size=saved,
         )
-
-    def every_rank() -> _Alike:  # a full file: rank 0's copy; a directory: rank 0 reads every file
-        if full:
-            return _alike([_own_entry(states, r, path) for r in range(saved)])
-        return _alike([_read(found, r, weights_only) for r in range(saved)])
-
-    shared = collective.decide(every_rank)
     what = (
         f"The per-rank state of {path!r} was saved by {saved} rank(s), this run has {world_size}. The random"
         " number generator states (torch, CUDA, random, numpy) were not restored: they belong to ranks"
         " that do not exist now, so every rank keeps its generators as they are (call"
         " `lightning.seed_everything` for a reproducible continuation)."
     )
-    if shared.same_loader:
-        what += " The train dataloader state, the same on every saved rank, was restored on every rank."
-    elif shared.has_loader:
+    # Rank 0 reads every saved rank's state (a full file: its copy) and decides for all.
+    outcome, drop_loader = collective.decide(lambda: _alike([of(r) for r in range(saved)], what))
+    if drop_loader:
         set_loader_state(metadata, None)
-        what += (
-            " The train dataloader state was not restored either: it differs between the saved ranks (each"
-            " had its own position or shuffle), so every train dataloader starts from its beginning."
-        )
-    if shared.registered:
-        what += (
-            f" The registered per-rank state {_names(shared.registered)}, the same on every saved rank, was"
-            " restored on every rank."
-        )
-    if shared.differing:
-        what += (
-            f" The registered per-rank state {_names(shared.differing)} was not restored: it differs between"
-            " the saved ranks, so those objects keep their current state."
-        )
-    what += " The model and optimizer states were restored (resharded)."
-    return RankRestore(
-        generators=shared.generators,
-        registered=shared.registered,
-        registered_saved=(*shared.registered, *shared.differing),
-        warning=what,
-        saved_world_size=saved,
-    )
+    return outcome
 
 
-def _names(keys: Any) -> str:
-    return ", ".join(repr(k) for k in keys)
+def quoted(keys: Any) -> str:
+    """``keys`` sorted and quoted, for a message: ``'a', 'b'``."""
+    return ", ".join(repr(k) for k in sorted(keys))

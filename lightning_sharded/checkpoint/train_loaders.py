@@ -1,26 +1,23 @@
 """The train dataloaders' part of an exact resume: their generators, where the epoch stood, their position.
 
-- :func:`generator_states` / :func:`set_generator_states`: every ``torch.Generator`` a loader owns
-  (``loader.generator``, ``loader.sampler.generator``, ``loader.batch_sampler.sampler.generator``, one
-  entry per generator object), saved per rank. ``torchdata``'s ``StatefulDataLoader`` restores its
-  position but leaves these in another state than the unbroken run's, so the next epoch's shuffle
-  differed; a plain ``DataLoader`` saves nothing at all.
-- :func:`resume_point`: where in the epoch a Lightning checkpoint was saved (mid-epoch, on the last
-  batch, after the last batch's validation, at the epoch's end), read from its loop progress; it
-  decides when a resume sets the generators (see :class:`ResumePoint`).
-- :func:`skip_batches`: the position of a plain ``DataLoader`` whose order is its sampler's alone
-  (``DistributedSampler``, ``SequentialSampler``): its next epoch skips the indices of the batches
-  done before the checkpoint, at the sampler, without loading them.
+- :func:`generator_states` / :func:`set_generator_states`: every ``torch.Generator`` a loader owns, saved
+  per rank. ``torchdata``'s ``StatefulDataLoader`` restores its position but leaves these in another
+  state than the unbroken run's (the next epoch's shuffle differed); a plain ``DataLoader`` saves nothing.
+- :func:`resume_point`: where in its epoch a Lightning checkpoint was saved (:class:`ResumePoint`).
+- :func:`skip_batches`: the position of a plain ``DataLoader`` whose order is its sampler's alone: its next
+  epoch skips the indices of the batches done before the checkpoint, at the sampler, none loaded.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 __all__ = [
     "GENERATOR_PATHS",
@@ -28,6 +25,7 @@ __all__ = [
     "batches_done",
     "batches_stepped",
     "epoch_of",
+    "fit_loop",
     "generator_states",
     "resume_point",
     "set_generator_states",
@@ -39,25 +37,15 @@ __all__ = [
 
 #: Where a loader keeps a generator, in the order they are saved.
 GENERATOR_PATHS = ("generator", "sampler.generator", "batch_sampler.sampler.generator")
-#: Where Lightning's fit loop keeps its progress in a checkpoint.
-_FIT_LOOP = ("loops", "fit_loop")
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 _EPOCH_PROGRESS = "epoch_progress"
-
-
-def _attr(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 def generators(loader: Any) -> dict[str, torch.Generator]:
     """The generators ``loader`` owns, by the first path of :data:`GENERATOR_PATHS` that reaches each."""
     found: dict[str, torch.Generator] = {}
     for path in GENERATOR_PATHS:
-        gen = _attr(loader, path)
+        gen = functools.reduce(lambda obj, part: getattr(obj, part, None), path.split("."), loader)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found.values()):
             found[path] = gen
     return found
@@ -69,10 +57,8 @@ def generator_states(loaders: Sequence[Any]) -> list[dict[str, torch.Tensor]]:
 
 
 def set_generator_states(loader: Any, states: Mapping[str, torch.Tensor]) -> list[str]:
-    """Set ``loader``'s generators from ``states`` (one loader's entry of :func:`generator_states`).
-
-    Returns the paths that do not match: saved but not found now, or found now but not saved.
-    """
+    """Set ``loader``'s generators from its entry of :func:`generator_states`; returns the paths saved but
+    not found now, or found now but not saved."""
     now = generators(loader)
     for path in sorted(now.keys() & states.keys()):
         now[path].set_state(states[path])
@@ -80,26 +66,20 @@ def set_generator_states(loader: Any, states: Mapping[str, torch.Tensor]) -> lis
 
 
 class ResumePoint(enum.Enum):
-    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells.
+    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells (the table of
+    ``docs/checkpoint-format.md``, "When it is restored", says what a resume does at each).
 
-    ``MID_EPOCH``: the epoch goes on from a batch (a save in ``on_train_batch_end`` of any batch but the
-    last, or at a validation within the epoch): the loader's position is restored and the generators
-    are set once its resumed iterator exists. At the other points the epoch's batches were all done and
-    the unbroken run went on with a new iterator for the next epoch, drawn from the generators' saved
-    states; what Lightning does first on a resume decides when they are set:
-
-    - ``LAST_BATCH`` (saved in the last batch's ``on_train_batch_end``): Lightning starts the next epoch
-      with the iterator it creates when the train dataloader is set up; the loader's saved position (the
-      done epoch's end) is not restored, and the generators are set before that iterator is created.
-    - ``EPOCH_END`` (saved in ``on_train_epoch_end``, or after): training by epochs (``max_steps=-1``),
-      Lightning ignores the loader's state and goes on as at ``LAST_BATCH``. Training by steps, it would
-      process the done epoch a second time, giving the sampler's ``set_epoch`` one more than the epoch
-      from then on: the checkpoint's progress is read as ``AFTER_LAST_BATCH``'s
+    - ``MID_EPOCH``: the epoch goes on from a batch; the loader's position is restored, the generators
+      are set once its resumed iterator exists.
+    - ``LAST_BATCH`` (the last batch's ``on_train_batch_end``): Lightning starts the next epoch with the
+      iterator it creates at the loader's setup; the saved position (the done epoch's end) is dropped and
+      the generators are set before that iterator exists.
+    - ``EPOCH_END`` (``on_train_epoch_end``, or after): by epochs, as ``LAST_BATCH``; by steps Lightning
+      would process the done epoch again, so the progress is read as ``AFTER_LAST_BATCH``'s
       (:func:`to_after_last_batch`).
-    - ``AFTER_LAST_BATCH`` (saved at a validation after the last batch, as ``ModelCheckpoint`` does at
-      ``on_validation_end``): Lightning finishes the epoch without a batch (it fetches one only when no
-      validation is due there: the loader's first iterator must then be empty, see
-      :func:`skip_epoch`), then creates the next epoch's iterator; the generators are set before that.
+    - ``AFTER_LAST_BATCH`` (a validation after the last batch): Lightning finishes the epoch without a
+      batch (when a fetch is due, the loader's first iterator must be empty: :func:`skip_epoch`), then
+      creates the next epoch's iterator; the generators are set before that.
     """
 
     MID_EPOCH = "mid-epoch"
@@ -108,12 +88,12 @@ class ResumePoint(enum.Enum):
     EPOCH_END = "epoch end"
 
 
-def _progress(checkpoint: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+def fit_loop(checkpoint: Mapping[str, Any], key: str) -> Mapping[str, Any] | None:
+    """``checkpoint["loops"]["fit_loop"][key]`` of a Lightning checkpoint, or ``None`` if not a mapping."""
     loop: Any = checkpoint
-    for part in _FIT_LOOP:
+    for part in ("loops", "fit_loop", key):
         loop = loop.get(part) if isinstance(loop, Mapping) else None
-    value = loop.get(key) if isinstance(loop, Mapping) else None
-    return value if isinstance(value, Mapping) else None
+    return loop if isinstance(loop, Mapping) else None
 
 
 def _counts(progress: Mapping[str, Any], which: str) -> tuple[int, int, int, int]:
@@ -123,7 +103,7 @@ def _counts(progress: Mapping[str, Any], which: str) -> tuple[int, int, int, int
 
 def resume_point(checkpoint: Mapping[str, Any]) -> ResumePoint | None:
     """Where the Lightning checkpoint ``checkpoint`` was saved in its epoch (``None``: no loop progress)."""
-    batches, epochs = _progress(checkpoint, _BATCH_PROGRESS), _progress(checkpoint, _EPOCH_PROGRESS)
+    batches, epochs = fit_loop(checkpoint, _BATCH_PROGRESS), fit_loop(checkpoint, _EPOCH_PROGRESS)
     if batches is None or epochs is None:
         return None
     _, epoch_started, epoch_processed, _ = _counts(epochs, "total")
@@ -136,14 +116,9 @@ def resume_point(checkpoint: Mapping[str, Any]) -> ResumePoint | None:
 
 
 def to_after_last_batch(checkpoint: Mapping[str, Any]) -> None:
-    """Rewrite the fit loop progress of an ``EPOCH_END`` checkpoint as an ``AFTER_LAST_BATCH`` one's.
-
-    In place: the epoch is counted as not processed yet (its batches stay done). Lightning then
-    finishes that epoch without a batch (a validation due at its last batch is skipped, as done), runs
-    its end, and starts the next epoch with a new iterator and the epoch number the unbroken run gave
-    the sampler's ``set_epoch``.
-    """
-    epochs = _progress(checkpoint, _EPOCH_PROGRESS)
+    """Rewrite an ``EPOCH_END`` checkpoint's fit loop progress, in place, as an ``AFTER_LAST_BATCH`` one's:
+    the epoch counted as not processed yet (its batches stay done)."""
+    epochs = fit_loop(checkpoint, _EPOCH_PROGRESS)
     for which in ("total", "current"):
         counts = epochs.get(which) if epochs is not None else None
         if isinstance(counts, dict) and int(counts.get("started", 0)) > 0:
@@ -153,31 +128,27 @@ def to_after_last_batch(checkpoint: Mapping[str, Any]) -> None:
 
 def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
     """The fit loop's count of batches that stepped the optimizer (the loggers' step) in a checkpoint."""
-    value = (_progress(checkpoint, "epoch_loop.state_dict") or {}).get("_batches_that_stepped")
+    value = (fit_loop(checkpoint, "epoch_loop.state_dict") or {}).get("_batches_that_stepped")
     return int(value) if isinstance(value, int) else None
 
 
 def epoch_of(checkpoint: Mapping[str, Any]) -> int:
     """The epoch a resume of ``checkpoint`` runs first (``trainer.current_epoch``: the completed epochs)."""
-    epochs = _progress(checkpoint, _EPOCH_PROGRESS)
+    epochs = fit_loop(checkpoint, _EPOCH_PROGRESS)
     return _counts(epochs, "current")[3] if epochs is not None else 0
 
 
 def batches_done(checkpoint: Mapping[str, Any]) -> int:
     """The batches of the current epoch fetched before the checkpoint (its fit loop's progress)."""
-    batches = _progress(checkpoint, _BATCH_PROGRESS)
+    batches = fit_loop(checkpoint, _BATCH_PROGRESS)
     return _counts(batches, "current")[0] if batches is not None else 0
 
 
 class _SkipOnce(torch.utils.data.Sampler[Any]):
-    """Stands in for a batch sampler's sampler until its next iteration, which skips the first indices.
-
-    On that iteration it puts the sampler back (the epochs after it iterate the sampler itself) and,
-    if ``during()`` is still true (the resumed epoch is the one running), returns the sampler's own
-    iterator past ``skip`` indices (nothing at all when ``skip`` covers the epoch, without iterating
-    the sampler); otherwise the sampler's iterator itself. Its length is the sampler's, so the loader's
-    length, from which Lightning counts the epoch's batches, does not change.
-    """
+    """Stands in for a batch sampler's sampler until its next iteration, which puts the sampler back and,
+    if ``during()`` (the resumed epoch is the one running), skips its first ``skip`` indices (all of them
+    without iterating it, when ``skip`` covers the epoch). Its length stays the sampler's, from which
+    Lightning counts the epoch's batches."""
 
     def __init__(self, owner: Any, sampler: Any, skip: int, during: Callable[[], bool]) -> None:
         self.owner, self.sampler, self.skip, self.during = owner, sampler, skip, during
@@ -199,17 +170,8 @@ class _SkipOnce(torch.utils.data.Sampler[Any]):
         return getattr(self.sampler, name)
 
 
-def _positioned(sampler: Any) -> bool:
-    """Whether ``sampler``'s order depends on nothing but itself and its epoch (so a skip is exact)."""
-    from torch.utils.data import DistributedSampler, SequentialSampler
-
-    return type(sampler) in (DistributedSampler, SequentialSampler)
-
-
 def _batch_sampler(loader: Any) -> tuple[Any, Any] | str:
     """``loader``'s ``BatchSampler`` and the sampler it draws from, or why it has none."""
-    from torch.utils.data import BatchSampler
-
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None)
     if not isinstance(batch_sampler, BatchSampler) or sampler is None:
@@ -217,38 +179,29 @@ def _batch_sampler(loader: Any) -> tuple[Any, Any] | str:
     return batch_sampler, sampler.sampler if isinstance(sampler, _SkipOnce) else sampler
 
 
-def skip_batches(loader: Any, batches: int, during: Callable[[], bool]) -> str | None:
-    """Make ``loader``'s next iterator skip its first ``batches`` batches, at its sampler, none loaded.
-
-    Only where the skipped indices are those the unbroken run used: the loader's ``BatchSampler`` draws
-    from a ``DistributedSampler`` or ``SequentialSampler`` (whose order is theirs and their epoch's).
-    The skip applies if that iterator starts while ``during()`` is true (in the resumed epoch).
-
-    Returns:
-        ``None`` when done, else why it cannot be (for a message).
-    """
+def skip_batches(loader: Any, batches: int | None, during: Callable[[], bool]) -> str | None:
+    """Make ``loader``'s next iterator skip its first ``batches`` batches at its sampler, none loaded, if
+    it starts while ``during()`` is true (in the resumed epoch). Only where the skipped indices are the
+    unbroken run's: its ``BatchSampler`` draws from a ``DistributedSampler`` or ``SequentialSampler``
+    (``None``: the whole epoch, from any sampler). Returns ``None`` when done, else why it cannot be."""
     found = _batch_sampler(loader)
     if isinstance(found, str):
         return found
     batch_sampler, sampler = found
-    if not _positioned(sampler):
+    if batches is not None and type(sampler) not in (DistributedSampler, SequentialSampler):
         return (
             f"the order of its `{type(sampler).__name__}` cannot be drawn again (use a `DistributedSampler`,"
             " or torchdata's `StatefulDataLoader`, whose state holds its position)"
         )
-    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, batches * batch_sampler.batch_size, during)
+    skip = len(sampler) if batches is None else batches * batch_sampler.batch_size
+    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, skip, during)
     return None
 
 
 def skip_epoch(loader: Any, during: Callable[[], bool]) -> bool:
-    """Make ``loader``'s next iterator yield nothing if it starts while ``during()`` is true (its sampler
-    is not iterated); ``False`` if it cannot (no ``BatchSampler``)."""
-    found = _batch_sampler(loader)
-    if isinstance(found, str):
-        return False
-    batch_sampler, sampler = found
-    batch_sampler.sampler = _SkipOnce(batch_sampler, sampler, len(sampler), during)
-    return True
+    """Make ``loader``'s next iterator yield nothing (its sampler not iterated) if it starts while
+    ``during()`` is true; ``False`` if it cannot (no ``BatchSampler``)."""
+    return skip_batches(loader, None, during) is None
 
 
 def unskip(loader: Any) -> None:

@@ -1,25 +1,12 @@
 """Exact resume in the strategies: what each rank saves of its own, and when a resume sets it back.
 
 Saving: :func:`rank_extras` gives the train dataloaders' generator states and the registered objects'
-states to :func:`~lightning_sharded.checkpoint.rank_state.collect`.
-
-Restoring: :func:`plan` (in ``load_checkpoint``) turns what :func:`~.rank_state.restore` decided into an
-:class:`ExactResume`, which sets every state at the moment the resumed run needs it:
-
-- as the train dataloader is set up (:meth:`ExactResume.on_train_loader`, from the strategy's
-  ``process_dataloader``), before Lightning loads its state and creates its first iterator: the
-  registered objects, and the position of a plain ``DataLoader`` (:func:`.train_loaders.skip_batches`);
-  at an epoch boundary where that first iterator starts the next epoch, also the RNG and generator
-  states, from which it draws as the unbroken run's next epoch did;
-- at ``on_train_start`` (:meth:`ExactResume.on_train_start`), once that iterator exists (its creation
-  draws random numbers the unbroken run did not draw there, and a ``StatefulDataLoader`` resets its
-  generator to the epoch's start), after the ``on_train_start`` hooks and before the first batch: the RNG
-  and generator states otherwise, and what was registered after the dataloader's setup;
-- after the first batch was fetched (:meth:`ExactResume.on_first_batch`): the generators of a plain
-  ``DataLoader`` whose position could not be restored (Lightning starts its epoch over, which draws its
-  shuffle from them; set afterwards, the epochs after it draw as the unbroken run's did).
-
-:class:`~lightning_sharded.checkpoint.train_loaders.ResumePoint` says why each point needs its moment.
+states to :func:`~lightning_sharded.checkpoint.rank_state.collect`. Restoring: :func:`plan` (in
+``load_checkpoint``) turns what :func:`~.rank_state.restore` decided into an :class:`ExactResume`, which
+sets each state at the moment the unbroken run would go on drawing from it: as the train dataloader is
+set up (:meth:`~ExactResume.on_train_loader`), at ``on_train_start`` once its first iterator exists, or
+after the first batch (``docs/checkpoint-format.md``, "When it is restored";
+:class:`~.train_loaders.ResumePoint`).
 """
 
 from __future__ import annotations
@@ -31,8 +18,9 @@ from typing import Any
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
 from lightning_sharded.checkpoint import collective, rank_state, train_loaders
+from lightning_sharded.checkpoint.rank_state import quoted
 from lightning_sharded.checkpoint.train_loaders import ResumePoint
-from lightning_sharded.user_state import registered_rank_state
+from lightning_sharded.user_state import registered_rank_state, stateful
 
 __all__ = ["ExactResume", "plan", "rank_extras", "train_loaders_of"]
 
@@ -43,24 +31,25 @@ def train_loaders_of(trainer: Any) -> list[Any]:
     return [] if iterables is None else list(CombinedLoader(iterables).flattened)
 
 
+def _call(name: str, obj: Any, method: str, *args: Any) -> Any:
+    """``obj.method(*args)`` of the registered state ``name``; its error says which state and method."""
+    try:
+        return getattr(obj, method)(*args)
+    except Exception as err:
+        done = "saved" if method == "state_dict" else "restored"
+        raise RuntimeError(
+            f"The registered per-rank state {name!r} could not be {done}: its {method}() raised"
+            f" {type(err).__name__}: {err}"
+        ) from err
+
+
 def rank_extras(module: Any) -> tuple[list[dict[str, Any]] | None, dict[str, Any]]:
     """This rank's train dataloader generator states (``None`` outside a fit) and registered states."""
     loaders = train_loaders_of(getattr(module, "_trainer", None))
     generators = train_loaders.generator_states(loaders) if loaders else None
-    registered: dict[str, Any] = {}
-    for name, obj in registered_rank_state(module).items():
-        try:
-            registered[name] = obj.state_dict()
-        except Exception as err:
-            raise RuntimeError(
-                f"The registered per-rank state {name!r} could not be saved: its state_dict() raised"
-                f" {type(err).__name__}: {err}"
-            ) from err
-    return generators, registered
-
-
-def _stateful(loader: Any) -> bool:
-    return all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+    return generators, {
+        name: _call(name, obj, "state_dict") for name, obj in registered_rank_state(module).items()
+    }
 
 
 #: No plain loader was positioned.
@@ -78,11 +67,9 @@ class ExactResume:
         during: Whether the checkpoint's epoch is still the one running (a skip applies in it only).
         early: Set the RNG and generators as the train dataloader is set up (else at ``on_train_start``).
         position: Restore the position of plain loaders (mid-epoch, at the same world size).
-        empty_first: The first iterator of loaders that get no state yields nothing (Lightning finishes
-            the done epoch with it; it fetches a batch when no validation is due at its end).
+        empty_first: The first iterator of loaders that get no state yields nothing.
         loader_state: Lightning loads a state into the train dataloaders that have one.
-        stepped: The loggers' step (batches that stepped) to set at the first batch, where Lightning's
-            restart of an epoch end counts it once more; ``None``: it counts right.
+        stepped: The loggers' step to set at the first batch (``None``: Lightning counts it right).
     """
 
     outcome: rank_state.RankRestore
@@ -111,36 +98,31 @@ class ExactResume:
         def load() -> None:
             objects = registered_rank_state(module)
             for name in sorted(self._registered.keys() & objects.keys()):
-                try:
-                    objects[name].load_state_dict(self._registered.pop(name))
-                except Exception as err:
-                    raise RuntimeError(
-                        f"The registered per-rank state {name!r} could not be restored: its load_state_dict()"
-                        f" raised {type(err).__name__}: {err}"
-                    ) from err
+                _call(name, objects[name], "load_state_dict", self._registered.pop(name))
 
         collective.agree(load)
 
-    def _set_generators(self, index: int, loader: Any) -> None:
+    def _saved(self, index: int) -> dict[str, Any] | None:
+        """The saved generator states of train dataloader ``index``, if any."""
         saved = self.outcome.generators
-        if saved is None or index >= len(saved):
-            return
-        mismatched = train_loaders.set_generator_states(loader, saved[index])
+        return saved[index] if saved is not None and index < len(saved) else None
+
+    def _set_generators(self, index: int, loader: Any) -> None:
+        states = self._saved(index)
+        mismatched = train_loaders.set_generator_states(loader, states) if states is not None else []
         if mismatched:
             self._skipped.append(f"the generator(s) {', '.join(mismatched)} of train dataloader {index}")
 
     def on_train_loader(self, loader: Any, module: Any) -> None:
-        """A train dataloader is set up: Lightning has not loaded its state nor created its iterator yet.
-
-        Only those of the resume's first setup: a reload later in the run has nothing to restore.
-        """
+        """A train dataloader of the resume's first setup (a later reload has nothing to restore) is set
+        up: Lightning has not loaded its state nor created its iterator yet."""
         if self._started:
             return
         index = len(self._loaders)
         self._loaders.append(loader)
         if index == 0:
             self._restore_registered(module)
-        plain = not (_stateful(loader) and self.loader_state)
+        plain = stateful(loader) is None or not self.loader_state
         if self.early:
             if self.outcome.rng is not None:  # again for each loader: the last set is the one before iter()
                 rank_state.set_rng_states(self.outcome.rng)
@@ -157,16 +139,18 @@ class ExactResume:
         else:  # several loaders: Lightning counts the batches of the longest one, not each one's position
             if 0 not in self._deferred:
                 train_loaders.unskip(self._loaders[0])
-                self._deferred[0] = self._saved_generators(0)
+                self._deferred[0] = self._saved(0) or {}
             self._why = "the fit has several train dataloaders"
         if self._why is not None:
-            self._deferred[index] = self._saved_generators(index)
+            self._deferred[index] = self._saved(index) or {}
 
-    def _saved_generators(self, index: int) -> dict[str, Any]:
-        saved = self.outcome.generators
-        return saved[index] if saved is not None and index < len(saved) else {}
-
-    def _say_position(self) -> None:
+    def on_train_start(self, trainer: Any, module: Any) -> list[str]:
+        """Set what is still pending but the deferred generators, now that the first iterator exists (its
+        creation draws random numbers; a ``StatefulDataLoader`` resets its generator); returns what could
+        not be restored."""
+        self._started = True
+        self._restore_registered(module)
+        loaders = train_loaders_of(trainer)
         where = f"batch {self.done} of epoch {self.epoch}"
         if self._why is None:
             rank_zero_info(
@@ -174,20 +158,12 @@ class ExactResume:
                 " before the checkpoint, none of them loaded (Lightning's warning that the dataloader is not"
                 " resumable does not apply to it)."
             )
-        else:
+        elif self._why is not _UNSET:
             rank_zero_info(
                 f"The train dataloader's position ({where}) is not restored: {self._why}. Lightning starts"
                 " the epoch over; its generators are set after the first batch, so that the epochs after it"
                 " are drawn as in the unbroken run."
             )
-
-    def on_train_start(self, trainer: Any, module: Any) -> list[str]:
-        """Set what is still pending but the deferred generators; returns what could not be restored."""
-        self._started = True
-        self._restore_registered(module)
-        loaders = train_loaders_of(trainer)
-        if self._why is not _UNSET:
-            self._say_position()
         if not self.early:
             if self.outcome.rng is not None:
                 self._skipped.extend(rank_state.set_rng_states(self.outcome.rng))
@@ -202,11 +178,11 @@ class ExactResume:
             )
         if self._registered:
             self._skipped.append(
-                f"the registered state {_names(self._registered)} (nothing is registered under that name now)"
+                f"the registered state {quoted(self._registered)} (nothing is registered under that name now)"
             )
-        absent = sorted(registered_rank_state(module).keys() - set(self.outcome.registered_saved))
+        absent = registered_rank_state(module).keys() - set(self.outcome.registered_saved)
         if absent and self.outcome.saved_world_size is not None:
-            self._skipped.append(f"the registered state {_names(absent)} (the checkpoint has none of it)")
+            self._skipped.append(f"the registered state {quoted(absent)} (the checkpoint has none of it)")
         return self._skipped
 
     @property
@@ -229,19 +205,10 @@ class ExactResume:
         self._deferred.clear()
 
 
-def _names(keys: Any) -> str:
-    return ", ".join(repr(k) for k in sorted(keys))
-
-
 def plan(outcome: rank_state.RankRestore, metadata: dict[str, Any], trainer: Any) -> ExactResume:
-    """When a resume sets each part of ``outcome``, for the checkpoint ``metadata`` (which it may edit).
-
-    At :attr:`ResumePoint.LAST_BATCH` and, training by epochs, :attr:`ResumePoint.EPOCH_END`, Lightning
-    starts the next epoch with the iterator it creates at setup: the train dataloader's saved position
-    (the done epoch's end) is dropped, so that this iterator starts the next epoch, and the RNG and
-    generators are set before it exists. Training by steps, an ``EPOCH_END`` checkpoint is read as an
-    :attr:`ResumePoint.AFTER_LAST_BATCH` one (:func:`~.train_loaders.to_after_last_batch`).
-    """
+    """When a resume sets each part of ``outcome``, for the checkpoint ``metadata``: at
+    :attr:`ResumePoint.LAST_BATCH` it drops the train dataloader's saved position (the done epoch's end);
+    training by steps, it reads an :attr:`ResumePoint.EPOCH_END` one as ``AFTER_LAST_BATCH``."""
     point = train_loaders.resume_point(metadata)
     stepped = None
     if point is ResumePoint.EPOCH_END and trainer.max_steps != -1:
