@@ -117,6 +117,11 @@ def register_rank_state(module: Any, name: str, obj: Any, *, replace: bool = Fal
         TypeError: ``obj`` is neither of those, or ``name`` is not a string.
         ValueError: ``name`` is empty, or holds another object and ``replace`` is ``False`` (the same
             object under the same name again does nothing).
+
+    Example::
+
+        register_rank_state(module, "mixing", schedule)  # anything with state_dict() / load_state_dict()
+        register_rank_state(module, "noise", np.random.default_rng(seed + rank))
     """
     if not isinstance(name, str):
         raise TypeError(f"The name of a per-rank state must be a string, got {type(name).__name__}.")
