@@ -28,7 +28,7 @@ import contextlib
 import heapq
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Backend, Location, join
@@ -104,19 +104,14 @@ def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
         return None
 
 
-def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
-    present = listed_sizes(backend.list_files, data, (entry.path for entry in manifest.files))
-    found = ((entry, present.get(entry.path)) for entry in manifest.files)
-    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
-
-
-def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
-    """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
-    checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
-    files each (rank 0 checks every file with one listing)."""
-    found = (
-        (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
-    )
+def _size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int = 0) -> list[Problem]:
+    """Rank 0 checks every file with one listing; another rank the files it wrote, one ``stat`` each, so
+    that one whose view differs (an NFS attribute cache) is named, without N ranks listing N files each."""
+    if rank == 0:
+        present = listed_sizes(backend.list_files, data, (entry.path for entry in manifest.files))
+        found = [(entry, present.get(entry.path)) for entry in manifest.files]
+    else:
+        found = [(e, _size_or_none(backend, data, e.path)) for e in manifest.files if e.rank == rank]
     return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
 
 
@@ -202,13 +197,12 @@ def check_found(
     where = collective.ranks(group, alone=alone)
     backend, data, manifest = found.backend, found.data, found.manifest
     try:
-        if manifest is None:
-            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
-            mine = index_problems(backend, data, index) if index is not None else []
+        if manifest is not None:
+            mine = _size_problems(backend, data, manifest, where.rank)
         elif where.rank == 0:
-            mine = _size_problems(backend, data, manifest)
+            mine = index_problems(backend, data, read_index(backend, data, weights_only=weights_only))
         else:
-            mine = _own_size_problems(backend, data, manifest, where.rank)
+            mine = []
         if manifest is not None and verify:
             bad = {p.path for p in mine}
             share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
@@ -230,32 +224,26 @@ def raise_agreed(
     :class:`~lightning_sharded.CheckpointError` on every rank (the first error, else every problem
     found, in manifest order, with ``then`` after the message), or return on every rank. Collective."""
     reports = collective.all_gather(report, where)
-    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
-    if errors:
-        rank, message = errors[0]
-        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
+    for rank, (_, message) in enumerate(reports):
+        if message is not None:
+            raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
     # Manifests list their files by path, so path order is manifest order; the writers are the problems'
     # own: a rank other than 0 may hold only its share of the manifest, and every rank must say the same.
-    seen: dict[tuple[str, str], Problem] = {}
-    seen_by: dict[tuple[str, str], list[int]] = {}
+    seen: dict[tuple[str, str], tuple[Problem, set[int]]] = {}
     for r, (problems, _) in enumerate(reports):
         for problem in problems:
-            seen.setdefault((problem.path, problem.what), problem)
-            seen_by.setdefault((problem.path, problem.what), []).append(r)
-    merged = sorted(seen.values(), key=lambda p: p.path)
+            seen.setdefault((problem.path, problem.what), (problem, set()))[1].add(r)
+    merged = sorted((problem for problem, _ in seen.values()), key=lambda p: p.path)
     error = damaged(data, merged, then)
     if error is None:
         return
-    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
-    # one of them saw a problem.
+    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it (its checkers):
+    # say so when only one of them saw a problem.
     writer = {p.path: p.rank for p in merged if p.rank is not None} if manifest is not None else {}
-
-    def checkers(path: str) -> set[int]:
-        return {r for r in (0, writer.get(path, 0)) if r < where.world_size}
-
-    size_problems = {key: set(rs) for key, rs in seen_by.items() if "corrupted" not in key[1]}
+    size_problems = {key: rs for key, (_, rs) in seen.items() if "corrupted" not in key[1]}
     partial = sorted({r for rs in size_problems.values() for r in rs})
-    if partial and any(not checkers(key[0]) <= rs for key, rs in size_problems.items()):
+    checkers = {path: {r for r in (0, writer.get(path, 0)) if r < where.world_size} for path, _ in seen}
+    if partial and any(not checkers[key[0]] <= rs for key, rs in size_problems.items()):
         shown = ", ".join(map(str, partial))
         raise CheckpointError(
             f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
@@ -286,10 +274,8 @@ def verify_mode(verify: bool | str | None) -> VerifyMode | None:
     """
     if verify is None or isinstance(verify, bool):
         return "before" if verify else None
-    if verify == "before":
-        return "before"
-    if verify == "during":
-        return "during"
+    if verify in ("before", "during"):
+        return cast(VerifyMode, verify)
     raise ValueError(
         f"verify={verify!r} is not a way to check a checkpoint: pass False, True (or 'before': nothing is"
         " loaded from a damaged checkpoint) or 'during' (the load's reads go straight into the model)."
@@ -390,16 +376,13 @@ class ReadVerification:
                 owners[entry.path] = counts.index(max(counts))  # the rank that read most of it (lowest)
         unread = split_by_size([e for e in manifest.files if e.path not in owners], where.world_size)
         mine = [e for e in manifest.files if owners.get(e.path) == where.rank] + unread[where.rank]
+        report: tuple[list[Problem], str | None] = ([], None)
         try:
-            problems = [p for entry in mine if (p := self._problem(entry)) is not None]
-            report: tuple[list[Problem], str | None] = (problems, None)
+            for entry in mine:
+                known = self.checksums.ranges.get(entry.path, [])
+                size, checksum = found.backend.checksum(join(found.data, entry.path), known=known)
+                if problem := size_problem(entry, size) or checksum_problem(entry, manifest, checksum):
+                    report[0].append(problem)
         except OSError as err:
             report = ([], f"Could not read {str(found.data)!r} to check its checksums: {err!r}")
         raise_agreed(report, where, found.data, manifest, self.then)
-
-    def _problem(self, entry: FileEntry) -> Problem | None:
-        manifest = self.found.manifest
-        assert manifest is not None
-        known = self.checksums.ranges.get(entry.path, [])
-        size, checksum = self.found.backend.checksum(join(self.found.data, entry.path), known=known)
-        return size_problem(entry, size) or checksum_problem(entry, manifest, checksum)
