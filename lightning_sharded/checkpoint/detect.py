@@ -1,18 +1,10 @@
 """The one detector: what is at a checkpoint location, after the recovery rules of an interrupted save.
 
-:func:`detect` answers, for a local path or an fsspec URL: which backend holds it, whether it is a
-sharded directory or a full file, where the files of the published version are, and the manifest
-that describes them (``None`` for a checkpoint written by stock Lightning). Loads, checks and the
-tools all start here, so every one of them accepts and refuses the same things with the same
-messages (the error table in ``docs/checkpoint-format.md``). It only looks at names (and reads the
-manifest); it changes nothing.
-
-A path to one file of a checkpoint directory (a shard, ``.metadata``, ``meta.pt``, the manifest, a
-per-rank state file) is refused with the one message that names the checkpoint it belongs to and says
-to pass that directory. Hugging Face weights (a directory of ``.safetensors`` files, one such file)
-are named as what they are: refused by everything that loads a Lightning checkpoint, returned as
-:attr:`CheckpointKind.SAFETENSORS` to the tools that describe them (``detect(..., safetensors=True)``:
-``inspect``, ``verify``).
+Loads, checks and the tools all start at :func:`detect`, so every one of them accepts and refuses the
+same things with the same messages (the error table in ``docs/checkpoint-format.md``). It only looks at
+names (and reads the manifest); it changes nothing. A path to one file of a checkpoint directory is
+refused with the one message that names the directory to pass; Hugging Face weights are named as what
+they are: refused by every load, returned to the tools that describe them (``safetensors=True``).
 
 A manifest that no longer describes the files beside it, because a stock Lightning save wrote over
 the checkpoint after ours (neither ``.metadata`` nor ``meta.pt`` is the file the manifest lists; on
@@ -102,14 +94,6 @@ _PARTS = {
 }
 
 
-#: The parts :func:`_refuse_part` knows by their name alone (the others only beside a checkpoint's files).
-_PARTS_BY_NAME = (names.DCP_METADATA, names.MANIFEST_NAME)
-
-
-def _beside_checkpoint_files(backend: Backend, folder: Location, name: str) -> bool:
-    return any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
-
-
 def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
     """The one error for a path to one part of a checkpoint directory. A shard file, ``.metadata``, the
     manifest, a per-rank state file and the per-rank index's files are parts by their names; ``meta.pt``,
@@ -127,7 +111,9 @@ def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
     elif index is not None or f"{basename(folder)}/{name}" == names.INDEX_LAYOUT:
         folder = parent(folder)
         what = f"the per-rank index of rank {int(index.group(1))}" if index else "its index layout"
-    elif name in _PARTS and (name in _PARTS_BY_NAME or _beside_checkpoint_files(backend, folder, name)):
+    elif name in (names.DCP_METADATA, names.MANIFEST_NAME) or (
+        name in _PARTS and any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
+    ):
         what = _PARTS[name]
     else:
         return
@@ -248,11 +234,12 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
                 )
             listed = sorted(files) + [f"{d}/" for d in dirs]
             held = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
-            raise CheckpointError(
-                f"The {backend.noun} {shown!r} is not a checkpoint: it is not a sharded checkpoint (it has no"
-                f" `.metadata`, no `__<rank>_0.distcp` shard file and no {names.MANIFEST_NAME}; it holds"
-                f" {held}) and not a file, so it does not point to a valid checkpoint."
-                f" {_WHAT_A_CHECKPOINT_IS}"
+            raise not_a_checkpoint(
+                shown,
+                backend.noun,
+                f"it is not a sharded checkpoint (it has no `.metadata`, no `__<rank>_0.distcp` shard file"
+                f" and no {names.MANIFEST_NAME}; it holds {held}) and not a file, so it does not point to a"
+                " valid checkpoint",
             )
     if names.DCP_METADATA not in files:
         raise CheckpointError(
