@@ -1,18 +1,14 @@
 """Whether a checkpoint's files are whole: presence, sizes and checksums, agreed by every rank.
 
-Every check of a load and of the tools, over a :class:`~.detect.Found` (reads through its backend):
-
 - :func:`check_found` (collective), before a read: with a manifest, rank 0 checks every file's presence
-  and size (one listing), every other rank those of the files it wrote (a ``stat`` each), so no rank's
-  work grows with the number of ranks; ``verify=True`` adds every checksum, each file read by one rank
-  (:func:`split_by_size`). Without a manifest: the shard files against the DCP index (rank 0). The
-  findings are gathered (:func:`raise_agreed`): every rank raises the same error, or none does.
+  and size, every other rank those of the files it wrote; ``verify=True`` adds every checksum, each
+  file read by one rank (:func:`split_by_size`). Without a manifest: the shard files against the DCP
+  index (rank 0). Every rank raises the same error (:func:`raise_agreed`), or none does.
 - :class:`ReadVerification`: a sharded load's checksums from the bytes it reads. The backend's DCP
-  reader (local files) records the CRC-32 of each range it reads straight into a tensor, as the bytes
-  arrive (:class:`ReadChecksums`); after the read (:meth:`ReadVerification.check`, collective) each
-  file is completed by the rank that read most of it (only the bytes no range covered) and compared
-  with the manifest; files no rank read this way (``.metadata``, ``meta.pt``) are split by size and
-  read whole. On object storage both modes check before the first read instead.
+  reader (local files) records the CRC-32 of each range it reads straight into a tensor
+  (:class:`ReadChecksums`); after the read each file is completed by the rank that read most of it
+  and compared with the manifest; files no rank read this way are split by size and read whole. On
+  object storage both modes check before the first read instead.
 
 ``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model and copies
 them in once :meth:`ReadVerification.check` passed, so a damaged checkpoint leaves the model as it was
@@ -124,8 +120,7 @@ def _checksum_problems(
 ) -> list[Problem]:
     problems = []
     for entry in entries:
-        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
-        if problem is not None:
+        if problem := checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1]):
             problems.append(problem)
         if on_bytes is not None:  # a progress bar, file by file
             on_bytes(entry.size)
@@ -152,12 +147,8 @@ def find_problems(
 
 
 def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
-    """Check the sharded checkpoint at ``path`` against ``manifest`` before loading it, in this process.
-
-    Args:
-        path: The sharded checkpoint (found as :func:`~.detect.detect` finds it).
-        manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
-        verify: Also compare every file's checksum (reads every byte).
+    """Check the sharded checkpoint at ``path`` (as :func:`~.detect.detect` finds it) against ``manifest``
+    (``None`` checks nothing) before loading it, in this process; with ``verify`` every checksum too.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
