@@ -47,13 +47,8 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 
 def not_a_checkpoint(path: str | os.PathLike[str], what: str, why: str) -> CheckpointError:
-    """The one error every command and function gives for a file that holds something else.
-
-    Args:
-        path: The path as the user gave it.
-        what: ``"file"``, ``"directory"``...
-        why: What is there instead, in words (no final period).
-    """
+    """The one error every command and function gives for a path (as the user gave it; ``what``:
+    ``"file"``, ``"directory"``...) that holds something else: ``why``, in words, no final period."""
     return CheckpointError(f"The {what} {str(path)!r} is not a checkpoint: {why}. {_WHAT_A_CHECKPOINT_IS}")
 
 
@@ -158,8 +153,6 @@ class Found:
         path: The location as given (a :class:`~pathlib.Path`, or a URL string).
         data: Where its files are: ``path`` itself, the previous version an interrupted save left, or
             the published ``data-<token>`` prefix on object storage.
-        kind: Sharded directory or full file.
-        backend: The storage that holds it.
         manifest: The manifest that describes ``data``; ``None`` for a stock checkpoint or a full file.
     """
 
@@ -259,14 +252,9 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
 
 
 def checkpoint_files(found: Found) -> dict[str, int]:
-    """The files of a checkpoint with their sizes, by path relative to it: the one count of a
-    checkpoint's files and bytes, shown by ``inspect``, ``verify``, ``consolidate`` and the demo.
-
-    What a copy of the checkpoint must hold: a full (or ``.safetensors``) file is one file; a directory
-    with a manifest holds every file the manifest lists and the manifest itself; one without (stock
-    Lightning) its ``.metadata``, ``meta.pt`` and shard files; Hugging Face weights without a manifest
-    their ``.safetensors`` files and index.
-    """
+    """The files of a checkpoint with their sizes, by path relative to it (what a copy of it must hold,
+    the manifest included): the one count of a checkpoint's files and bytes, shown by ``inspect``,
+    ``verify``, ``consolidate`` and the demo."""
     backend, data, manifest = found.backend, found.data, found.manifest
     if found.kind is CheckpointKind.FULL or (
         found.kind is CheckpointKind.SAFETENSORS and manifest is None and backend.is_file(data)
