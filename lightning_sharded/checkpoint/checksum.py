@@ -112,8 +112,7 @@ def bytes_checksum(data: bytes) -> tuple[int, str]:
 
 def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
     """``(size, crc32 hex)`` of everything left to read in the binary file ``f``, in chunks."""
-    crc = 0
-    size = 0
+    crc = size = 0
     buffer = bytearray(CHUNK_SIZE)
     view = memoryview(buffer)
     readinto = getattr(f, "readinto", None)

@@ -179,11 +179,8 @@ def check_found(
     See the module doc. With ``alone`` it runs in this process only (the single-process tools), whatever
     process group is up. ``weights_only`` is how a checkpoint without a manifest has its ``.metadata``
     read (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
-    resume reads it; ``True`` / ``None`` (the tools) safely.
-
-    Raises:
-        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
-            names the first one, its rank and the others.
+    resume reads it; ``True`` / ``None`` (the tools) safely. Raises what :func:`check_files` raises, the
+    same on every rank.
     """
     where = collective.ranks(group, alone=alone)
     backend, data, manifest = found.backend, found.data, found.manifest
@@ -258,11 +255,8 @@ UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as the
 
 def verify_mode(verify: bool | str | None) -> VerifyMode | None:
     """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` (``True``) or
-    ``"during"``; a mode or ``None`` is returned as it is.
-
-    Raises:
-        ValueError: anything else, with the values accepted.
-    """
+    ``"during"``; a mode or ``None`` is returned as it is, anything else raises a ``ValueError`` naming
+    the values accepted."""
     if verify is None or isinstance(verify, bool):
         return "before" if verify else None
     if verify in ("before", "during"):
@@ -325,12 +319,8 @@ class ReadVerification:
 
     def check_sizes(self, weights_only: bool | None = False) -> None:
         """Before the first read: every file present with its size (collective, unless ``alone``). If one
-        is not, every file's checksum is computed too, so the error names every damaged file, as a check
-        before the read would.
-
-        Raises:
-            CheckpointError: a file is missing or has another size (the same error on every rank).
-        """
+        is not, every file's checksum is computed too, so the ``CheckpointError`` (the same on every rank)
+        names every damaged file, as a check before the read would."""
         try:
             check_found(self.found, verify=False, alone=self.alone, weights_only=weights_only)
         except CheckpointError:
