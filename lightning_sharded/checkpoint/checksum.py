@@ -6,17 +6,14 @@ GB/s at which these disks write (blake2b: 0.9 GB/s, sha256: 1.8 GB/s); it catche
 error and every burst up to 32 bits, which is what a checkpoint needs (protection against
 corruption, not against an attacker). ``benchmarks/checksum_throughput.py`` reproduces the figures.
 
-A file's checksum (:func:`file_checksum`, :func:`ranges_checksum`: what ``verify`` and the completion
-of a verified load read) is read by :data:`STREAMS` threads at once, each its contiguous part, in
-:data:`CHUNK_SIZE` pieces hashed as they arrive, the pages read dropped from the page cache behind.
+A file's checksum (:func:`ranges_checksum`) is read by :data:`STREAMS` threads at once, each its
+contiguous part, in :data:`CHUNK_SIZE` pieces hashed as they arrive, the page cache dropped behind.
 
-:class:`HashingStream` is the one stream that checksums bytes on their way to a file (local DCP
-shards, fsspec objects). It only ever hashes bytes it may read: a large write is hashed in a helper
-thread *while* the same buffer is written to the file (a piece at a time, so a local file's
-write-behind follows it), and both finish before :meth:`write` returns,
-so the CRC is of the bytes that were written, from memory the caller still owns (torch hands DCP
-buffers it frees right after). :func:`crc32` and file writes release the GIL, so the two overlap.
-Standard library only.
+:class:`HashingStream` is the one stream that checksums bytes on their way to a file. A large write is
+hashed in a helper thread *while* the same buffer is written (a piece at a time, so a local file's
+write-behind follows it), and both finish before :meth:`~HashingStream.write` returns: the CRC is of
+the bytes written, from memory the caller still owns (torch frees DCP's buffers right after).
+:func:`crc32` and file writes release the GIL, so the two overlap. Standard library only.
 """
 
 from __future__ import annotations
@@ -115,8 +112,7 @@ def bytes_checksum(data: bytes) -> tuple[int, str]:
 
 def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
     """``(size, crc32 hex)`` of everything left to read in the binary file ``f``, in chunks."""
-    crc = 0
-    size = 0
+    crc = size = 0
     buffer = bytearray(CHUNK_SIZE)
     view = memoryview(buffer)
     readinto = getattr(f, "readinto", None)
@@ -135,15 +131,8 @@ def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
 
 
 def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple[int, str]:
-    """Size and CRC-32 of a local file, read as :func:`ranges_checksum` reads it.
-
-    Args:
-        path: The file.
-        fsync: Also ``fsync`` the file, so its bytes are on disk before it is listed in a manifest.
-
-    Returns:
-        ``(size in bytes, checksum)`` with the checksum as 8 lowercase hex digits.
-    """
+    """``(size, crc32 hex)`` of a local file, read as :func:`ranges_checksum` reads it; with ``fsync``,
+    its bytes are on disk too before it is listed in a manifest."""
     figures = ranges_checksum(path, os.stat(path).st_size, ())
     if fsync:
         with open(path, "rb", buffering=0) as f:
@@ -154,21 +143,10 @@ def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple
 def ranges_checksum(
     path: str | os.PathLike[str], size: int, known: Sequence[tuple[int, int, int]]
 ) -> tuple[int, str]:
-    """Size and CRC-32 of the first ``size`` bytes of a local file, given the CRC-32 of some of its byte
-    ranges: only the bytes between them are read, a large gap by :data:`STREAMS` threads at once, each
-    its contiguous part, in :data:`CHUNK_SIZE` pieces hashed as they arrive, the page cache dropped
-    behind (a checksum reads each byte once).
-
-    Args:
-        path: The file.
-        size: How many bytes it should have (the manifest's size, checked before).
-        known: ``(offset, length, crc32)`` of ranges already checksummed (by the reads of a load), in
-            any order; a range that overlaps one before it is ignored (its bytes are read instead).
-
-    Returns:
-        ``(bytes counted, checksum)`` with the checksum as 8 lowercase hex digits; the count is less
-        than ``size`` when the file is shorter.
-    """
+    """``(bytes counted, crc32 hex)`` of the first ``size`` bytes of a local file (fewer counted: it is
+    shorter), reading only the bytes between the ranges ``known`` already checksummed (by a load's
+    reads): ``(offset, length, crc32)`` in any order, one that overlaps one before it ignored (its bytes
+    are read instead)."""
     pieces: list[tuple[int, int, int | None]] = []  # (start, end, its CRC-32, or None: to read)
     position = 0
     for offset, length, known_crc in sorted(known):
@@ -228,11 +206,9 @@ def _range_crc(path: str | os.PathLike[str], start: int, end: int) -> tuple[int,
 class HashingStream(io.RawIOBase):
     """A write-only binary stream that passes every write on to ``raw`` and keeps its size and CRC-32.
 
-    A large write goes to ``raw`` in pieces of :data:`CHUNK_SIZE` bytes, each hashed in a helper thread
-    while it is written.
-
     Args:
-        raw: The file (or fsspec file) to write to; it is not closed by this stream.
+        raw: The file (or fsspec file) to write to, in :data:`CHUNK_SIZE` pieces for a large write; it is
+            not closed by this stream.
         write_behind: told the file's size after every large piece (a local file's
             :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`), or ``None``.
     """
@@ -304,6 +280,4 @@ class HashingStream(io.RawIOBase):
         # DCP closes the stream inside `create_stream`; the file itself is closed by its owner. The
         # helper thread stops here too, so a stream left by an error (``with``) leaves no thread behind.
         self._raw.flush()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self.result()

@@ -1,18 +1,10 @@
 """The one detector: what is at a checkpoint location, after the recovery rules of an interrupted save.
 
-:func:`detect` answers, for a local path or an fsspec URL: which backend holds it, whether it is a
-sharded directory or a full file, where the files of the published version are, and the manifest
-that describes them (``None`` for a checkpoint written by stock Lightning). Loads, checks and the
-tools all start here, so every one of them accepts and refuses the same things with the same
-messages (the error table in ``docs/checkpoint-format.md``). It only looks at names (and reads the
-manifest); it changes nothing.
-
-A path to one file of a checkpoint directory (a shard, ``.metadata``, ``meta.pt``, the manifest, a
-per-rank state file) is refused with the one message that names the checkpoint it belongs to and says
-to pass that directory. Hugging Face weights (a directory of ``.safetensors`` files, one such file)
-are named as what they are: refused by everything that loads a Lightning checkpoint, returned as
-:attr:`CheckpointKind.SAFETENSORS` to the tools that describe them (``detect(..., safetensors=True)``:
-``inspect``, ``verify``).
+Loads, checks and the tools all start at :func:`detect`, so every one of them accepts and refuses the
+same things with the same messages (the error table in ``docs/checkpoint-format.md``). It only looks at
+names (and reads the manifest); it changes nothing. A path to one file of a checkpoint directory is
+refused with the one message that names the directory to pass; Hugging Face weights are named as what
+they are: refused by every load, returned to the tools that describe them (``safetensors=True``).
 
 A manifest that no longer describes the files beside it, because a stock Lightning save wrote over
 the checkpoint after ours (neither ``.metadata`` nor ``meta.pt`` is the file the manifest lists; on
@@ -55,13 +47,8 @@ _ZIP_MAGIC = b"PK\x03\x04"
 
 
 def not_a_checkpoint(path: str | os.PathLike[str], what: str, why: str) -> CheckpointError:
-    """The one error every command and function gives for a file that holds something else.
-
-    Args:
-        path: The path as the user gave it.
-        what: ``"file"``, ``"directory"``...
-        why: What is there instead, in words (no final period).
-    """
+    """The one error every command and function gives for a path (as the user gave it; ``what``:
+    ``"file"``, ``"directory"``...) that holds something else: ``why``, in words, no final period."""
     return CheckpointError(f"The {what} {str(path)!r} is not a checkpoint: {why}. {_WHAT_A_CHECKPOINT_IS}")
 
 
@@ -102,14 +89,6 @@ _PARTS = {
 }
 
 
-#: The parts :func:`_refuse_part` knows by their name alone (the others only beside a checkpoint's files).
-_PARTS_BY_NAME = (names.DCP_METADATA, names.MANIFEST_NAME)
-
-
-def _beside_checkpoint_files(backend: Backend, folder: Location, name: str) -> bool:
-    return any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
-
-
 def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
     """The one error for a path to one part of a checkpoint directory. A shard file, ``.metadata``, the
     manifest, a per-rank state file and the per-rank index's files are parts by their names; ``meta.pt``,
@@ -127,7 +106,9 @@ def _refuse_part(backend: Backend, loc: Location, shown: str) -> None:
     elif index is not None or f"{basename(folder)}/{name}" == names.INDEX_LAYOUT:
         folder = parent(folder)
         what = f"the per-rank index of rank {int(index.group(1))}" if index else "its index layout"
-    elif name in _PARTS and (name in _PARTS_BY_NAME or _beside_checkpoint_files(backend, folder, name)):
+    elif name in (names.DCP_METADATA, names.MANIFEST_NAME) or (
+        name in _PARTS and any(names.is_checkpoint_member(n) for n in backend.list_files(folder) if n != name)
+    ):
         what = _PARTS[name]
     else:
         return
@@ -172,8 +153,6 @@ class Found:
         path: The location as given (a :class:`~pathlib.Path`, or a URL string).
         data: Where its files are: ``path`` itself, the previous version an interrupted save left, or
             the published ``data-<token>`` prefix on object storage.
-        kind: Sharded directory or full file.
-        backend: The storage that holds it.
         manifest: The manifest that describes ``data``; ``None`` for a stock checkpoint or a full file.
     """
 
@@ -248,11 +227,12 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
                 )
             listed = sorted(files) + [f"{d}/" for d in dirs]
             held = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
-            raise CheckpointError(
-                f"The {backend.noun} {shown!r} is not a checkpoint: it is not a sharded checkpoint (it has no"
-                f" `.metadata`, no `__<rank>_0.distcp` shard file and no {names.MANIFEST_NAME}; it holds"
-                f" {held}) and not a file, so it does not point to a valid checkpoint."
-                f" {_WHAT_A_CHECKPOINT_IS}"
+            raise not_a_checkpoint(
+                shown,
+                backend.noun,
+                f"it is not a sharded checkpoint (it has no `.metadata`, no `__<rank>_0.distcp` shard file"
+                f" and no {names.MANIFEST_NAME}; it holds {held}) and not a file, so it does not point to a"
+                " valid checkpoint",
             )
     if names.DCP_METADATA not in files:
         raise CheckpointError(
@@ -272,14 +252,9 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
 
 
 def checkpoint_files(found: Found) -> dict[str, int]:
-    """The files of a checkpoint with their sizes, by path relative to it: the one count of a
-    checkpoint's files and bytes, shown by ``inspect``, ``verify``, ``consolidate`` and the demo.
-
-    What a copy of the checkpoint must hold: a full (or ``.safetensors``) file is one file; a directory
-    with a manifest holds every file the manifest lists and the manifest itself; one without (stock
-    Lightning) its ``.metadata``, ``meta.pt`` and shard files; Hugging Face weights without a manifest
-    their ``.safetensors`` files and index.
-    """
+    """The files of a checkpoint with their sizes, by path relative to it (what a copy of it must hold,
+    the manifest included): the one count of a checkpoint's files and bytes, shown by ``inspect``,
+    ``verify``, ``consolidate`` and the demo."""
     backend, data, manifest = found.backend, found.data, found.manifest
     if found.kind is CheckpointKind.FULL or (
         found.kind is CheckpointKind.SAFETENSORS and manifest is None and backend.is_file(data)

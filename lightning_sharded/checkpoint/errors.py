@@ -9,10 +9,8 @@ __all__ = ["CheckpointError", "MissingCheckpointError", "OptimizerCountError", "
 
 
 class CheckpointError(ValueError):
-    """A checkpoint is invalid, incomplete or corrupt, or does not fit the model it is loaded into.
-
-    The message names what was wrong (the key, the file or the rank) and what to do about it.
-    """
+    """A checkpoint is invalid, incomplete or corrupt, or does not fit the model it is loaded into; the
+    message names what was wrong (the key, the file or the rank) and what to do about it."""
 
 
 class OptimizerCountError(CheckpointError, RuntimeError):
@@ -25,11 +23,8 @@ class OptimizerCountError(CheckpointError, RuntimeError):
 
 
 class MissingCheckpointError(CheckpointError, FileNotFoundError):
-    """Nothing is at the path a load was given.
-
-    A :class:`CheckpointError` (a ``ValueError``, as the stock strategies' ``... does not point to a
-    valid checkpoint ...``, whose words its message holds) and a ``FileNotFoundError``.
-    """
+    """Nothing is at the path a load was given: a ``FileNotFoundError``, and a ``ValueError`` as the stock
+    strategies' ``... does not point to a valid checkpoint ...``, whose words its message holds."""
 
 
 class StorageError(CheckpointError, OSError):
@@ -40,9 +35,6 @@ class StorageError(CheckpointError, OSError):
     ``except OSError as err: if err.errno == errno.ENOSPC: ...`` works as for the ``OSError`` itself.
 
     Args:
-        message: The whole message.
-        errno: The cause's error number (``errno.ENOSPC``...), if known.
-        filename: The file the cause happened on, if known.
         reason: The cause in words where its errno's text would mislead (``"The object store kept
             throttling the requests (503 SlowDown)"``); a message that names this error's cause leads
             with it.
@@ -79,12 +71,8 @@ class StorageError(CheckpointError, OSError):
 
 
 class RanksLost(CheckpointError):
-    """A collective of a save or a load failed because other ranks did not reach it (dead, hung, slow).
-
-    Attributes:
-        ranks: The global ranks that did not reach it (empty when every rank did and the failure came
-            during the collective itself).
-    """
+    """A collective of a save or a load failed because other ranks did not reach it (dead, hung, slow):
+    their global ranks are :attr:`ranks` (empty when every rank did and the collective itself failed)."""
 
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message)

@@ -1,16 +1,12 @@
-"""What a failed save or load says: its cause, where it happened, the figures of a full disk, what to do.
+"""The one place an ``OSError`` of a save or a load (or torch's report of one) becomes the message of a
+:class:`~lightning_sharded.checkpoint.errors.CheckpointError`, with a save's advice on a save and a
+load's on a load. With a cause, the message starts with it (``No space left on device (ENOSPC): saving
+the checkpoint ... failed on rank(s) 1 ...``) and the error is a ``StorageError`` with its errno.
 
-The one place that turns an ``OSError`` of a save or a load (or torch's report of one) into the message
-of a :class:`~lightning_sharded.checkpoint.errors.CheckpointError`, with a save's advice on a save and a
-load's on a load. The message starts with the cause, its text and its errno name (``No space left on
-device (ENOSPC): saving the checkpoint ... failed on rank(s) 1 ...``); the error is then a
-:class:`~lightning_sharded.checkpoint.errors.StorageError`, an ``OSError`` with that errno too.
-
-torch's zip writer (``torch.save``) swallows the ``OSError`` of a short write and raises
-``RuntimeError('... unexpected pos 704 vs 598')``; the cause is then looked for in the exception's
-chain (``__cause__``, ``__context__``: a ``torch.save`` into a Python file object keeps it there), in
-what DCP gathered from every rank, and else inferred from the filesystem: a write that failed with
-less than :data:`NEARLY_FULL` bytes left on its filesystem (``statvfs``) ran out of space.
+torch's zip writer swallows the ``OSError`` of a short write and raises ``RuntimeError('... unexpected
+pos 704 vs 598')``: the cause is then looked for in the exception's chain, in what DCP gathered from
+every rank, and else inferred: a write that failed with less than :data:`NEARLY_FULL` bytes free on
+its filesystem ran out of space.
 """
 
 from __future__ import annotations
@@ -113,13 +109,8 @@ def free_space(path: str | os.PathLike[str], *, writable: bool = False) -> int |
 
 @dataclass(frozen=True)
 class Space:
-    """What a save needs on its filesystem, and what was free there before it started.
-
-    Attributes:
-        needed: Bytes of the whole save (every rank's estimate), margin excluded.
-        free: Bytes free when it started (:func:`free_space` on rank 0).
-        where: The directory measured.
-    """
+    """A save's bytes (every rank's estimate, margin excluded), the bytes :func:`free_space` found free
+    on rank 0 when it started, and the directory measured."""
 
     needed: int
     free: int | None
@@ -141,15 +132,12 @@ class Failure:
     """One rank's failure in a save or a load, as it travels between ranks (picklable, small).
 
     Attributes:
-        rank: The rank it happened on.
         text: ``"TypeName: message"`` of the error.
         errno: The cause's error number (also when inferred from a full filesystem), if any.
-        filename: The file or directory it happened on, if known.
         written: Bytes of ``filename`` on disk when it failed (a write's progress), if it is a file.
         free: Bytes free on ``filename``'s filesystem when it failed, if measured.
         inferred: Whether ``errno`` was inferred from the free space (torch hid the ``OSError``).
-        reason: The cause in words where the errno's text would mislead (a throttling object store).
-        advice: What to do, where the storage knows (the cause's own :attr:`StorageError.advice`).
+        reason, advice: The cause's own :attr:`StorageError.reason` and :attr:`StorageError.advice`.
     """
 
     rank: int
@@ -281,15 +269,13 @@ def _hint(number: int | None, saving: bool, advice: str | None = None) -> str:
     return "Check that the checkpoint is complete and readable (every *.distcp file its .metadata names)."
 
 
-def _error(message: str, lead: Failure | None) -> CheckpointError:
-    if lead is not None and lead.errno:
-        return StorageError(message, lead.errno, lead.filename, reason=lead.reason, advice=lead.advice)
-    return CheckpointError(message)
-
-
-def _lead(failures: list[Failure]) -> Failure | None:
-    """The failure whose cause leads the message: the lowest rank's with an error number."""
-    return next((f for f in failures if f.errno), None)
+def _error(what: str, lead: Failure | None, rest: str) -> CheckpointError:
+    """``what`` (then ``rest``), led by the cause of ``lead``, the lowest rank's failure with an error
+    number (a :class:`StorageError` then)."""
+    if lead is None:
+        return CheckpointError(f"{what[0].upper()}{what[1:]}{rest}")
+    message = f"{lead.cause}: {what[0].lower()}{what[1:]}{rest}"
+    return StorageError(message, lead.errno, lead.filename, reason=lead.reason, advice=lead.advice)
 
 
 def save_failed(
@@ -315,28 +301,26 @@ def save_failed(
         if failure.rank not in by_rank or (failure.errno and not by_rank[failure.rank].errno):
             by_rank[failure.rank] = failure
     ordered = [by_rank[r] for r in sorted(by_rank)]
-    lead = _lead(ordered)
+    lead = next((f for f in ordered if f.errno), None)
     ranks = ", ".join(str(f.rank) for f in ordered)
-    what = f"saving the checkpoint {str(target)!r} failed on rank(s) {ranks}"
-    head = f"{lead.cause}: {what}" if lead is not None and lead.errno else what[0].upper() + what[1:]
-    details = "; ".join(f.detail() for f in ordered)
     figures = ""
     if space is not None and lead is not None and lead.errno in _SPACE:
         figures = f" {space.figures(free=lead.errno == errnos.ENOSPC)}"
-    after = {
-        "prepare": f"Nothing was written; the previous checkpoint at that {place}, if any, is unchanged.",
-        "write": (
-            f"The partial save was removed; the previous checkpoint at that {place}, if any, is unchanged."
-        ),
-        "publish": f"The previous checkpoint at that {place}, if any, is unchanged.",
-    }[stage]
+    before = {
+        "prepare": "Nothing was written; the",
+        "write": "The partial save was removed; the",
+        "publish": "The",
+    }
+    after = f"{before[stage]} previous checkpoint at that {place}, if any, is unchanged."
     number = lead.errno if lead is not None else None
     if number is None and any(
         f.text.startswith(("IsADirectoryError", "NotADirectoryError")) for f in ordered
     ):
         number = errnos.EISDIR  # a refusal of ours: something else put a directory at the path
     hint = _hint(number, saving=True, advice=lead.advice if lead is not None else None)
-    return _error(f"{head} ({details}).{figures} {hint} {after}", lead)
+    details = "; ".join(f.detail() for f in ordered)
+    what = f"saving the checkpoint {str(target)!r} failed on rank(s) {ranks}"
+    return _error(what, lead, f" ({details}).{figures} {hint} {after}")
 
 
 def read_failed(err: BaseException, what: str) -> StorageError | None:
@@ -362,13 +346,10 @@ def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError
     commit reports them as the failing ranks' own."""
     raw = getattr(ex, "failures", {}) or {}
     failures = [Failure.of(e, rank) for rank, e in _rank_errors(raw)]
-    lead = _lead(failures)
-    head = f"{what} failed on rank(s) {sorted(raw)}"
-    if lead is not None and lead.errno:
-        head = f"{lead.cause}: {head[0].lower()}{head[1:]}"
+    lead = next((f for f in failures if f.errno), None)
     details = "; ".join(f.detail() for f in failures) or repr(ex)
     hint = _hint(lead.errno if lead else None, saving, lead.advice if lead else None)
-    error = _error(f"{head} ({details}). {hint}", lead)
+    error = _error(f"{what} failed on rank(s) {sorted(raw)}", lead, f" ({details}). {hint}")
     error.rank_failures = failures  # type: ignore[attr-defined]
     return error
 
@@ -397,13 +378,8 @@ def background_failed(path: object, cause: BaseException, rank: int) -> Checkpoi
 
 @contextlib.contextmanager
 def dcp_errors(what: str, *, saving: bool = False) -> Iterator[None]:
-    """Around a DCP call: its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
-
-    The message names every failing rank and its error; when a rank's error was caused by an
-    ``OSError`` (a full disk, a missing file), it starts with that cause and the error is a
-    :class:`StorageError`. ``saving`` picks the advice: a save's (space, permissions) or a load's
-    (files complete and readable).
-    """
+    """Around a DCP call: its ``CheckpointException`` (a ``BaseException``) becomes :func:`dcp_failed`'s
+    ``CheckpointError``; ``saving`` picks a save's advice or a load's."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:

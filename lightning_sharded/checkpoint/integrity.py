@@ -1,18 +1,14 @@
 """Whether a checkpoint's files are whole: presence, sizes and checksums, agreed by every rank.
 
-Every check of a load and of the tools, over a :class:`~.detect.Found` (reads through its backend):
-
 - :func:`check_found` (collective), before a read: with a manifest, rank 0 checks every file's presence
-  and size (one listing), every other rank those of the files it wrote (a ``stat`` each), so no rank's
-  work grows with the number of ranks; ``verify=True`` adds every checksum, each file read by one rank
-  (:func:`split_by_size`). Without a manifest: the shard files against the DCP index (rank 0). The
-  findings are gathered (:func:`raise_agreed`): every rank raises the same error, or none does.
+  and size, every other rank those of the files it wrote; ``verify=True`` adds every checksum, each
+  file read by one rank (:func:`split_by_size`). Without a manifest: the shard files against the DCP
+  index (rank 0). Every rank raises the same error (:func:`raise_agreed`), or none does.
 - :class:`ReadVerification`: a sharded load's checksums from the bytes it reads. The backend's DCP
-  reader (local files) records the CRC-32 of each range it reads straight into a tensor, as the bytes
-  arrive (:class:`ReadChecksums`); after the read (:meth:`ReadVerification.check`, collective) each
-  file is completed by the rank that read most of it (only the bytes no range covered) and compared
-  with the manifest; files no rank read this way (``.metadata``, ``meta.pt``) are split by size and
-  read whole. On object storage both modes check before the first read instead.
+  reader (local files) records the CRC-32 of each range it reads straight into a tensor
+  (:class:`ReadChecksums`); after the read each file is completed by the rank that read most of it
+  and compared with the manifest; files no rank read this way are split by size and read whole. On
+  object storage both modes check before the first read instead.
 
 ``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model and copies
 them in once :meth:`ReadVerification.check` passed, so a damaged checkpoint leaves the model as it was
@@ -28,7 +24,7 @@ import contextlib
 import heapq
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.backends import Backend, Location, join
@@ -104,19 +100,14 @@ def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
         return None
 
 
-def _size_problems(backend: Backend, data: Location, manifest: Manifest) -> list[Problem]:
-    present = listed_sizes(backend.list_files, data, (entry.path for entry in manifest.files))
-    found = ((entry, present.get(entry.path)) for entry in manifest.files)
-    return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
-
-
-def _own_size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int) -> list[Problem]:
-    """The files ``rank`` wrote (its shards), each checked with one ``stat``: what a rank other than 0
-    checks, so that one whose view differs (an NFS attribute cache) is named, without N ranks listing N
-    files each (rank 0 checks every file with one listing)."""
-    found = (
-        (entry, _size_or_none(backend, data, entry.path)) for entry in manifest.files if entry.rank == rank
-    )
+def _size_problems(backend: Backend, data: Location, manifest: Manifest, rank: int = 0) -> list[Problem]:
+    """Rank 0 checks every file with one listing; another rank the files it wrote, one ``stat`` each, so
+    that one whose view differs (an NFS attribute cache) is named, without N ranks listing N files each."""
+    if rank == 0:
+        present = listed_sizes(backend.list_files, data, (entry.path for entry in manifest.files))
+        found = [(entry, present.get(entry.path)) for entry in manifest.files]
+    else:
+        found = [(e, _size_or_none(backend, data, e.path)) for e in manifest.files if e.rank == rank]
     return [problem for entry, size in found if (problem := size_problem(entry, size)) is not None]
 
 
@@ -129,8 +120,7 @@ def _checksum_problems(
 ) -> list[Problem]:
     problems = []
     for entry in entries:
-        problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
-        if problem is not None:
+        if problem := checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1]):
             problems.append(problem)
         if on_bytes is not None:  # a progress bar, file by file
             on_bytes(entry.size)
@@ -157,12 +147,8 @@ def find_problems(
 
 
 def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, verify: bool = False) -> None:
-    """Check the sharded checkpoint at ``path`` against ``manifest`` before loading it, in this process.
-
-    Args:
-        path: The sharded checkpoint (found as :func:`~.detect.detect` finds it).
-        manifest: Its manifest; ``None`` (a checkpoint without one) checks nothing.
-        verify: Also compare every file's checksum (reads every byte).
+    """Check the sharded checkpoint at ``path`` (as :func:`~.detect.detect` finds it) against ``manifest``
+    (``None`` checks nothing) before loading it, in this process; with ``verify`` every checksum too.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -193,22 +179,18 @@ def check_found(
     See the module doc. With ``alone`` it runs in this process only (the single-process tools), whatever
     process group is up. ``weights_only`` is how a checkpoint without a manifest has its ``.metadata``
     read (:func:`~lightning_sharded.checkpoint.dcp_index.read_index`): ``False`` by DCP's reader, as a
-    resume reads it; ``True`` / ``None`` (the tools) safely.
-
-    Raises:
-        CheckpointError: a file is missing, has another size, or (with ``verify``) another checksum;
-            names the first one, its rank and the others.
+    resume reads it; ``True`` / ``None`` (the tools) safely. Raises what :func:`check_files` raises, the
+    same on every rank.
     """
     where = collective.ranks(group, alone=alone)
     backend, data, manifest = found.backend, found.data, found.manifest
     try:
-        if manifest is None:
-            index = read_index(backend, data, weights_only=weights_only) if where.rank == 0 else None
-            mine = index_problems(backend, data, index) if index is not None else []
+        if manifest is not None:
+            mine = _size_problems(backend, data, manifest, where.rank)
         elif where.rank == 0:
-            mine = _size_problems(backend, data, manifest)
+            mine = index_problems(backend, data, read_index(backend, data, weights_only=weights_only))
         else:
-            mine = _own_size_problems(backend, data, manifest, where.rank)
+            mine = []
         if manifest is not None and verify:
             bad = {p.path for p in mine}
             share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
@@ -230,32 +212,26 @@ def raise_agreed(
     :class:`~lightning_sharded.CheckpointError` on every rank (the first error, else every problem
     found, in manifest order, with ``then`` after the message), or return on every rank. Collective."""
     reports = collective.all_gather(report, where)
-    errors = [(r, message) for r, (_, message) in enumerate(reports) if message is not None]
-    if errors:
-        rank, message = errors[0]
-        raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
+    for rank, (_, message) in enumerate(reports):
+        if message is not None:
+            raise CheckpointError(message if where.world_size == 1 else f"{message} (on rank {rank})")
     # Manifests list their files by path, so path order is manifest order; the writers are the problems'
     # own: a rank other than 0 may hold only its share of the manifest, and every rank must say the same.
-    seen: dict[tuple[str, str], Problem] = {}
-    seen_by: dict[tuple[str, str], list[int]] = {}
+    seen: dict[tuple[str, str], tuple[Problem, set[int]]] = {}
     for r, (problems, _) in enumerate(reports):
         for problem in problems:
-            seen.setdefault((problem.path, problem.what), problem)
-            seen_by.setdefault((problem.path, problem.what), []).append(r)
-    merged = sorted(seen.values(), key=lambda p: p.path)
+            seen.setdefault((problem.path, problem.what), (problem, set()))[1].add(r)
+    merged = sorted((problem for problem, _ in seen.values()), key=lambda p: p.path)
     error = damaged(data, merged, then)
     if error is None:
         return
-    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it: say so when only
-    # one of them saw a problem.
+    # Presence and sizes of a file are checked by rank 0 and by the rank that wrote it (its checkers):
+    # say so when only one of them saw a problem.
     writer = {p.path: p.rank for p in merged if p.rank is not None} if manifest is not None else {}
-
-    def checkers(path: str) -> set[int]:
-        return {r for r in (0, writer.get(path, 0)) if r < where.world_size}
-
-    size_problems = {key: set(rs) for key, rs in seen_by.items() if "corrupted" not in key[1]}
+    size_problems = {key: rs for key, (_, rs) in seen.items() if "corrupted" not in key[1]}
     partial = sorted({r for rs in size_problems.values() for r in rs})
-    if partial and any(not checkers(key[0]) <= rs for key, rs in size_problems.items()):
+    checkers = {path: {r for r in (0, writer.get(path, 0)) if r < where.world_size} for path, _ in seen}
+    if partial and any(not checkers[key[0]] <= rs for key, rs in size_problems.items()):
         shown = ", ".join(map(str, partial))
         raise CheckpointError(
             f"{error} (seen by rank(s) {shown} of {where.world_size}; rank {partial[0]}'s report)"
@@ -279,17 +255,12 @@ UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as the
 
 def verify_mode(verify: bool | str | None) -> VerifyMode | None:
     """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` (``True``) or
-    ``"during"``; a mode or ``None`` is returned as it is.
-
-    Raises:
-        ValueError: anything else, with the values accepted.
-    """
+    ``"during"``; a mode or ``None`` is returned as it is, anything else raises a ``ValueError`` naming
+    the values accepted."""
     if verify is None or isinstance(verify, bool):
         return "before" if verify else None
-    if verify == "before":
-        return "before"
-    if verify == "during":
-        return "during"
+    if verify in ("before", "during"):
+        return cast(VerifyMode, verify)
     raise ValueError(
         f"verify={verify!r} is not a way to check a checkpoint: pass False, True (or 'before': nothing is"
         " loaded from a damaged checkpoint) or 'during' (the load's reads go straight into the model)."
@@ -348,12 +319,8 @@ class ReadVerification:
 
     def check_sizes(self, weights_only: bool | None = False) -> None:
         """Before the first read: every file present with its size (collective, unless ``alone``). If one
-        is not, every file's checksum is computed too, so the error names every damaged file, as a check
-        before the read would.
-
-        Raises:
-            CheckpointError: a file is missing or has another size (the same error on every rank).
-        """
+        is not, every file's checksum is computed too, so the ``CheckpointError`` (the same on every rank)
+        names every damaged file, as a check before the read would."""
         try:
             check_found(self.found, verify=False, alone=self.alone, weights_only=weights_only)
         except CheckpointError:
@@ -390,16 +357,13 @@ class ReadVerification:
                 owners[entry.path] = counts.index(max(counts))  # the rank that read most of it (lowest)
         unread = split_by_size([e for e in manifest.files if e.path not in owners], where.world_size)
         mine = [e for e in manifest.files if owners.get(e.path) == where.rank] + unread[where.rank]
+        report: tuple[list[Problem], str | None] = ([], None)
         try:
-            problems = [p for entry in mine if (p := self._problem(entry)) is not None]
-            report: tuple[list[Problem], str | None] = (problems, None)
+            for entry in mine:
+                known = self.checksums.ranges.get(entry.path, [])
+                size, checksum = found.backend.checksum(join(found.data, entry.path), known=known)
+                if problem := size_problem(entry, size) or checksum_problem(entry, manifest, checksum):
+                    report[0].append(problem)
         except OSError as err:
             report = ([], f"Could not read {str(found.data)!r} to check its checksums: {err!r}")
         raise_agreed(report, where, found.data, manifest, self.then)
-
-    def _problem(self, entry: FileEntry) -> Problem | None:
-        manifest = self.found.manifest
-        assert manifest is not None
-        known = self.checksums.ranges.get(entry.path, [])
-        size, checksum = self.found.backend.checksum(join(self.found.data, entry.path), known=known)
-        return size_problem(entry, size) or checksum_problem(entry, manifest, checksum)

@@ -1,19 +1,9 @@
-"""``verify_checkpoint``: everything that can be checked of a checkpoint, in one process.
-
-For a sharded directory with a manifest, every file's presence, size and checksum
-(:func:`~lightning_sharded.checkpoint.integrity.find_problems`); without a manifest (stock Lightning),
-what can be checked without one (``.metadata`` reads, every file it references is there and long
-enough); for a full file, the CRC-32 that ``torch.save`` stores for every record of its zip archive;
-for Hugging Face weights, their headers and sizes. It also checks, without unpickling anything, that
-every pickle of the checkpoint holds only what a safe load allows
-(:mod:`~lightning_sharded.checkpoint.pickles`). The checks a load runs are in
-:mod:`~lightning_sharded.checkpoint.integrity`.
-
-It raises :class:`~lightning_sharded.CheckpointError` naming the first bad file, and the others.
-"""
+"""``verify_checkpoint``: everything that can be checked of a checkpoint, in one process (what it checks
+is in its docstring; the checks a load runs are in :mod:`~lightning_sharded.checkpoint.integrity`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, local_path, location
+from lightning_sharded.checkpoint.checksum import CHUNK_SIZE
 from lightning_sharded.checkpoint.dcp_index import index_problems, model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, checkpoint_files, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -31,9 +22,6 @@ from lightning_sharded.checkpoint.problems import Problem, damaged
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
 
 log = logging.getLogger(__name__)
-
-#: Bytes read at a time from a full file's records.
-_CHUNK = 8 << 20
 
 __all__ = ["VerifyReport", "verify_checkpoint"]
 
@@ -62,7 +50,6 @@ class VerifyReport:
 
 def _full_file_problems(backend: Backend, file: Location, progress: bool | None) -> list[Problem]:
     """A ``torch.save`` zip archive: every record's CRC-32 (stored by torch.save) must match."""
-    bad: str | None = None
     try:
         with backend.open_file(file) as f, zipfile.ZipFile(f) as archive:
             records = archive.infolist()
@@ -71,37 +58,15 @@ def _full_file_problems(backend: Backend, file: Location, progress: bool | None)
                 for info in records:
                     try:
                         with archive.open(info) as record:  # checks the CRC-32 once read to the end
-                            while chunk := record.read(_CHUNK):
+                            while chunk := record.read(CHUNK_SIZE):
                                 tick(len(chunk))
                     except zipfile.BadZipFile:
-                        bad = info.filename
-                        break
+                        what = f"record {info.filename!r} does not match the CRC-32 torch.save stored"
+                        return [Problem(basename(file), f"is corrupted: {what}")]
     except (zipfile.BadZipFile, OSError, EOFError) as err:
-        return [
-            Problem(
-                basename(file),
-                f"is not a complete torch.save archive ({err}): it is truncated or corrupt, or was written"
-                " by a torch older than 1.6",
-            )
-        ]
-    if bad is not None:
-        return [
-            Problem(
-                basename(file), f"is corrupted: record {bad!r} does not match the CRC-32 torch.save stored"
-            )
-        ]
+        what = f"({err}): it is truncated or corrupt, or was written by a torch older than 1.6"
+        return [Problem(basename(file), f"is not a complete torch.save archive {what}")]
     return []
-
-
-def _check_model_key(backend: Backend, data: Location) -> None:
-    """The model state under one of the model keys, as every load and tool needs it
-    (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`); read safely, so an index that holds a
-    refused type (noted by the pickle check, with the flag) is not checked."""
-    try:
-        index = read_index(backend, data, weights_only=True)
-    except unpickling.RefusedPickleError:
-        return
-    model_key(top_level_keys(index), data)
 
 
 def _raise(path: Location, problems: list[Problem]) -> None:
@@ -197,8 +162,10 @@ def verify_checkpoint(
     report.files, report.bytes = len(files), sum(files.values())
     if not weights:  # safetensors holds no pickle
         report.notes += check_pickles(backend, real, found.kind, weights_only)
-    if found.kind is CheckpointKind.SHARDED:
-        _check_model_key(backend, real)
+    if found.kind is CheckpointKind.SHARDED:  # the model state under a model key, as loads need it; an
+        # index read safely, so one holding a refused type (noted by the pickle check) is not checked
+        with contextlib.suppress(unpickling.RefusedPickleError):
+            model_key(top_level_keys(read_index(backend, real, weights_only=True)), real)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
         real,
