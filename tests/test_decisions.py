@@ -68,6 +68,18 @@ def test_verify_reads_each_file_once_across_ranks(reports: list[dict]) -> None:
     assert all(r["checksummed"] for r in reports)  # both ranks took a share
 
 
+def test_verify_with_a_file_missing_that_another_rank_checksums_fails_every_rank_alike(
+    reports: list[dict],
+) -> None:
+    # Rank 0 sees the file missing; rank 1, which stats only its own files, finds it so in its share of
+    # the checksums. It used to raise FileNotFoundError alone, leaving rank 0 in the gather until timeout.
+    first, second = (r["verify-missing"] for r in reports)
+    assert first["gone"], "no file of rank 0's in rank 1's share: the case would test nothing"
+    assert first["type"] == second["type"] == "CheckpointError", (first, second)
+    assert first["message"] == second["message"]
+    assert f"'{first['gone'][0]}'" in first["message"] and "is missing" in first["message"]
+
+
 def test_verify_during_checksums_each_rank_s_reads_and_each_file_once(reports: list[dict]) -> None:
     whole = [r["during"] for r in reports]
     assert [w["type"] for w in whole] == [None, None] and all(w["equal"] for w in whole)

@@ -120,7 +120,11 @@ def _checksum_problems(
 ) -> list[Problem]:
     problems = []
     for entry in entries:
-        if problem := checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1]):
+        try:
+            problem = checksum_problem(entry, manifest, backend.checksum(join(data, entry.path))[1])
+        except FileNotFoundError:  # a file whose presence another rank checks (or gone since): reported
+            problem = size_problem(entry, None)
+        if problem is not None:
             problems.append(problem)
         if on_bytes is not None:  # a progress bar, file by file
             on_bytes(entry.size)
@@ -192,9 +196,11 @@ def check_found(
         else:
             mine = []
         if manifest is not None and verify:
+            # The same split on every rank (each file checksummed by one rank), less what this rank saw
+            # damaged already: rank 0 sees every file's size, another rank only its own files'.
             bad = {p.path for p in mine}
-            share = split_by_size([e for e in manifest.files if e.path not in bad], where.world_size)
-            mine += _checksum_problems(backend, data, manifest, share[where.rank])
+            share = split_by_size(list(manifest.files), where.world_size)[where.rank]
+            mine += _checksum_problems(backend, data, manifest, [e for e in share if e.path not in bad])
         report: tuple[list[Problem], str | None] = (mine, None)
     except CheckpointError as err:
         report = ([], str(err))

@@ -12,7 +12,8 @@ Cases (one checkpoint of a plain module, saved by both ranks), each a load on bo
   one) on a DTensor checkpoint (each rank's 2 MiB shard
   read directly), whole, then with a byte of rank 1's shard flipped;
 - ``full``: rank 1 alone cannot read a full checkpoint file;
-- ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is).
+- ``rank-state``: a full file's per-rank state where rank 1's entry is not its own (rank 0's is);
+- ``verify-missing``: the checksum pass with a file of rank 0's missing that rank 1 checksums.
 
 Each rank writes ``OUT/rank{R}.json``: per case the error type and message (or None), the seconds it
 took, the manifest entries it was sent (a load that succeeded), for ``verify`` the files this rank
@@ -152,6 +153,38 @@ def bounded_groups(rank: int) -> dict[str, Any]:
     return found
 
 
+def missing_file(out: Path, rank: int) -> dict[str, Any]:
+    """``verify``: a file of rank 0's is missing, one that rank 1 (which checks only its own files'
+    presence) has in its share of the checksums; both must name it, neither may leave the other waiting
+    (the check runs on a 15 s group: rank 0 waits that long if rank 1 raises alone)."""
+    from lightning_sharded.checkpoint import collective
+    from lightning_sharded.checkpoint.integrity import split_by_size
+
+    torch.manual_seed(0)
+    ckpt = out / "missing"
+    save.write_sharded_checkpoint(
+        ckpt, {"model": nn.Linear(64, 64).state_dict()}, {"global_step": 3}, rank=rank
+    )
+    dist.barrier()
+    manifest = detect(ckpt).manifest
+    assert manifest is not None
+    needed = (names.DCP_METADATA, names.LIGHTNING_METADATA)  # what finding the checkpoint reads
+    gone = [e.path for e in split_by_size(list(manifest.files), 2)[1] if e.rank != 1 and e.path not in needed]
+    if rank == 0 and gone:
+        (ckpt / gone[0]).unlink()
+    dist.barrier()
+    found: dict[str, Any] = {"gone": gone[:1]}
+    start = time.perf_counter()
+    try:
+        check_found(detect(ckpt), verify=True, group=collective.bounded_group(15.0))
+        found["type"] = None
+    except Exception as err:
+        found.update(type=type(err).__name__, message=str(err))
+    found["seconds"] = time.perf_counter() - start
+    dist.barrier()
+    return found
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -276,6 +309,7 @@ def main(out: Path) -> None:
     dist.barrier()
     results["full-gather"] = full_gathers()
     results["groups"] = bounded_groups(rank)
+    results["verify-missing"] = missing_file(out, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
