@@ -28,7 +28,7 @@ from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
-from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
+from lightning_sharded.checkpoint.tools.frozen import FROZEN_SLOT, frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import first_line, get_path, leaves, map_tensors, open_sharded
 from lightning_sharded.checkpoint.writeback import WINDOW
 
@@ -45,10 +45,6 @@ FORMATS = ("lightning", "safetensors")
 
 
 # ----------------------------------------------------------------------------------- consolidate
-
-
-#: The slot key of a frozen parameter (read from a trainable-only checkpoint's source), not a DCP key.
-_FROZEN = "frozen:"
 
 
 @dataclass(frozen=True)
@@ -209,8 +205,8 @@ def _to_lightning_file(
         listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
         for key in frozen.keys:
             stored = key[len(frozen.prefix) :]
-            shapes[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
-            skeleton[names.STATE_DICT][key] = _Slot(_FROZEN + key)
+            shapes[FROZEN_SLOT + key] = (listing.shapes[stored], listing.dtypes[stored])
+            skeleton[names.STATE_DICT][key] = _Slot(FROZEN_SLOT + key)
         log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
     slots = {leaf.key: path for path, leaf in leaves(skeleton) if isinstance(leaf, _Slot)}
     # The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
@@ -218,14 +214,16 @@ def _to_lightning_file(
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
 
     def fill(loaded: Any, sums: _FillChecksums) -> None:
-        targets = {key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(_FROZEN)}
+        targets = {
+            key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(FROZEN_SLOT)
+        }
         with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
             reader.read_tensors(targets, tick, sums.filled, mapped=True)
             if frozen is not None:
                 into = {
-                    key[len(_FROZEN) :]: get_path(loaded, path)
+                    key[len(FROZEN_SLOT) :]: get_path(loaded, path)
                     for key, path in slots.items()
-                    if key.startswith(_FROZEN)
+                    if key.startswith(FROZEN_SLOT)
                 }
                 read_frozen(frozen, listing, into, weights_only)
                 for tensor in into.values():

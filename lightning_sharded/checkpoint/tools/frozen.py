@@ -26,6 +26,8 @@ __all__ = ["frozen_listing", "load_checkpoint", "read_frozen"]
 
 #: What an offline tool tells to do about a frozen source it cannot read.
 OFFLINE_FIX = "pass `merge_frozen=False` to read the trainable weights alone"
+#: Where a tool's output keys a frozen parameter (read from the source), apart from the DCP keys.
+FROZEN_SLOT = "frozen:"
 
 
 def frozen_listing(
