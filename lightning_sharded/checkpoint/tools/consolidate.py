@@ -94,13 +94,10 @@ def consolidate_checkpoint(
     the same destination and verify-first rules. See ``docs/huggingface.md``.
 
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
-    is first written with every tensor's space reserved but empty (``torch.serialization.skip_data``),
-    then memory-mapped (shared, so the page cache, not the process, holds it) and filled from the
-    shards one chunk at a time. Each chunk is checksummed while its bytes are still in memory and its
-    write-back to disk is started at once (so the disk writes while the next chunks are read); the
-    archive's CRC-32s are then set from those checksums, and the file is published atomically with
-    :func:`~lightning_sharded.checkpoint.commit.commit_file`: a failed or killed consolidation leaves
-    the destination as it was.
+    is written with every tensor's space reserved but empty, then memory-mapped (shared: the page
+    cache holds it) and filled one chunk at a time, each checksummed while in memory and its write-back
+    started at once; the file is published atomically: a failed or killed consolidation leaves the
+    destination as it was.
 
     Args:
         src: A sharded checkpoint directory.
@@ -143,38 +140,13 @@ def consolidate_checkpoint(
         from lightning_sharded.checkpoint.tools.hf_export import export_safetensors
 
         return export_safetensors(
-            src,
-            dst,
-            dtype=dtype,
-            prefix=prefix,
-            max_shard_size=max_shard_size,
-            config=config,
-            overwrite=overwrite,
-            verify=verify,
-            progress=progress,
-            weights_only=weights_only,
+            src, dst, dtype, prefix, max_shard_size, config, overwrite, verify, progress, weights_only
         )
     if dtype is not None or prefix is not None or config is not None:
         raise ValueError(
             "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
             " its own dtype. Leave dtype, prefix and config at None (they are for format='safetensors')."
         )
-    return _to_lightning_file(
-        src, dst, overwrite=overwrite, verify=verify, progress=progress, weights_only=weights_only
-    )
-
-
-def _to_lightning_file(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    overwrite: bool,
-    verify: bool,
-    progress: bool | None,
-    weights_only: bool | None,
-) -> Location:
-    """``format="lightning"``: the output's skeleton (a :class:`_Slot` for each tensor) and where each
-    tensor's bytes come from, then the file written with empty tensors and filled memory-mapped."""
     started = time.perf_counter()
     found = detect(src)
     real = found.data

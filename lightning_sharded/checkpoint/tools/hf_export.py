@@ -1,13 +1,8 @@
 """``consolidate_checkpoint(format="safetensors")``: a checkpoint's weights as a Hugging Face directory.
 
-The source is any checkpoint :func:`~lightning_sharded.checkpoint.detect.detect` finds (a sharded
-directory of either strategy, ours or stock, or a full file; local or a URL). Only the model's
-``state_dict`` is written (sharded attributes included: they are in it under their keys); keys keep
-their names, less ``prefix``. The output is written tensor by tensor: every shape and dtype is known
-from the source's index first, so each file's header goes down before its data, and the data is
-read (a batch of tensors of at most :data:`BATCH_BYTES`, 16 MiB, or one larger tensor), cast and
-appended.
-Memory holds one batch, never a file or the model.
+Every shape and dtype is known from the source's index first, so each file's header goes down before
+its data; the data is then read (a batch of tensors of at most :data:`BATCH_BYTES`, or one larger
+tensor), cast and appended: memory holds one batch, never a file or the model.
 
 The destination follows the tools' rules (:mod:`~lightning_sharded.checkpoint.destination`); the
 directory is staged beside it, its files checksummed while written and fsynced, a manifest added
@@ -134,7 +129,6 @@ def _source(
 def export_safetensors(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    *,
     dtype: torch.dtype | str | None,
     prefix: str | None,
     max_shard_size: int | str,
