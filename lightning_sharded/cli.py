@@ -164,11 +164,8 @@ def _demo(argv: list[str]) -> int:
 
 
 def _common_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """``-v`` and ``--debug``, accepted before and after the command.
-
-    On the subcommands the defaults are suppressed, so an option given before the command is not
-    reset by the subcommand's parser.
-    """
+    """``-v`` and ``--debug``, before and after the command (the subcommands' defaults are suppressed,
+    so one given before the command is not reset by the subcommand's parser)."""
     default: object = False if top else argparse.SUPPRESS
     parser.add_argument(
         "-v", "--verbose", action="store_true", default=default, help="log what is done, with timings"
