@@ -31,7 +31,7 @@ from lightning_sharded.checkpoint.tools.reader import (
     load_full,
     safe_torch_load,
 )
-from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
+from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 
@@ -283,7 +283,7 @@ def _inspect_safetensors(found: Found) -> CheckpointInfo:
         raise error
     entries = []
     for key, (_, tensor) in sorted(listing.tensors.items()):
-        dtype = torch_dtype(tensor.dtype)
+        dtype = TORCH_DTYPES.get(tensor.dtype)
         entries.append(
             EntryInfo(
                 key, list(tensor.shape), str(dtype) if dtype else tensor.dtype, tensor.end - tensor.begin, 1

@@ -127,11 +127,8 @@ class OfflineReader:
     def what(self, fqn: str, relative_path: str | None = None) -> str:
         """An entry in words, for :class:`unpickling.RefusedPickleError`."""
         rank = names.shard_rank(relative_path or "")
-        where = (
-            f" (in {relative_path!r}" + (f", written by rank {rank})" if rank is not None else ")")
-            if relative_path
-            else ""
-        )
+        by = f", written by rank {rank}" if rank is not None else ""
+        where = f" (in {relative_path!r}{by})" if relative_path else ""
         return f"The entry {fqn!r} of the sharded checkpoint {str(self.root)!r}{where}"
 
     def skip(self, top_level: Callable[[Any], bool]) -> None:
@@ -322,8 +319,7 @@ def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
     if unknown:
         raise CheckpointError(
             f"The optimizer state {key!r} of {str(root)!r} has state for {unknown[:3]} that no parameter"
-            " group"
-            " lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
+            " group lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
         )
     return {
         **{k: v for k, v in state.items() if k not in ("state", "param_groups")},

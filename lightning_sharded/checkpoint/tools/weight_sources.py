@@ -26,7 +26,7 @@ from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.tools.reader import open_sharded, read_full
-from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
+from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = [
     "FullSlices",
@@ -99,7 +99,7 @@ def _list_safetensors(path: Path) -> Listing:
         )
     listing = Listing("safetensors", str(path))
     for key, (name, tensor) in sorted(weights.tensors.items()):
-        dtype = torch_dtype(tensor.dtype)
+        dtype = TORCH_DTYPES.get(tensor.dtype)
         if dtype is None:
             raise CheckpointError(
                 f"{name!r} of {str(path)!r}: the tensor {key!r} has a dtype this library does not read:"
