@@ -14,7 +14,8 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+
+from lightning_sharded.checkpoint.progress import format_files, format_size
 
 __all__ = ["main"]
 
@@ -24,12 +25,6 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 _PROG = "lightning-sharded"
-
-
-def _size(n: int) -> str:
-    from lightning_sharded.checkpoint.progress import format_size
-
-    return format_size(n)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -44,7 +39,7 @@ def _inspect(args: argparse.Namespace) -> int:
             e.key,
             "-" if e.shape is None else "(" + ", ".join(map(str, e.shape)) + ")",
             e.dtype,
-            "-" if e.value is not None else _size(e.size),
+            "-" if e.value is not None else format_size(e.size),
             e.shards,
             e.value or "",
         )
@@ -54,8 +49,7 @@ def _inspect(args: argparse.Namespace) -> int:
     widths = [max([len(h)] + [len(str(r[i])) for r in rows]) for i, h in enumerate(headers)]
     align = ("<", "<", "<", ">", ">", "<")
     line = "  ".join(f"{{:{a}{w}}}" for a, w in zip(align, widths, strict=True))
-    print(line.format(*headers).rstrip())
-    for row in rows:
+    for row in [headers, *rows]:
         print(line.format(*map(str, row)).rstrip())
     print()
     print(f"path:        {info.path}")
@@ -63,10 +57,10 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"kind:        {info.kind}{manifest}")
     tensors = sum(e.value is None for e in info.entries)
     print(
-        f"entries:     {len(info.entries)}: {tensors} tensors, {_size(info.total_size)};"
+        f"entries:     {len(info.entries)}: {tensors} tensors, {format_size(info.total_size)};"
         f" {len(info.entries) - tensors} values"
     )
-    print(f"files:       {info.files}, {_size(info.disk_size)}")
+    print(f"files:       {info.files}, {format_size(info.disk_size)}")
     print(f"world size:  {info.world_size if info.world_size is not None else '-'}")
     print(f"epoch:       {info.epoch if info.epoch is not None else '-'}")
     print(f"global step: {info.global_step if info.global_step is not None else '-'}")
@@ -101,7 +95,7 @@ def _verify(args: argparse.Namespace) -> int:
     )
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
-    print(f"OK: {report.path} ({report.kind.value}, {files}, {_size(report.bytes)}; {what} match)")
+    print(f"OK: {report.path} ({report.kind.value}, {files}, {format_size(report.bytes)}; {what} match)")
     for note in report.notes:
         print(f"note: {note}")
     return EXIT_OK
@@ -109,16 +103,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.detect import checkpoint_files, detect
-    from lightning_sharded.checkpoint.progress import format_files
     from lightning_sharded.checkpoint.tools import consolidate_checkpoint
 
-    hf_only = {
-        "--dtype": args.dtype,
-        "--prefix": args.prefix,
-        "--max-shard-size": args.max_shard_size,
-        "--config": args.config,
-    }
-    given = [flag for flag, value in hf_only.items() if value is not None]
+    hf_only = ("dtype", "prefix", "max_shard_size", "config")
+    given = ["--" + name.replace("_", "-") for name in hf_only if getattr(args, name) is not None]
     if args.format != "safetensors" and given:
         print(
             f"{_PROG} consolidate: error: {', '.join(given)} apply to --format safetensors only (the"
@@ -126,7 +114,7 @@ def _consolidate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    out = consolidate_checkpoint(
+    out = consolidate_checkpoint(  # for lightning, the safetensors options are None (checked above)
         args.src,
         args.dst,
         format=args.format,
@@ -134,16 +122,10 @@ def _consolidate(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
         progress=False if args.no_progress else None,
         weights_only=not args.unsafe_unpickle,
-        **(
-            {
-                "dtype": args.dtype,
-                "prefix": args.prefix,
-                "max_shard_size": args.max_shard_size or "5GB",
-                "config": args.config,
-            }
-            if args.format == "safetensors"
-            else {}
-        ),
+        dtype=args.dtype,
+        prefix=args.prefix,
+        max_shard_size=args.max_shard_size or "5GB",
+        config=args.config,
     )
     files = checkpoint_files(detect(out, safetensors=True))  # what was written, counted as everywhere
     if args.format == "safetensors":
@@ -153,11 +135,11 @@ def _consolidate(args: argparse.Namespace) -> int:
             " load it with transformers' from_pretrained, or into a sharded model with"
             " lightning_sharded.load_pretrained."
         )
-        return EXIT_OK
-    print(
-        f"Wrote {out} ({_size(sum(files.values()))}): load it with torch.load, or resume from it with"
-        " Lightning."
-    )
+    else:
+        print(
+            f"Wrote {out} ({format_size(sum(files.values()))}): load it with torch.load, or resume from it"
+            " with Lightning."
+        )
     return EXIT_OK
 
 
@@ -182,26 +164,14 @@ def _demo(argv: list[str]) -> int:
 
 
 def _common_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
-    """``-v`` and ``--debug``, accepted before and after the command.
-
-    On the subcommands the defaults are suppressed, so an option given before the command is not
-    reset by the subcommand's parser.
-    """
+    """``-v`` and ``--debug``, before and after the command (the subcommands' defaults are suppressed,
+    so one given before the command is not reset by the subcommand's parser)."""
     default: object = False if top else argparse.SUPPRESS
     parser.add_argument(
         "-v", "--verbose", action="store_true", default=default, help="log what is done, with timings"
     )
     parser.add_argument(
         "--debug", action="store_true", default=default, help="on an error, show the traceback too"
-    )
-
-
-def _unsafe_unpickle_flag(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--unsafe-unpickle",
-        action="store_true",
-        help="unpickle whatever the checkpoint holds, running its code: only for a file you trust (by"
-        " default only tensors, plain data and what Lightning writes are unpickled)",
     )
 
 
@@ -229,14 +199,6 @@ _CHECKPOINT_COMMANDS = {
 }
 
 
-def _checkpoint_command(commands: Any, name: str, summary: str, description: str) -> argparse.ArgumentParser:
-    """A subcommand that reads a checkpoint: ``--unsafe-unpickle``, ``-v`` and ``--debug`` included."""
-    command: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=description)
-    _unsafe_unpickle_flag(command)
-    _common_options(command, top=False)
-    return command
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -246,10 +208,16 @@ def _parser() -> argparse.ArgumentParser:
     _common_options(parser, top=True)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     path_help = "a sharded checkpoint directory or a full checkpoint file"
-    inspect, verify, consolidate = (
-        _checkpoint_command(commands, name, summary, description)
-        for name, (summary, description) in _CHECKPOINT_COMMANDS.items()
-    )
+    for name, (summary, description) in _CHECKPOINT_COMMANDS.items():
+        command = commands.add_parser(name, help=summary, description=description)
+        command.add_argument(
+            "--unsafe-unpickle",
+            action="store_true",
+            help="unpickle whatever the checkpoint holds, running its code: only for a file you trust (by"
+            " default only tensors, plain data and what Lightning writes are unpickled)",
+        )
+        _common_options(command, top=False)
+    inspect, verify, consolidate = (commands.choices[name] for name in _CHECKPOINT_COMMANDS)
     inspect.add_argument("path", metavar="PATH", help=path_help)
     inspect.add_argument("--json", action="store_true", help="print JSON for scripts")
     verify.add_argument("path", metavar="PATH", help=path_help)

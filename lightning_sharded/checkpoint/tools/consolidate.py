@@ -21,32 +21,20 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from lightning_sharded.checkpoint import libc, names, unpickling
-from lightning_sharded.checkpoint.backends import Location, basename, join
+from lightning_sharded.checkpoint.backends import Location, basename
 from lightning_sharded.checkpoint.checksum import crc32, crc32_combine
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
-from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
-from lightning_sharded.checkpoint.tools.reader import (
-    first_line,
-    get_path,
-    leaves,
-    open_sharded,
-    set_path,
-    to_lightning,
-)
+from lightning_sharded.checkpoint.tools.frozen import FROZEN_SLOT, frozen_listing, read_frozen
+from lightning_sharded.checkpoint.tools.reader import first_line, get_path, leaves, map_tensors, open_sharded
 from lightning_sharded.checkpoint.writeback import WINDOW
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from lightning_sharded.checkpoint.detect import Found
-    from lightning_sharded.checkpoint.manifest import FrozenPart
-    from lightning_sharded.checkpoint.tools.reader import OfflineReader
-    from lightning_sharded.checkpoint.tools.weight_sources import Listing
 
 __all__ = ["FORMATS", "consolidate_checkpoint"]
 
@@ -57,10 +45,6 @@ FORMATS = ("lightning", "safetensors")
 
 
 # ----------------------------------------------------------------------------------- consolidate
-
-
-#: The slot key of a frozen parameter (read from a trainable-only checkpoint's source), not a DCP key.
-_FROZEN = "frozen:"
 
 
 @dataclass(frozen=True)
@@ -110,13 +94,10 @@ def consolidate_checkpoint(
     the same destination and verify-first rules. See ``docs/huggingface.md``.
 
     Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
-    is first written with every tensor's space reserved but empty (``torch.serialization.skip_data``),
-    then memory-mapped (shared, so the page cache, not the process, holds it) and filled from the
-    shards one chunk at a time. Each chunk is checksummed while its bytes are still in memory and its
-    write-back to disk is started at once (so the disk writes while the next chunks are read); the
-    archive's CRC-32s are then set from those checksums, and the file is published atomically with
-    :func:`~lightning_sharded.checkpoint.commit.commit_file`: a failed or killed consolidation leaves
-    the destination as it was.
+    is written with every tensor's space reserved but empty, then memory-mapped (shared: the page
+    cache holds it) and filled one chunk at a time, each checksummed while in memory and its write-back
+    started at once; the file is published atomically: a failed or killed consolidation leaves the
+    destination as it was.
 
     Args:
         src: A sharded checkpoint directory.
@@ -159,37 +140,13 @@ def consolidate_checkpoint(
         from lightning_sharded.checkpoint.tools.hf_export import export_safetensors
 
         return export_safetensors(
-            src,
-            dst,
-            dtype=dtype,
-            prefix=prefix,
-            max_shard_size=max_shard_size,
-            config=config,
-            overwrite=overwrite,
-            verify=verify,
-            progress=progress,
-            weights_only=weights_only,
+            src, dst, dtype, prefix, max_shard_size, config, overwrite, verify, progress, weights_only
         )
     if dtype is not None or prefix is not None or config is not None:
         raise ValueError(
             "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
             " its own dtype. Leave dtype, prefix and config at None (they are for format='safetensors')."
         )
-    return _to_lightning_file(
-        src, dst, overwrite=overwrite, verify=verify, progress=progress, weights_only=weights_only
-    )
-
-
-def _to_lightning_file(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    overwrite: bool,
-    verify: bool,
-    progress: bool | None,
-    weights_only: bool | None,
-) -> Location:
-    """``format="lightning"``: the sharded checkpoint at ``src`` as one full file, planned, then filled."""
     started = time.perf_counter()
     found = detect(src)
     real = found.data
@@ -202,26 +159,7 @@ def _to_lightning_file(
     reader = open_sharded(
         found, verify, weights_only, during=True, then=f"Nothing was written at {str(out)!r}."
     )
-    filling = _plan(found, reader, out, weights_only, progress)
-    try:
-        commit_file(out, filling.write)  # written locally (memory-mapped while filled); a URL gets one upload
-    except OSError as err:
-        raise _write_error(out, err) from err
-    log.info(
-        "Consolidated %s into %s (%s of tensors) in %.2fs",
-        real,
-        out,
-        format_size(filling.total),
-        time.perf_counter() - started,
-    )
-    return out
-
-
-def _structure(found: Found, reader: OfflineReader, weights_only: bool | None) -> dict[str, Any]:
-    """The Lightning checkpoint of a sharded one, with a :class:`_Slot` for each DCP tensor."""
-    real = found.data
-    with reader.reading():
-        meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
+    meta = reader.read_meta()
     rank_state = meta.pop(names.RANK_STATE_KEY, None)
     if isinstance(rank_state, dict):
         log.info(
@@ -230,125 +168,82 @@ def _structure(found: Found, reader: OfflineReader, weights_only: bool | None) -
             real,
             rank_state.get("world_size"),
         )
-    flat: dict[str, Any] = reader.read_objects()
-    flat.update({key: _Slot(key) for key in reader.tensors})
-    nested: dict[str, Any] = {}
-    for key in sorted(flat):
-        set_path(nested, reader.path_of(key), flat[key])
-    return to_lightning(nested, meta, real)
-
-
-def _plan(
-    found: Found, reader: OfflineReader, out: Location, weights_only: bool | None, progress: bool | None
-) -> _Filling:
-    """What the output holds (its skeleton, a slot per tensor) and where each tensor's bytes come from."""
-    real = found.data
-    checkpoint = _structure(found, reader, weights_only)
+    skeleton = reader.to_lightning({**reader.read_objects(), **{k: _Slot(k) for k in reader.tensors}}, meta)
+    shapes = {key: (tuple(md.size), md.properties.dtype) for key, md in reader.tensors.items()}
     # A trainable-only checkpoint: its frozen parameters come from the source it names (checked now,
     # before anything is written), so the output is a complete checkpoint, as any other consolidation.
     frozen = found.manifest.frozen if found.manifest is not None else None
-    listing = None
-    frozen_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     if frozen is not None:
         listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
         for key in frozen.keys:
             stored = key[len(frozen.prefix) :]
-            frozen_shapes[_FROZEN + key] = (listing.shapes[stored], listing.dtypes[stored])
-            checkpoint[names.STATE_DICT][key] = _Slot(_FROZEN + key)
+            shapes[FROZEN_SLOT + key] = (listing.shapes[stored], listing.dtypes[stored])
+            skeleton[names.STATE_DICT][key] = _Slot(FROZEN_SLOT + key)
         log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
-    slots: dict[str, tuple[Any, ...]] = {}
-    real_tensors: dict[tuple[Any, ...], torch.Tensor] = {}
-    for path, leaf in leaves(checkpoint):
-        if isinstance(leaf, _Slot):
-            slots[leaf.key] = path
-        elif isinstance(leaf, torch.Tensor):
-            real_tensors[path] = leaf
-    shapes = {key: (tuple(md.size), md.properties.dtype) for key, md in reader.tensors.items()}
-    shapes.update(frozen_shapes)
+    slots = {leaf.key: path for path, leaf in leaves(skeleton) if isinstance(leaf, _Slot)}
+    # The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
+    real_tensors = {path: leaf for path, leaf in leaves(skeleton) if isinstance(leaf, torch.Tensor)}
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
-    frozen_part = (frozen, listing) if frozen is not None and listing is not None else None
-    return _Filling(
-        out,
-        real,
-        reader,
-        checkpoint,
-        shapes,
-        slots,
-        real_tensors,
-        frozen_part,
-        total,
-        weights_only,
-        progress,
-    )
 
+    def fill(loaded: Any, sums: _FillChecksums) -> None:
+        targets = {
+            key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(FROZEN_SLOT)
+        }
+        with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
+            reader.read_tensors(targets, tick, sums.filled, mapped=True)
+            if frozen is not None:
+                into = {
+                    key[len(FROZEN_SLOT) :]: get_path(loaded, path)
+                    for key, path in slots.items()
+                    if key.startswith(FROZEN_SLOT)
+                }
+                read_frozen(frozen, listing, into, weights_only)
+                for tensor in into.values():
+                    sums.filled(tensor)
+                    tick(tensor.numel() * tensor.element_size())
+        for path, tensor in real_tensors.items():
+            target = get_path(loaded, path)
+            target.copy_(tensor)
+            sums.filled(target)
+        reader.check()  # with verify: the source's checksums, from the reads, before it is published
 
-@dataclass
-class _Filling:
-    """A planned consolidation: the output's skeleton and where each tensor's bytes come from."""
-
-    out: Location
-    real: Location
-    reader: OfflineReader
-    #: The checkpoint with a :class:`_Slot` for each tensor entry.
-    skeleton: Any
-    #: Each slot's shape and dtype, by key.
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    #: Each slot's key (a DCP key, or ``_FROZEN`` + a frozen key) and its path in the checkpoint.
-    slots: dict[str, tuple[Any, ...]]
-    #: The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
-    real_tensors: dict[tuple[Any, ...], torch.Tensor]
-    #: A trainable-only checkpoint's frozen part and what its source holds.
-    frozen: tuple[FrozenPart, Listing] | None
-    total: int
-    weights_only: bool | None
-    progress: bool | None
-
-    def write(self, tmp: Path) -> None:
-        """Write the skeleton with empty tensors at ``tmp``, then fill it memory-mapped, chunk by chunk."""
+    def write(tmp: Path) -> None:
+        """The skeleton with empty tensors at ``tmp``, then filled memory-mapped, chunk by chunk."""
         try:
-            with _unbacked(self.shapes) as empty, torch.serialization.skip_data():
-                torch.save(_map_slots(self.skeleton, empty), tmp)
+            with _unbacked(shapes) as empty, torch.serialization.skip_data():
+                torch.save(map_tensors(skeleton, lambda slot: empty[slot.key], _Slot), tmp)
         except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
-            raise _write_error(self.out, err) from err
+            raise _write_error(out, err) from err
         _reserve(tmp)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             loaded = unpickling.safe_load(
                 tmp,
                 what=f"The consolidated file {str(tmp)!r}",
-                weights_only=self.weights_only,
+                weights_only=weights_only,
                 mmap=True,
                 map_location="cpu",
             )
         sums = _FillChecksums(tmp, loaded)
         try:
-            self._fill(loaded, sums)
+            fill(loaded, sums)
         finally:
             del loaded
             gc.collect()
             sums.close()
         _fix_zip_crcs(tmp, sums.crcs())
 
-    def _fill(self, loaded: Any, sums: _FillChecksums) -> None:
-        slots = self.slots
-        targets = {key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(_FROZEN)}
-        with progress_bar(self.total, self.progress, f"consolidating {basename(self.real)}") as tick:
-            self.reader.read_tensors(targets, tick, sums.filled, mapped=True)
-            if self.frozen is not None:
-                frozen, listing = self.frozen
-                into = {
-                    key[len(_FROZEN) :]: get_path(loaded, path)
-                    for key, path in slots.items()
-                    if key.startswith(_FROZEN)
-                }
-                read_frozen(frozen, listing, into, self.weights_only)
-                for tensor in into.values():
-                    sums.filled(tensor)
-                    tick(tensor.numel() * tensor.element_size())
-        for path, tensor in self.real_tensors.items():
-            target = get_path(loaded, path)
-            target.copy_(tensor)
-            sums.filled(target)
-        self.reader.check()  # with verify: the source's checksums, from the reads, before it is published
+    try:
+        commit_file(out, write)  # written locally (memory-mapped while filled); a URL gets one upload
+    except OSError as err:
+        raise _write_error(out, err) from err
+    log.info(
+        "Consolidated %s into %s (%s of tensors) in %.2fs",
+        real,
+        out,
+        format_size(total),
+        time.perf_counter() - started,
+    )
+    return out
 
 
 def _write_error(out: Location, err: Exception) -> OSError:
@@ -401,16 +296,6 @@ def _unbacked(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Iterato
     finally:
         os.close(fd)
         os.unlink(scratch)
-
-
-def _map_slots(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.key]
-    if isinstance(obj, dict):
-        return type(obj)((k, _map_slots(v, tensors)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_slots(v, tensors) for v in obj)
-    return obj
 
 
 def _data_start(f: Any, info: Any) -> int:

@@ -26,18 +26,15 @@ __all__ = ["frozen_listing", "load_checkpoint", "read_frozen"]
 
 #: What an offline tool tells to do about a frozen source it cannot read.
 OFFLINE_FIX = "pass `merge_frozen=False` to read the trainable weights alone"
+#: Where a tool's output keys a frozen parameter (read from the source), apart from the DCP keys.
+FROZEN_SLOT = "frozen:"
 
 
 def frozen_listing(
     frozen: FrozenPart, path: str, weights_only: bool | None, fix: str = OFFLINE_FIX
 ) -> Listing:
-    """What the frozen source holds, checked to have every frozen key (less the prefix).
-
-    Args:
-        frozen: the frozen part of the checkpoint at ``path``.
-        path: the trainable-only checkpoint, for messages.
-        weights_only: as in :func:`load_checkpoint`.
-        fix: what the messages tell to do besides restoring the source.
+    """What the frozen source of the checkpoint at ``path`` holds, checked to have every frozen key (less
+    the prefix); ``fix``: what the messages tell to do besides restoring the source.
 
     Raises:
         FileNotFoundError: nothing at the source.

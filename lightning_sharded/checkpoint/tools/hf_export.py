@@ -1,13 +1,8 @@
 """``consolidate_checkpoint(format="safetensors")``: a checkpoint's weights as a Hugging Face directory.
 
-The source is any checkpoint :func:`~lightning_sharded.checkpoint.detect.detect` finds (a sharded
-directory of either strategy, ours or stock, or a full file; local or a URL). Only the model's
-``state_dict`` is written (sharded attributes included: they are in it under their keys); keys keep
-their names, less ``prefix``. The output is written tensor by tensor: every shape and dtype is known
-from the source's index first, so each file's header goes down before its data, and the data is
-read (a batch of tensors of at most :data:`BATCH_BYTES`, 16 MiB, or one larger tensor), cast and
-appended.
-Memory holds one batch, never a file or the model.
+Every shape and dtype is known from the source's index first, so each file's header goes down before
+its data; the data is then read (a batch of tensors of at most :data:`BATCH_BYTES`, or one larger
+tensor), cast and appended: memory holds one batch, never a file or the model.
 
 The destination follows the tools' rules (:mod:`~lightning_sharded.checkpoint.destination`); the
 directory is staged beside it, its files checksummed while written and fsynced, a manifest added
@@ -35,9 +30,8 @@ from lightning_sharded.checkpoint.destination import output_file
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.checks import frozen_of
-from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.progress import format_size, progress_bar
-from lightning_sharded.checkpoint.tools.frozen import frozen_listing, read_frozen
+from lightning_sharded.checkpoint.tools.frozen import FROZEN_SLOT, frozen_listing, read_frozen
 from lightning_sharded.checkpoint.tools.reader import open_sharded
 from lightning_sharded.checkpoint.tools.safetensors_format import (
     CONFIG_NAME,
@@ -70,25 +64,46 @@ class _Tensor:
     dtype: torch.dtype
 
 
-@dataclass
-class _Source:
-    """The model tensors of a checkpoint, and a way to read some of them into given buffers; for a
-    trainable-only checkpoint, the frozen part it names (:func:`_with_frozen` adds it)."""
+def _source(
+    found: Found, verify: bool, weights_only: bool | None, prefix: str
+) -> tuple[list[_Tensor], Callable[[dict[str, torch.Tensor]], None]]:
+    """The model tensors of a checkpoint whose keys start with ``prefix``, and a way to read some of them
+    into given buffers (by source key); a trainable-only checkpoint's frozen ones read from its source."""
+    if found.kind is CheckpointKind.SHARDED:
+        reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
+        tensors = [
+            _Tensor(key, name[len(prefix) :], tuple(md.size), md.properties.dtype)
+            for key, name, md in reader.model_tensors()
+            if name.startswith(prefix)
+        ]
+        model_key = reader.model_key()
+        skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
+        if skipped:
+            log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
+        frozen = found.manifest.frozen if found.manifest is not None else None
 
-    tensors: list[_Tensor]
-    read: Callable[[dict[str, torch.Tensor]], None]
-    frozen: FrozenPart | None = None
+        def read(targets: dict[str, torch.Tensor]) -> None:
+            reader.read_tensors(targets, None)
 
+    else:
+        checkpoint, state = full_weights(found.backend, found.data, weights_only)
+        tensors = [
+            _Tensor(key, key[len(prefix) :], tuple(value.shape), value.dtype)
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and key.startswith(prefix)
+        ]
+        frozen = frozen_of(checkpoint, str(found.data))
 
-def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: str) -> _Source:
-    """``source`` and the frozen parameters of a trainable-only checkpoint, read from where it names."""
-    frozen = source.frozen
+        def read(targets: dict[str, torch.Tensor]) -> None:
+            for key, target in targets.items():
+                target.copy_(state[key])
+
     if frozen is None:
-        return source
-    listing = frozen_listing(frozen, path, weights_only, "export from a copy that has it")
+        return tensors, read
+    listing = frozen_listing(frozen, str(found.data), weights_only, "export from a copy that has it")
     extra = {
-        "frozen:" + key: _Tensor(
-            "frozen:" + key,
+        FROZEN_SLOT + key: _Tensor(
+            FROZEN_SLOT + key,
             key[len(prefix) :],
             listing.shapes[key[len(frozen.prefix) :]],
             listing.dtypes[key[len(frozen.prefix) :]],
@@ -96,56 +111,24 @@ def _with_frozen(source: _Source, path: str, weights_only: bool | None, prefix: 
         for key in frozen.keys
         if key.startswith(prefix)
     }
-    log.info("%s holds the trainable weights only: its frozen part is read from %s", path, frozen.source)
+    log.info(
+        "%s holds the trainable weights only: its frozen part is read from %s", found.data, frozen.source
+    )
 
-    def read(targets: dict[str, torch.Tensor]) -> None:
-        mine = {k[len("frozen:") :]: v for k, v in targets.items() if k in extra}
+    def read_all(targets: dict[str, torch.Tensor]) -> None:
+        mine = {k[len(FROZEN_SLOT) :]: v for k, v in targets.items() if k in extra}
         if mine:
             read_frozen(frozen, listing, mine, weights_only)
         rest = {k: v for k, v in targets.items() if k not in extra}
         if rest:
-            source.read(rest)
+            read(rest)
 
-    return _Source([*source.tensors, *extra.values()], read)
-
-
-def _sharded_source(found: Found, verify: bool, weights_only: bool | None, prefix: str) -> _Source:
-    reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
-    model_key = reader.model_key()
-    tensors = []
-    for key, md in reader.tensors.items():
-        path = reader.path_of(key)
-        if path[0] != model_key:
-            continue
-        name = ".".join(str(p) for p in path[1:])
-        if name.startswith(prefix):
-            tensors.append(_Tensor(key, name[len(prefix) :], tuple(md.size), md.properties.dtype))
-    skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
-    if skipped:
-        log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
-    frozen = found.manifest.frozen if found.manifest is not None else None
-    return _Source(tensors, lambda targets: reader.read_tensors(targets, None), frozen)
-
-
-def _full_source(found: Found, weights_only: bool | None, prefix: str) -> _Source:
-    checkpoint, state = full_weights(found.backend, found.data, weights_only)
-    tensors = [
-        _Tensor(key, key[len(prefix) :], tuple(value.shape), value.dtype)
-        for key, value in state.items()
-        if isinstance(value, torch.Tensor) and key.startswith(prefix)
-    ]
-
-    def read(targets: dict[str, torch.Tensor]) -> None:
-        for key, target in targets.items():
-            target.copy_(state[key])
-
-    return _Source(tensors, read, frozen_of(checkpoint, str(found.data)))
+    return [*tensors, *extra.values()], read_all
 
 
 def export_safetensors(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    *,
     dtype: torch.dtype | str | None,
     prefix: str | None,
     max_shard_size: int | str,
@@ -169,25 +152,21 @@ def export_safetensors(
     found = detect(src)
     out = local_path(output_file(src, found.data, dst, overwrite=overwrite))
     assert out is not None
-    if found.kind is CheckpointKind.SHARDED:
-        source = _sharded_source(found, verify, weights_only, prefix)
-    else:
-        source = _full_source(found, weights_only, prefix)
-    source = _with_frozen(source, str(found.data), weights_only, prefix)
-    if not source.tensors:
+    model, read = _source(found, verify, weights_only, prefix)
+    if not model:
         raise CheckpointError(
             f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"
             " nothing to export. Check the prefix (`lightning-sharded inspect` lists the keys)."
         )
-    tensors = {t.out_key: t for t in source.tensors}
-    for t in source.tensors:
+    tensors = {t.out_key: t for t in model}
+    for t in model:
         if t.dtype not in DTYPE_NAMES:
             raise CheckpointError(
                 f"The tensor {t.source_key!r} of {str(src)!r} is {t.dtype}, which safetensors cannot store."
             )
     entries = [
         Entry(t.out_key, t.shape, target_dtype if target_dtype and t.dtype.is_floating_point else t.dtype)
-        for t in source.tensors
+        for t in model
     ]
     files = plan_files(entries, max_bytes)
     total = sum(e.nbytes for e in entries)
@@ -206,7 +185,7 @@ def export_safetensors(
                             tensors[e.key].source_key: torch.empty(e.shape, dtype=tensors[e.key].dtype)
                             for e in batch
                         }
-                        source.read(buffers)
+                        read(buffers)
                         for e in batch:
                             value = buffers.pop(tensors[e.key].source_key).to(e.dtype).contiguous()
                             if value.numel():  # no copy: the tensor's own bytes

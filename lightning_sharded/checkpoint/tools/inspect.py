@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +23,6 @@ from lightning_sharded.checkpoint.detect import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import check_found
-from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
 from lightning_sharded.checkpoint.tools.reader import (
@@ -31,7 +31,7 @@ from lightning_sharded.checkpoint.tools.reader import (
     load_full,
     safe_torch_load,
 )
-from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
+from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 
@@ -116,6 +116,10 @@ def _value_entry(key: str, value: Any, shards: int = 1) -> EntryInfo:
     return EntryInfo(key, None, type(value).__name__, 0, shards, text)
 
 
+def _tensor_entry(key: str, tensor: torch.Tensor) -> EntryInfo:
+    return EntryInfo(key, list(tensor.shape), str(tensor.dtype), tensor.numel() * tensor.element_size(), 1)
+
+
 def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = True) -> CheckpointInfo:
     """Describe a checkpoint without reading its tensors, after checking that its files are whole.
 
@@ -148,6 +152,8 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
         info = _inspect_safetensors(found)
     else:
         info = _inspect_sharded(found, weights_only)
+    info.entries.sort(key=lambda e: e.key)
+    info.total_size = sum(e.size for e in info.entries)
     log.info(
         "Inspected %s (%d entries) in %.2fs", found.data, len(info.entries), time.perf_counter() - started
     )
@@ -155,42 +161,37 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
 
 
 def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
-    backend, real, kind = found.backend, found.data, found.kind
     check_found(found, alone=True, weights_only=weights_only)  # presence and sizes: cheap, no data read
     files = checkpoint_files(found)
-    reader = OfflineReader(backend, real, weights_only)
+    reader = OfflineReader(found.backend, found.data, weights_only)
     reader.model_key()  # the one rule: a checkpoint with neither model key, or both, is refused everywhere
-    chunks: dict[str, int] = {}
-    for index in reader.metadata.storage_data or {}:
-        chunks[index.fqn] = chunks.get(index.fqn, 0) + 1
-    entries = []
-    for key, md in reader.tensors.items():
-        numel = int(torch.Size(md.size).numel())
-        itemsize = torch.empty((), dtype=md.properties.dtype).element_size()
-        entries.append(
-            EntryInfo(key, list(md.size), str(md.properties.dtype), numel * itemsize, len(md.chunks))
-        )
-    refused: dict[str, str] = {}
+    chunks = Counter(index.fqn for index in reader.metadata.storage_data or {})
+    info = CheckpointInfo(
+        path=str(found.data),
+        kind=found.kind.value,
+        entries=[
+            EntryInfo(
+                key,
+                list(md.size),
+                str(md.properties.dtype),
+                math.prod(md.size) * md.properties.dtype.itemsize,
+                len(md.chunks),
+            )
+            for key, md in reader.tensors.items()
+        ],
+        files=len(files),
+        disk_size=sum(files.values()),
+        has_manifest=found.manifest is not None,
+        rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
+    )
     for key in reader.objects:  # one at a time, so a refused entry leaves the others shown
         try:
             value = reader.read_objects([key])[key]
         except unpickling.RefusedPickleError as err:
-            refused[key] = err.name
-            entries.append(EntryInfo(key, None, "not unpickled", 0, chunks.get(key, 1)))
+            info.not_unpickled[key] = err.name
+            info.entries.append(EntryInfo(key, None, "not unpickled", 0, chunks.get(key, 1)))
         else:
-            entries.append(_value_entry(key, value, chunks.get(key, 1)))
-    entries.sort(key=lambda e: e.key)
-    info = CheckpointInfo(
-        path=str(real),
-        kind=kind.value,
-        entries=entries,
-        total_size=sum(e.size for e in entries),
-        files=len(files),
-        disk_size=sum(files.values()),
-        has_manifest=found.manifest is not None,
-        not_unpickled=refused,
-        rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
-    )
+            info.entries.append(_value_entry(key, value, chunks.get(key, 1)))
     manifest = found.manifest
     if manifest is not None:
         info.frozen = manifest.frozen.to_dict() if manifest.frozen is not None else None
@@ -204,28 +205,14 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and names.LIGHTNING_METADATA in files:
         try:
-            meta = read_meta(backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
+            meta = reader.read_meta()
         except unpickling.RefusedPickleError:
             meta = unpickling.inert_load(
-                join(real, names.LIGHTNING_METADATA), load=backend.torch_load, map_location="cpu"
+                join(found.data, names.LIGHTNING_METADATA), load=found.backend.torch_load, map_location="cpu"
             )
             _mark_not_unpickled(info, meta)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
-
-
-def _model_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """As ``reader.leaves``, but a list or tuple of plain values (``params: [0, 1]``) is one leaf."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _model_leaves(v, (*path, k))
-    elif isinstance(obj, (list, tuple)) and any(
-        isinstance(v, (dict, list, tuple, torch.Tensor)) for v in obj
-    ):
-        for i, v in enumerate(obj):
-            yield from _model_leaves(v, (*path, i))
-    else:
-        yield path, obj
 
 
 def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
@@ -235,7 +222,6 @@ def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
             key = ".".join(map(str, p))
             info.not_unpickled[key] = leaf.name
             info.entries.append(EntryInfo(key, None, "not unpickled", 0, 1))
-    info.entries.sort(key=lambda e: e.key)
 
 
 def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
@@ -254,39 +240,36 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
         checkpoint = load_full(backend, file, "cpu", weights_only)
     if not isinstance(checkpoint, dict):
         raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
-    entries = []
-    for key in ("state_dict", "optimizer_states"):  # what a sharded checkpoint keeps in DCP
-        for path, leaf in _model_leaves(checkpoint.get(key, {}), (key,)):
-            name = ".".join(map(str, path))
-            if isinstance(leaf, torch.Tensor):
-                entries.append(
-                    EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
-                )
-            else:
-                entries.append(_value_entry(name, leaf))
+    # The state a sharded checkpoint keeps in DCP (a list of plain values is one value), then the
+    # tensors of the rest (a callback's best score...).
+    model = {key: checkpoint[key] for key in ("state_dict", "optimizer_states") if key in checkpoint}
+    skipped = (*model, names.RANK_STATE_KEY, names.FROZEN_KEY)
+    rest = {k: v for k, v in checkpoint.items() if k not in skipped}
+    entries = [
+        _tensor_entry(".".join(map(str, path)), leaf)
+        if isinstance(leaf, torch.Tensor)
+        else _value_entry(".".join(map(str, path)), leaf)
+        for path, leaf in leaves(model, plain=True)
+    ]
+    entries += [
+        _tensor_entry(".".join(map(str, p)), leaf)
+        for p, leaf in leaves(rest)
+        if isinstance(leaf, torch.Tensor)
+    ]
     rank_state = checkpoint.get(names.RANK_STATE_KEY)
     ranks = rank_state.get("ranks") if isinstance(rank_state, dict) else None
-    skipped = ("state_dict", "optimizer_states", names.RANK_STATE_KEY, names.FROZEN_KEY)
-    for path, leaf in leaves({k: v for k, v in checkpoint.items() if k not in skipped}):
-        if isinstance(leaf, torch.Tensor):  # e.g. a callback's best score
-            name = ".".join(map(str, path))
-            entries.append(
-                EntryInfo(name, list(leaf.shape), str(leaf.dtype), leaf.numel() * leaf.element_size(), 1)
-            )
-    entries.sort(key=lambda e: e.key)
+    frozen = frozen_of(checkpoint, str(file))
     info = CheckpointInfo(
         path=str(file),
         kind=CheckpointKind.FULL.value,
         entries=entries,
-        total_size=sum(e.size for e in entries),
         files=1,
         disk_size=sum(checkpoint_files(found).values()),
         epoch=checkpoint.get("epoch"),
         global_step=checkpoint.get("global_step"),
         rank_state_ranks=len(ranks) if isinstance(ranks, list) and ranks else None,
+        frozen=frozen.to_dict() if frozen is not None else None,
     )
-    frozen = frozen_of(checkpoint, str(file))
-    info.frozen = frozen.to_dict() if frozen is not None else None
     if refused:
         _mark_not_unpickled(info, checkpoint)
     return info
@@ -300,7 +283,7 @@ def _inspect_safetensors(found: Found) -> CheckpointInfo:
         raise error
     entries = []
     for key, (_, tensor) in sorted(listing.tensors.items()):
-        dtype = torch_dtype(tensor.dtype)
+        dtype = TORCH_DTYPES.get(tensor.dtype)
         entries.append(
             EntryInfo(
                 key, list(tensor.shape), str(dtype) if dtype else tensor.dtype, tensor.end - tensor.begin, 1
@@ -311,7 +294,6 @@ def _inspect_safetensors(found: Found) -> CheckpointInfo:
         path=str(found.data),
         kind=CheckpointKind.SAFETENSORS.value,
         entries=entries,
-        total_size=sum(e.size for e in entries),
         files=len(files),
         disk_size=sum(files.values()),
         has_manifest=found.manifest is not None,

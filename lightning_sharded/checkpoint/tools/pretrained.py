@@ -1,16 +1,10 @@
 """``load_pretrained``: weights into a model that is already sharded, each rank reading only its slices.
 
-The sources: a Hugging Face directory (``model.safetensors``, or files and
-``model.safetensors.index.json``) or one ``.safetensors`` file, read lazily through ``safetensors``'
-``safe_open(...).get_slice``; a full torch / Lightning checkpoint file, memory-mapped (local) and
-unpickled safely; the model part of a sharded checkpoint directory (ours, stock ``FSDPStrategy``'s or
-``ModelParallelStrategy``'s), read through its DCP files with resharding.
-
+The sources, and how each is read, are :mod:`~lightning_sharded.checkpoint.tools.weight_sources`'.
 The targets are the model's own sharded state dict (``get_model_state_dict``: ``DTensor`` parameters
 of FSDP2 and tensor parallelism, FSDP1's sharded ``ShardedTensor`` views, plain tensors, sharded
 attributes under their keys). One ``torch.distributed.checkpoint.load`` plans, on every rank, the reads
-its local pieces need (offsets from the placements and the mesh, or the shards' metadata), so a rank
-reads the rows and columns it holds and nothing else; values are copied into the shards, cast to their
+its local pieces need, so a rank reads the rows and columns it holds and nothing else, cast to their
 dtype. What the source holds is listed once, on rank 0, and shared; keys and shapes are then compared
 the same way on every rank, so every rank loads, or raises the same error, before anything is read.
 """
@@ -110,11 +104,7 @@ def load_pretrained(
             f"{hint} (strict): {' '.join(parts)} Pass the prefix under which the module holds the model"
             " (prefix='llm.' for self.llm), or strict=False to load only the keys both have."
         )
-    to_load = {key: targets[key] for key in report.common}
-    _check_shapes(listing, to_load, prefix, type(module).__name__)
-    if to_load:
-        read_weights(listing, to_load, weights_only)
-        set_model_state(root, {prefix + key: value for key, value in to_load.items()})
+    _load(root, listing, {key: targets[key] for key in report.common}, prefix, module, weights_only)
     return PretrainedKeys(missing, unexpected)
 
 
@@ -127,11 +117,7 @@ def load_frozen(
     ``frozen.prefix + key`` is read from the source's ``key``; every one of ``frozen.keys`` must be in
     the source with the module's shape.
 
-    Args:
-        module: the model (or the wrapped root), already sharded.
-        frozen: the keys to load and where they are.
-        checkpoint: the trainable-only checkpoint, for messages.
-        weights_only: as in :func:`load_pretrained`.
+    ``checkpoint``: the trainable-only checkpoint, for messages.
 
     Raises:
         FileNotFoundError: nothing at the source.
@@ -144,15 +130,20 @@ def load_frozen(
     listing = collective.decide(lambda: frozen_listing(frozen, checkpoint, weights_only, fix))
     root = _root(module)
     state = model_state_dict(root, full=False)
-    prefix = frozen.prefix
-    targets = {key[len(prefix) :]: state[key] for key in frozen.keys}
-    _check_shapes(listing, targets, prefix, type(module).__name__)
-    read_weights(listing, targets, weights_only)
-    set_model_state(root, {prefix + key: value for key, value in targets.items()})
+    targets = {key[len(frozen.prefix) :]: state[key] for key in frozen.keys}
+    _load(root, listing, targets, frozen.prefix, module, weights_only)
 
 
-def _check_shapes(listing: Listing, targets: dict[str, Any], prefix: str, what: str) -> None:
-    """A ``CheckpointError`` listing every key of ``targets`` whose global shape the source does not have."""
+def _load(
+    root: nn.Module,
+    listing: Listing,
+    targets: dict[str, Any],
+    prefix: str,
+    module: nn.Module,
+    weights_only: bool | None,
+) -> None:
+    """Read ``targets`` (source key to the module's tensor) into ``root``; first a ``CheckpointError``
+    listing every key whose global shape the source does not have."""
     bad = [
         f"size mismatch for {prefix + key}: the weights have shape {list(listing.shapes[key])}, the module"
         f" {list(shape)}"
@@ -161,9 +152,12 @@ def _check_shapes(listing: Listing, targets: dict[str, Any], prefix: str, what: 
     ]
     if bad:
         raise CheckpointError(
-            f"The pretrained weights {listing.shown!r} do not fit {what}: {'; '.join(bad)}."
+            f"The pretrained weights {listing.shown!r} do not fit {type(module).__name__}: {'; '.join(bad)}."
             " Build the model from the configuration the weights were saved with."
         )
+    if targets:
+        read_weights(listing, targets, weights_only)
+        set_model_state(root, {prefix + key: value for key, value in targets.items()})
 
 
 def _root(module: nn.Module) -> nn.Module:

@@ -45,9 +45,9 @@ __all__ = [
     "map_tensors",
     "open_sharded",
     "read_checkpoint",
+    "read_full",
     "safe_torch_load",
     "set_path",
-    "to_lightning",
 ]
 
 
@@ -86,18 +86,49 @@ class OfflineReader:
         return tuple(self.mapping.get(key, (key,)))
 
     def model_key(self) -> str:
-        """The top-level key of the model state (:func:`~lightning_sharded.checkpoint.dcp_index.model_key`:
-        the one rule; a ``CheckpointError`` for neither key or both)."""
+        """The top-level key of the model state (a ``CheckpointError`` for neither key or both)."""
         return model_key(top_level_keys(self.metadata), self.root)
+
+    def model_tensors(self) -> Iterator[tuple[str, str, Any]]:
+        """``(DCP key, model key, metadata)`` of each tensor entry of the model state."""
+        top = self.model_key()
+        for key, md in self.tensors.items():
+            if (path := self.path_of(key))[0] == top:
+                yield key, ".".join(map(str, path[1:])), md
+
+    def read_meta(self) -> dict[str, Any]:
+        """``meta.pt``, read safely unless ``weights_only`` is ``False``."""
+        with self.reading():
+            return read_meta(
+                self.backend, join(self.root, names.LIGHTNING_METADATA), self.weights_only, safe=True
+            )
+
+    def to_lightning(self, flat: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        """DCP's entries (``flat``, by key) plus ``meta.pt`` as the dict of a full Lightning checkpoint."""
+        nested: dict[str, Any] = {}
+        for key in sorted(flat):
+            set_path(nested, self.path_of(key), flat[key])
+        checkpoint = dict(meta)
+        checkpoint["state_dict"] = nested.pop(model_key(map(str, nested), self.root))
+        optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
+        if [i for i, _ in optimizers] != list(range(len(optimizers))):
+            raise CheckpointError(
+                f"The sharded checkpoint {str(self.root)!r} has optimizer states"
+                f" {[k for _, k in optimizers]}, not numbered 0, 1, ...: one is missing. Restore the"
+                " directory from a copy."
+            )
+        if optimizers:
+            checkpoint["optimizer_states"] = [
+                _rekey_optimizer(nested.pop(k), k, self.root) for _, k in optimizers
+            ]
+        checkpoint.update(nested)
+        return checkpoint
 
     def what(self, fqn: str, relative_path: str | None = None) -> str:
         """An entry in words, for :class:`unpickling.RefusedPickleError`."""
         rank = names.shard_rank(relative_path or "")
-        where = (
-            f" (in {relative_path!r}" + (f", written by rank {rank})" if rank is not None else ")")
-            if relative_path
-            else ""
-        )
+        by = f", written by rank {rank}" if rank is not None else ""
+        where = f" (in {relative_path!r}{by})" if relative_path else ""
         return f"The entry {fqn!r} of the sharded checkpoint {str(self.root)!r}{where}"
 
     def skip(self, top_level: Callable[[Any], bool]) -> None:
@@ -170,9 +201,8 @@ class OfflineReader:
         return self.verification.reading() if self.verification is not None else contextlib.nullcontext()
 
     def check(self) -> None:
-        """With a ``verification``: every file's checksum, completed from the bytes the reads did not
-        cover, compared with the manifest; call it after the last read, before what was read is used or
-        published. Without one, nothing (the files were checked before, or not at all).
+        """With a ``verification``: every file's checksum (completed from the bytes the reads did not
+        cover) compared with the manifest; call it after the last read, before what was read is used.
 
         Raises:
             CheckpointError: a file's bytes differ from what was written; names the file and its rank.
@@ -215,11 +245,7 @@ class OfflineReader:
         return None
 
     def read_objects(self, keys: list[str] | None = None) -> dict[str, Any]:
-        """The non-tensor entries (pickled by DCP), e.g. the optimizers' ``param_groups``.
-
-        Args:
-            keys: Read only these entries (default: all of them).
-        """
+        """The non-tensor entries (the optimizers' ``param_groups``...): ``keys``, or all of them."""
         state: dict[str, Any] = dict.fromkeys(self.objects if keys is None else keys)
         if state:
             self._load(state)
@@ -236,7 +262,6 @@ class OfflineReader:
         """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk.
 
         Args:
-            targets: Where each tensor entry goes, by key.
             on_tensor: Called with the bytes of each chunk once it is copied (a progress bar).
             on_filled: Called with the region of the target each chunk was copied into (a view) and
                 the CRC-32 of its bytes where the read computed it (a direct read, local files), else
@@ -294,30 +319,13 @@ def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
     if unknown:
         raise CheckpointError(
             f"The optimizer state {key!r} of {str(root)!r} has state for {unknown[:3]} that no parameter"
-            " group"
-            " lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
+            " group lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
         )
     return {
         **{k: v for k, v in state.items() if k not in ("state", "param_groups")},
         "state": {index[name]: value for name, value in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in groups],
     }
-
-
-def to_lightning(nested: dict[str, Any], meta: dict[str, Any], root: Location) -> dict[str, Any]:
-    """DCP's top-level keys plus ``meta.pt`` to the dict of a full Lightning checkpoint."""
-    checkpoint = dict(meta)
-    checkpoint["state_dict"] = nested.pop(model_key(map(str, nested), root))
-    optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
-    if [i for i, _ in optimizers] != list(range(len(optimizers))):
-        raise CheckpointError(
-            f"The sharded checkpoint {str(root)!r} has optimizer states {[k for _, k in optimizers]}, not"
-            " numbered 0, 1, ...: one is missing. Restore the directory from a copy."
-        )
-    if optimizers:
-        checkpoint["optimizer_states"] = [_rekey_optimizer(nested.pop(k), k, root) for _, k in optimizers]
-    checkpoint.update(nested)
-    return checkpoint
 
 
 def open_sharded(
@@ -365,25 +373,19 @@ def read_checkpoint(
     (a sharded directory's from its manifest, a full file's as saved).
     """
     found = detect(path)
-    real = found.data
     if found.kind is CheckpointKind.FULL:
-        return load_full(found.backend, real, map_location, weights_only)
+        return load_full(found.backend, found.data, map_location, weights_only)
     reader = open_sharded(found, verify, weights_only, during=True)
-    with reader.reading():
-        meta = read_meta(found.backend, join(real, names.LIGHTNING_METADATA), weights_only, safe=True)
+    meta = reader.read_meta()
     if not optimizer_states:
         reader.skip(lambda top: names.OPTIMIZER_KEY.match(str(top)) is not None)
-    flat: dict[str, Any] = reader.read_objects()
+    flat = reader.read_objects()
     targets = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype) for key, md in reader.tensors.items()
     }
     reader.read_tensors(targets, None)
     reader.check()  # with verify: the checksums of what was read, before anything is returned
-    flat.update(targets)
-    nested: dict[str, Any] = {}
-    for key in sorted(flat):
-        set_path(nested, reader.path_of(key), flat[key])
-    checkpoint = to_lightning(nested, meta, real)
+    checkpoint = reader.to_lightning({**flat, **targets}, meta)
     if found.manifest is not None and found.manifest.frozen is not None:
         checkpoint[names.FROZEN_KEY] = found.manifest.frozen.to_dict()
     if map_location is not None and torch.device(map_location).type != "cpu":
@@ -392,46 +394,55 @@ def read_checkpoint(
     return checkpoint
 
 
-def load_full(
-    backend: Backend, file: Location, map_location: Any, weights_only: bool | None
-) -> dict[str, Any]:
-    """A full checkpoint file as ``torch.load`` returns it, checked to be a dict; read safely unless
-    ``weights_only`` is ``False``."""
+def read_full(backend: Backend, file: Location, weights_only: bool | None, fix: str, **kwargs: Any) -> Any:
+    """:func:`safe_torch_load` of a full checkpoint file; an error reading it as a ``CheckpointError``
+    (``fix``: what its message then tells to do, from a space, or nothing)."""
     try:
-        checkpoint = safe_torch_load(
-            backend, file, "The checkpoint file", weights_only, map_location=map_location
-        )
+        return safe_torch_load(backend, file, "The checkpoint file", weights_only, **kwargs)
     except CheckpointError:
         raise
     except Exception as err:
         raise CheckpointError(
-            f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}):"
-            " it is"
-            " truncated or corrupt, or not a checkpoint. Restore it from a copy, or load an earlier"
-            " checkpoint."
+            f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}): it is truncated or"
+            f" corrupt, or not a checkpoint.{fix}"
         ) from err
+
+
+def load_full(
+    backend: Backend, file: Location, map_location: Any, weights_only: bool | None
+) -> dict[str, Any]:
+    """A full checkpoint file as ``torch.load`` returns it, checked to be a dict."""
+    fix = " Restore it from a copy, or load an earlier checkpoint."
+    checkpoint = read_full(backend, file, weights_only, fix, map_location=map_location)
     if not isinstance(checkpoint, dict):
         raise not_a_checkpoint(file, "file", f"it holds a {type(checkpoint).__name__}, not a checkpoint dict")
     return checkpoint
 
 
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
+def map_tensors(obj: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> Any:
+    """``obj`` with every ``kind`` (a tensor) in its dicts, lists and tuples replaced by ``fn`` of it."""
+    if isinstance(obj, kind):
         return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(v, fn, kind)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
+        return type(obj)(map_tensors(v, fn, kind) for v in obj)
     return obj
 
 
-def leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def leaves(
+    obj: Any, path: tuple[Any, ...] = (), plain: bool = False
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, value)`` of every leaf of ``obj``'s dicts, lists and tuples; with ``plain``, a list or
+    tuple of plain values (``params: [0, 1]``) is one leaf."""
     if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from leaves(v, (*path, k))
-    elif isinstance(obj, (list, tuple)):
+            yield from leaves(v, (*path, k), plain)
+    elif isinstance(obj, (list, tuple)) and (
+        not plain or any(isinstance(v, (dict, list, tuple, torch.Tensor)) for v in obj)
+    ):
         for i, v in enumerate(obj):
-            yield from leaves(v, (*path, i))
+            yield from leaves(v, (*path, i), plain)
     else:
         yield path, obj
 

@@ -30,13 +30,13 @@ from lightning_sharded.checkpoint import names
 __all__ = [
     "CONFIG_NAME",
     "DTYPE_NAMES",
+    "TORCH_DTYPES",
     "Entry",
     "encode_header",
     "file_name",
     "parse_dtype",
     "parse_size",
     "plan_files",
-    "torch_dtype",
 ]
 
 CONFIG_NAME = "config.json"
@@ -59,7 +59,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.uint32: "U32",
     torch.uint64: "U64",
 }
-_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+#: The torch dtype of each safetensors dtype name (``"BF16"``); one torch cannot hold is not in it.
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 #: The dtypes the export converts floating tensors to, by the names the CLI accepts.
 TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -171,8 +172,3 @@ def encode_header(entries: Sequence[Entry]) -> bytes:
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-def torch_dtype(name: str) -> torch.dtype | None:
-    """The torch dtype of a safetensors dtype name (``"BF16"``), ``None`` for one torch cannot hold."""
-    return _DTYPES.get(name)

@@ -25,8 +25,8 @@ from lightning_sharded.checkpoint.backends import Backend, Location, backend_for
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
-from lightning_sharded.checkpoint.tools.reader import first_line, open_sharded, safe_torch_load
-from lightning_sharded.checkpoint.tools.safetensors_format import torch_dtype
+from lightning_sharded.checkpoint.tools.reader import open_sharded, read_full
+from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = [
     "FullSlices",
@@ -79,17 +79,14 @@ def list_source(path: str | os.PathLike[str], weights_only: bool | None) -> List
         _, state = full_weights(found.backend, found.data, weights_only)
         tensors = {key: value for key, value in state.items() if isinstance(value, torch.Tensor)}
         shapes = {key: tuple(value.shape) for key, value in tensors.items()}
-        dtypes = {key: value.dtype for key, value in tensors.items()}
-        return Listing("full", str(given), shapes, dtypes, found=found)
+        return Listing("full", str(given), shapes, {k: v.dtype for k, v in tensors.items()}, found=found)
     reader = open_sharded(found, False, weights_only)
-    model_key = reader.model_key()
-    listing = Listing("sharded", str(given), found=found, model_key=model_key, metadata=reader.metadata)
-    for key, md in reader.tensors.items():
-        where = reader.path_of(key)
-        if where[0] == model_key:
-            name = ".".join(str(p) for p in where[1:])
-            listing.shapes[name] = tuple(md.size)
-            listing.dtypes[name] = md.properties.dtype
+    listing = Listing(
+        "sharded", str(given), found=found, model_key=reader.model_key(), metadata=reader.metadata
+    )
+    for _, name, md in reader.model_tensors():
+        listing.shapes[name] = tuple(md.size)
+        listing.dtypes[name] = md.properties.dtype
     return listing
 
 
@@ -102,7 +99,7 @@ def _list_safetensors(path: Path) -> Listing:
         )
     listing = Listing("safetensors", str(path))
     for key, (name, tensor) in sorted(weights.tensors.items()):
-        dtype = torch_dtype(tensor.dtype)
+        dtype = TORCH_DTYPES.get(tensor.dtype)
         if dtype is None:
             raise CheckpointError(
                 f"{name!r} of {str(path)!r}: the tensor {key!r} has a dtype this library does not read:"
@@ -126,17 +123,7 @@ def full_weights(
     Raises:
         CheckpointError: the file does not read, or holds no tensors.
     """
-    try:
-        checkpoint = safe_torch_load(
-            backend, file, "The checkpoint file", weights_only, map_location="cpu", mmap=True
-        )
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise CheckpointError(
-            f"The checkpoint file {str(file)!r} cannot be read ({first_line(err)}): it is truncated or"
-            " corrupt, or not a checkpoint."
-        ) from err
+    checkpoint = read_full(backend, file, weights_only, "", map_location="cpu", mmap=True)
     checkpoint = checkpoint if isinstance(checkpoint, dict) else {}
     state = checkpoint.get(names.STATE_DICT, checkpoint)
     if not isinstance(state, dict) or not any(isinstance(v, torch.Tensor) for v in state.values()):
