@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
@@ -24,12 +24,10 @@ from typing_extensions import override
 from lightning_sharded._exit import drain_at_exit
 from lightning_sharded._registry import register
 from lightning_sharded.checkpoint import collective, commit, load, names, rank_state, save, state_dicts
-from lightning_sharded.checkpoint.async_save import AsyncSaver, wait_for_saves_to
+from lightning_sharded.checkpoint.async_save import AsyncSaver
 from lightning_sharded.checkpoint.backends import Location, absolute, basename, location
-from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.load.parts import RANK_STATE, drop_parts
-from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.strategies import _exact_resume
 from lightning_sharded.strategies._options import StateDictType
 from lightning_sharded.strategies._partial import PartialCheckpoints
@@ -40,6 +38,9 @@ PathLike = str | os.PathLike[str]
 _HPC_PREFIX = "hpc_ckpt_"
 #: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
 _AFTER_SAVE = "Trainer.save_checkpoint"
+#: The barrier Lightning's checkpoint connector passes once the restore step of a run is over
+#: (``_CheckpointConnector.resume_end``): a pending warm start runs there, on every rank.
+_RESUME_END = "_CheckpointConnector.resume_end"
 
 
 def _stock_name(strategy: object) -> str:
@@ -74,7 +75,6 @@ class ShardedCheckpointing(PartialCheckpoints):
     _sharded_state_dict_type: StateDictType
     async_save: bool
     save_rank_state: bool
-    checkpoint_timeout: float | None
     check_space: bool
     _async_saver: AsyncSaver | None = None
     #: The paths of background saves that failed (by :func:`_key`), with their errors.
@@ -91,41 +91,12 @@ class ShardedCheckpointing(PartialCheckpoints):
         strategies do; ``import lightning_sharded`` registers them in Lightning's registry already."""
         register(strategy_registry, cls._registry_names, strategy=cls)
 
-    _bounded_group: Any = None
-    _bounded_group_made: bool = False
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         # The process group exists now: let its worker threads finish before the interpreter exits.
         drain_at_exit()
         self._schedule_warm_start()
-
-    @contextlib.contextmanager
-    def _bounded(self) -> Iterator[None]:
-        """Inside, the checkpoint's collectives run on a gloo group whose collectives fail after
-        :attr:`checkpoint_timeout` (made on first use: collective, as every save and load is)."""
-        if not self._bounded_group_made:
-            if self.checkpoint_timeout is not None:
-                self._bounded_group = collective.bounded_group(self.checkpoint_timeout)
-            self._bounded_group_made = True
-        with collective.scope(self._bounded_group):
-            yield
-
-    @override
-    def _restore(
-        self,
-        path: Location,
-        optimizers: Sequence[Optimizer],
-        weights_only: bool | None,
-        *,
-        read_metadata: bool = True,
-    ) -> load.Restored:
-        # It may be one that an earlier Trainer's strategy still writes in the background (after `fit`).
-        wait_for_saves_to(path)
-        # Every load (a resume, a warm start, a trainable-only checkpoint's frozen part) is bounded too.
-        with self._bounded():
-            return super()._restore(path, optimizers, weights_only, read_metadata=read_metadata)
 
     def wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background, if any, is published.
@@ -148,6 +119,11 @@ class ShardedCheckpointing(PartialCheckpoints):
                 saver.failed = None  # type: ignore[union-attr]
                 self._failed_saves = {**self._failed_saves, _key(failed): err}
             raise
+
+    def _saver(self) -> AsyncSaver:
+        if self._async_saver is None:
+            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
+        return self._async_saver
 
     def _check_not_failed(self, path: Location) -> None:
         """Raise the error of the background save to ``path`` that failed, if one did (and no save to
@@ -279,8 +255,24 @@ class ShardedCheckpointing(PartialCheckpoints):
                 plugin.save_checkpoint(checkpoint, path, storage_options=storage_options)
             self.barrier("ShardedCheckpointing.save_checkpoint")
             return
-        if background:
-            self._save_in_background(path, checkpoint, rank_files, collected, frozen, start)
+        if background:  # staged here; `save.save_in_background` writes it later
+            save.save_in_background(
+                self._saver(),
+                path,
+                checkpoint,
+                model_key=self._model_key,
+                rank=self.global_rank,
+                optimizers=self.optimizers,
+                collected=collected,
+                extra_files=rank_files,
+                frozen=frozen,
+                check_space=self.check_space,
+            )
+            self._defer_logger_notifications()
+            rank_zero_info(
+                f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
+                " writing it in the background"
+            )
             return
         self.wait_for_checkpoint()  # saves publish in order
         with self._bounded():
@@ -316,45 +308,18 @@ class ShardedCheckpointing(PartialCheckpoints):
                 " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
             )
 
-    def _save_in_background(
-        self,
-        path: Location,
-        checkpoint: dict[str, Any],
-        rank_files: dict[str, bytes] | None,
-        collected: BaseException | None,
-        frozen: FrozenPart | None,
-        start: float,
-    ) -> None:
-        """Stage the save on the async saver and return (:func:`.save.save_in_background` writes it later)."""
-        if self._async_saver is None:
-            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
-        save.save_in_background(
-            self._async_saver,
-            path,
-            checkpoint,
-            model_key=self._model_key,
-            rank=self.global_rank,
-            optimizers=self.optimizers,
-            collected=collected,
-            extra_files=rank_files,
-            frozen=frozen,
-            check_space=self.check_space,
-        )
-        self._defer_logger_notifications()
-        rank_zero_info(
-            f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
-            " writing it in the background"
-        )
-
     @override
     def barrier(self, name: str | None = None) -> None:
         """The parent's barrier, except the one ``Trainer.save_checkpoint`` passes after every save: a
         save here ends with every rank leaving the same collective (the commit's outcome, or for a full
         file rank 0's decision), and an async save has nothing to wait for; that barrier only made the
-        training thread wait for the slowest rank (3-5 ms of a 50 MB async save's 8-27 ms here)."""
+        training thread wait for the slowest rank (3-5 ms of a 50 MB async save's 8-27 ms here). A pending
+        warm start runs at the one Lightning's checkpoint connector passes once the restore step is over."""
         if name == _AFTER_SAVE:
             return
-        super().barrier(name)
+        super().barrier(name)  # type: ignore[safe-super]  # the parent strategy's
+        if name == _RESUME_END and self._warm_start_pending:
+            self._run_warm_start()
 
     def _add_rank_state(self, checkpoint: dict[str, Any], *, agree: bool = True) -> dict[str, bytes] | None:
         """Add this rank's RNG and train dataloader state to the save (collective; ``save_rank_state``).
@@ -408,25 +373,24 @@ class ShardedCheckpointing(PartialCheckpoints):
             metadata.pop(names.RANK_STATE_KEY, None)  # RNG and train dataloader state matter to fit only
         else:
             with self._bounded():
-                what += self._restore_rank_state(metadata, restored.found, weights_only, str(path))
+                what += self._restore_rank_state(restored, weights_only, str(path))
         rank_zero_info(f"Loaded the {what} from {str(path)!r} in {time.perf_counter() - start:.2f} s")
         if exclude:
             left_out = drop_parts(metadata, exclude, str(path))
             rank_zero_info(f"Not loaded from {str(path)!r} (`exclude_from_loading`): {'; '.join(left_out)}")
         return metadata
 
-    def _restore_rank_state(
-        self, metadata: dict[str, Any], found: Found, weights_only: bool | None, path: str
-    ) -> str:
-        """The one entry point of a resume's per-rank state (collective): take it out of ``metadata``.
+    def _restore_rank_state(self, restored: load.Restored, weights_only: bool | None, path: str) -> str:
+        """The one entry point of a resume's per-rank state (collective): take it out of the ``metadata``
+        of ``restored``.
 
         Each rank's RNG, train dataloader, generator and registered states are set later, each at its
         moment (:mod:`~lightning_sharded.strategies._exact_resume`); ``metadata`` gets this rank's train
         dataloader state where Lightning loads it. Returns what to add to the load's log line.
         """
-        rank, world_size = self.global_rank, self.world_size
+        metadata, rank, world_size = restored.metadata, self.global_rank, self.world_size
         outcome = rank_state.restore(
-            metadata, found, rank=rank, world_size=world_size, weights_only=weights_only, path=path
+            metadata, restored.found, rank=rank, world_size=world_size, weights_only=weights_only, path=path
         )
         module = self.lightning_module
         assert module is not None
@@ -445,12 +409,12 @@ class ShardedCheckpointing(PartialCheckpoints):
         ``on_train_start`` of callbacks and the LightningModule (see
         :mod:`~lightning_sharded.strategies._exact_resume` for what is set earlier or later).
         """
+        if self._warm_start_pending:  # Lightning did not pass `_RESUME_END`: the latest moment
+            self._run_warm_start()
         super().on_train_start()
         # Before the first step, whether async_save is on yet or not (it may be switched on later):
         # the saver then knows when a save comes from inside a step (which copies everything at once).
-        if self._async_saver is None:
-            self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
-        self._async_saver.follow(self.optimizers)
+        self._saver().follow(self.optimizers)
         resume, self._resume = self._resume, None
         module = self.lightning_module
         if resume is not None and module is not None:

@@ -7,19 +7,20 @@ It decides what to load or save and calls :mod:`lightning_sharded.checkpoint.loa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective, load
+from lightning_sharded.checkpoint.async_save import wait_for_saves_to
 from lightning_sharded.checkpoint.backends import Location, local_path, location
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import VerifyMode
@@ -29,10 +30,6 @@ from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.hooks import register_sharded_state_hooks
 
 __all__ = ["PartialCheckpoints"]
-
-#: The barrier Lightning's checkpoint connector passes once the restore step of a run is over
-#: (``_CheckpointConnector.resume_end``): a pending warm start runs there, on every rank.
-_RESUME_END = "_CheckpointConnector.resume_end"
 
 PathLike = str | os.PathLike[str]
 
@@ -47,6 +44,9 @@ class PartialCheckpoints(ParallelStrategy):
     frozen_source: str | None
     frozen_prefix: str
     verify: VerifyMode | None
+    checkpoint_timeout: float | None
+    _bounded_group: Any = None
+    _bounded_group_made: bool = False
     _warm_start_pending: bool = False
     _warm_started: bool = False
     _frozen_checked: FrozenPart | None = None
@@ -62,6 +62,17 @@ class PartialCheckpoints(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------- loading
 
+    @contextlib.contextmanager
+    def _bounded(self) -> Iterator[None]:
+        """Inside, the checkpoint's collectives run on a gloo group whose collectives fail after
+        :attr:`checkpoint_timeout` (made on first use: collective, as every save and load is)."""
+        if not self._bounded_group_made:
+            if self.checkpoint_timeout is not None:
+                self._bounded_group = collective.bounded_group(self.checkpoint_timeout)
+            self._bounded_group_made = True
+        with collective.scope(self._bounded_group):
+            yield
+
     def _restore(
         self,
         path: Location,
@@ -71,41 +82,45 @@ class PartialCheckpoints(ParallelStrategy):
         read_metadata: bool = True,
     ) -> load.Restored:
         """Load ``path`` into the model (and ``optimizers``), and a trainable-only checkpoint's frozen
-        part from its source; collective. Warns about what a non-strict load skipped."""
-        assert self.model is not None
-        module = self.lightning_module
-        assert module is not None
-        self._register_sharded_state_hooks()
-        restored = load.restore_checkpoint(
-            path,
-            self.model,
-            optimizers,
-            strict=module.strict_loading,
-            weights_only=weights_only,
-            verify=self.verify,
-            read_metadata=read_metadata,
-        )
-        if restored.keys:
-            rank_zero_warn(
-                f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping keys"
-                f" that only one side has. {restored.keys.describe()}"
+        part from its source; collective, bounded (every load: a resume, a warm start, a frozen part).
+        Warns about what a non-strict load skipped."""
+        # It may be one that an earlier Trainer's strategy still writes in the background (after `fit`).
+        wait_for_saves_to(path)
+        with self._bounded():
+            assert self.model is not None
+            module = self.lightning_module
+            assert module is not None
+            self._register_sharded_state_hooks()
+            restored = load.restore_checkpoint(
+                path,
+                self.model,
+                optimizers,
+                strict=module.strict_loading,
+                weights_only=weights_only,
+                verify=self.verify,
+                read_metadata=read_metadata,
             )
-        frozen = restored.frozen
-        if frozen is not None and frozen.keys:
-            from lightning_sharded.checkpoint.tools.pretrained import load_frozen
-
-            if self.frozen_source is not None and self.frozen_source != frozen.source:
-                rank_zero_info(
-                    f"{str(path)!r} names {frozen.source!r} as its frozen source; reading the frozen weights"
-                    f" from `frozen_source={self.frozen_source!r}` instead."
+            if restored.keys:
+                rank_zero_warn(
+                    f"Loaded the checkpoint {str(path)!r} non-strictly (`strict_loading=False`), skipping"
+                    f" keys that only one side has. {restored.keys.describe()}"
                 )
-                frozen = FrozenPart(self.frozen_source, frozen.keys, self.frozen_prefix)
-            load_frozen(self.model, frozen, checkpoint=str(path), weights_only=weights_only)
-            rank_zero_info(
-                f"{str(path)!r} holds the trainable weights only: read its {len(frozen.keys)} frozen"
-                f" parameter(s) from {frozen.source!r}"
-            )
-        return restored
+            frozen = restored.frozen
+            if frozen is not None and frozen.keys:
+                from lightning_sharded.checkpoint.tools.pretrained import load_frozen
+
+                if self.frozen_source is not None and self.frozen_source != frozen.source:
+                    rank_zero_info(
+                        f"{str(path)!r} names {frozen.source!r} as its frozen source; reading the frozen"
+                        f" weights from `frozen_source={self.frozen_source!r}` instead."
+                    )
+                    frozen = FrozenPart(self.frozen_source, frozen.keys, self.frozen_prefix)
+                load_frozen(self.model, frozen, checkpoint=str(path), weights_only=weights_only)
+                rank_zero_info(
+                    f"{str(path)!r} holds the trainable weights only: read its {len(frozen.keys)} frozen"
+                    f" parameter(s) from {frozen.source!r}"
+                )
+            return restored
 
     def _schedule_warm_start(self) -> None:
         """At the start of a fit: a warm start waits for the end of Lightning's restore step, where it
@@ -133,18 +148,6 @@ class PartialCheckpoints(ParallelStrategy):
             f"Warm start: loaded the model state from {str(path)!r} in {time.perf_counter() - start:.2f} s;"
             " the optimizers, LR schedulers, loops and step count start fresh"
         )
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        super().barrier(name)  # type: ignore[safe-super]  # the parent strategy's
-        if name == _RESUME_END and self._warm_start_pending:
-            self._run_warm_start()
-
-    @override
-    def on_train_start(self) -> None:
-        if self._warm_start_pending:  # Lightning did not pass the barrier above: the latest moment
-            self._run_warm_start()
-        super().on_train_start()
 
     # -------------------------------------------------------------------------------------- saving
 
