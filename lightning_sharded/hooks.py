@@ -67,14 +67,6 @@ def receiving_full_values() -> Iterator[None]:
         _FULL_VALUES.reset(token)
 
 
-def _live_frames(frame: FrameType | None) -> set[int]:
-    ids = set()
-    while frame is not None:
-        ids.add(id(frame))
-        frame = frame.f_back
-    return ids
-
-
 class _Hook:
     """One of a root's four hooks: they share its :class:`_HookState`."""
 
@@ -91,7 +83,11 @@ class _StateDictPreHook(_Hook):
             # A nested call, or what a call that raised left behind: drop the entries of finished calls.
             # An entry with this call's own frame id is one of them too: a finished frame's memory can
             # hold this new frame, and no frame runs this hook twice.
-            live = _live_frames(caller)
+            live: set[int] = set()
+            frame: FrameType | None = caller
+            while frame is not None:
+                live.add(id(frame))
+                frame = frame.f_back
             stack[:] = [entry for entry in stack if entry[0] in live and entry[0] != id(caller)]
         stack.append((id(caller), keep_vars))
 
@@ -148,66 +144,52 @@ class _LoadPreHook(_Hook):
                 if key is not None:
                     source.pop(key)
                 continue
-            if not self._load_site(site.module, site.name, prefix + site.key, key, source, assign,
-                                   missing_keys, error_msgs):  # fmt: skip
-                stopped = True
-
-    @staticmethod
-    def _load_site(
-        owner: nn.Module,
-        name: str,
-        raw_key: str,
-        key: str | None,
-        state_dict: dict[str, Any],
-        assign: bool,
-        missing_keys: list[str],
-        error_msgs: list[str],
-    ) -> bool:
-        """Load one attribute, agreed with the other ranks; ``False`` if its copy failed on some rank."""
-        target = owner.__dict__[name]
-        shown = key if key is not None else raw_key
-        if key is None:
-            missing_keys.append(shown)
-            error, code = None, _MISSING
-        else:
-            value = state_dict.pop(key)  # popped: never reported as unexpected, here or in a submodule
-            error = _check(target, shown, value)
-            code = _INVALID if error is not None else _OK
-        codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
-        invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
-        missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
-        if invalid:
-            elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
-            error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
-            return True
-        if missing:
-            if len(missing) < len(codes):
-                error_msgs.append(
-                    f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
-                    f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
-                )
-            return True
-        failure = None
-        try:
-            _copy(owner, name, target, value, assign)
-        except Exception as ex:
-            failure = (
-                f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an exception'
-                f" occurred: {ex!r}."
-            )
-        outcome = exchange_codes(target, _FAILED if failure else _OK)
-        failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
-        if failed:
-            if failure is None:
+            # One attribute, agreed with the other ranks that hold it.
+            target = site.module.__dict__[site.name]
+            shown = key if key is not None else prefix + site.key
+            if key is None:
+                missing_keys.append(shown)
+                error, code = None, _MISSING
+            else:
+                value = source.pop(key)  # popped: never reported as unexpected, here or in a submodule
+                error = _check(target, shown, value)
+                code = _INVALID if error is not None else _OK
+            codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
+            invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
+            missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
+            if invalid:
+                elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
+                error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
+                continue
+            if missing:
+                if len(missing) < len(codes):
+                    error_msgs.append(
+                        f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
+                        f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
+                    )
+                continue
+            failure = None
+            try:
+                if assign and adapter_for(value) is not None:  # assigned; else copied into the attribute
+                    setattr(site.module, site.name, value)
+                else:
+                    adapter_for(target).copy_into(target, value)  # type: ignore[union-attr]
+            except Exception as ex:
                 failure = (
+                    f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an'
+                    f" exception occurred: {ex!r}."
+                )
+            outcome = exchange_codes(target, _FAILED if failure else _OK)
+            failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
+            if failed:
+                failure = failure or (
                     f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).'
                 )
-            error_msgs.append(
-                failure
-                + " Every rank stopped loading sharded attributes there, before any further collective."
-            )
-            return False
-        return True
+                error_msgs.append(
+                    failure
+                    + " Every rank stopped loading sharded attributes there, before any further collective."
+                )
+                stopped = True
 
 
 def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
@@ -323,16 +305,6 @@ def _check(target: Any, key: str, value: Any) -> str | None:
             f"the dtype in current model is {adapter.dtype(target)}."
         )
     return None
-
-
-def _copy(owner: nn.Module, name: str, target: Any, value: Any, assign: bool) -> None:
-    """Put a checked ``value`` into ``owner.<name>``: assigned (``assign`` and sharded) or copied."""
-    if assign and adapter_for(value) is not None:
-        setattr(owner, name, value)
-        return
-    adapter = adapter_for(target)
-    assert adapter is not None
-    adapter.copy_into(target, value)
 
 
 def has_sharded_state_hooks(module: nn.Module) -> bool:
