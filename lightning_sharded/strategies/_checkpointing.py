@@ -36,19 +36,13 @@ from lightning_sharded.strategies._partial import PartialCheckpoints
 PathLike = str | os.PathLike[str]
 #: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
 _HPC_PREFIX = "hpc_ckpt_"
+#: Where the Lightning strategies ours extend live (their names lead stock's words in our errors).
+_STOCK = "lightning.pytorch.strategies"
 #: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
 _AFTER_SAVE = "Trainer.save_checkpoint"
 #: The barrier Lightning's checkpoint connector passes once the restore step of a run is over
 #: (``_CheckpointConnector.resume_end``): a pending warm start runs there, on every rank.
 _RESUME_END = "_CheckpointConnector.resume_end"
-
-
-def _stock_name(strategy: object) -> str:
-    """The name of the Lightning strategy ``strategy`` extends (``FSDPStrategy``...), for stock's words."""
-    for cls in type(strategy).__mro__:
-        if cls.__module__.startswith("lightning.pytorch.strategies"):
-            return cls.__name__
-    return type(strategy).__name__
 
 
 def _remove(path: Location) -> None:
@@ -227,7 +221,21 @@ class ShardedCheckpointing(PartialCheckpoints):
         is requeued right after it.
         """
         plugin = self._custom_checkpoint_io()
-        self._check_save_arguments(plugin, storage_options)
+        if plugin is not None and self._saves_sharded:
+            raise TypeError(
+                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
+                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
+                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
+                " `state_dict_type='full'`; else remove the plugin."
+            )
+        if storage_options is not None and plugin is None:
+            mro = type(self).__mro__
+            stock = next((c.__name__ for c in mro if c.__module__.startswith(_STOCK)), mro[0].__name__)
+            raise TypeError(  # stock's words first, then what this strategy does with them
+                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
+                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
+                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
+            )
         start = time.perf_counter()
         local = location(filepath)
         self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
@@ -290,23 +298,6 @@ class ShardedCheckpointing(PartialCheckpoints):
             f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
             f" {time.perf_counter() - start:.2f} s"
         )
-
-    def _check_save_arguments(self, plugin: CheckpointIO | None, storage_options: Any | None) -> None:
-        """Refuse what ``save_checkpoint`` cannot do: a sharded save through a plugin, options without one."""
-        if plugin is not None and self._saves_sharded:
-            raise TypeError(
-                f"`{type(self).__name__}` writes sharded checkpoints itself; the `{type(plugin).__name__}`"
-                " plugin cannot write a sharded directory. For background saves pass `async_save=True` to"
-                " the strategy instead of `AsyncCheckpointIO`; to save through the plugin, use"
-                " `state_dict_type='full'`; else remove the plugin."
-            )
-        if storage_options is not None and plugin is None:
-            stock = _stock_name(self)
-            raise TypeError(  # stock's words first, then what this strategy does with them
-                f"`{stock}.save_checkpoint(..., storage_options=...)` is not supported because `{stock}` does"
-                f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
-                " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
-            )
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -429,15 +420,12 @@ class ShardedCheckpointing(PartialCheckpoints):
         path = location(filepath)
         if self._async_saver is not None and str(self._async_saver.in_flight) == str(path):
             self.wait_for_checkpoint()
-        plugin = self._custom_checkpoint_io()
+        if not self.is_global_zero:
+            return
+        plugin, saver = self._custom_checkpoint_io(), self._async_saver
         if plugin is not None:  # the plugin wrote it, the plugin removes it
-            if self.is_global_zero:
-                plugin.remove_checkpoint(path)
-            return
-        if self.global_rank != 0:
-            return
-        saver = self._async_saver
-        if self.async_save and saver is not None:  # after the save in flight, off the training thread
+            plugin.remove_checkpoint(path)
+        elif self.async_save and saver is not None:  # after the save in flight, off the training thread
             saver.later(lambda: _remove(path), f"removing {str(path)!r}")
         else:
             _remove(path)

@@ -89,11 +89,7 @@ def _describe(options: Hashable) -> str:
 
 
 def refuse_fsdp2_for_fsdp1(module: nn.Module, strategy: str) -> None:
-    """Raise if ``fully_shard`` (FSDP2) was applied to ``module`` or a submodule: FSDP1 cannot wrap it.
-
-    Raises:
-        TypeError: naming the strategy and saying to build a new model.
-    """
+    """Raise a ``TypeError`` if ``fully_shard`` (FSDP2) was applied to ``module`` or a submodule."""
     from torch.distributed.fsdp import FSDPModule
 
     if any(isinstance(sub, FSDPModule) for sub in module.modules()):
@@ -104,11 +100,7 @@ def refuse_fsdp2_for_fsdp1(module: nn.Module, strategy: str) -> None:
 
 
 def refuse_fsdp1_for_fsdp2(module: nn.Module, strategy: str) -> None:
-    """Raise if ``module`` was wrapped by FSDP1 (its parameters are flat shards): FSDP2 cannot shard it.
-
-    Raises:
-        TypeError: naming the strategy and saying to build a new model.
-    """
+    """Raise a ``TypeError`` if ``module`` was wrapped by FSDP1 (its parameters are flat shards)."""
     from torch.distributed.fsdp import FlatParameter, FullyShardedDataParallel
 
     root = module.__dict__.get(_ATTR)

@@ -125,8 +125,14 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         if self._fully_shard_policy is None:
             try:
                 super().setup(trainer)
-            except TypeError as err:
-                raise TypeError(f"{err} {_hint(str(err))}".rstrip()) from err
+            except TypeError as err:  # stock's words, then what this strategy offers instead
+                hint = ""
+                if "FSDP2" in str(err):
+                    hint = " For FSDP1 (`FullyShardedDataParallel`) use `ShardedFSDPStrategy`."
+                elif "configure_model" in str(err):
+                    hint = " Or pass `fully_shard_policy=` to `ShardedModelParallelStrategy` to shard a plain"
+                    hint += " model."
+                raise TypeError(f"{err}{hint}".rstrip()) from err
             return
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -174,15 +180,6 @@ class ShardedModelParallelStrategy(ShardedCheckpointing, ModelParallelStrategy):
         if foreign:
             rank_zero_info(skipped_log("`fully_shard_policy` (and the root's `fully_shard`)", foreign))
         fully_shard(model, mesh=mesh, ignored_params=foreign_parameters(model) or None)
-
-
-def _hint(stock_message: str) -> str:
-    """What this strategy adds to one of stock ``setup``'s errors."""
-    if "FSDP2" in stock_message:
-        return "For FSDP1 (`FullyShardedDataParallel`) use `ShardedFSDPStrategy`."
-    if "configure_model" in stock_message:
-        return "Or pass `fully_shard_policy=` to `ShardedModelParallelStrategy` to shard a plain model."
-    return ""
 
 
 # `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the options too.
