@@ -199,13 +199,11 @@ class ShardedCheckpointing(PartialCheckpoints):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # Override to do nothing: `load_checkpoint()` already loaded the model into its shards.
-        pass
+        """Nothing: ``load_checkpoint()`` already loaded the model into its shards."""
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        # Override to do nothing: `load_checkpoint()` already loaded the optimizer states.
-        pass
+        """Nothing: ``load_checkpoint()`` already loaded the optimizer states."""
 
     @override
     def save_checkpoint(

@@ -8,7 +8,6 @@ It decides what to load or save and calls :mod:`lightning_sharded.checkpoint.loa
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -30,8 +29,6 @@ from lightning_sharded.foreign import attach_fused_state
 from lightning_sharded.hooks import register_sharded_state_hooks
 
 __all__ = ["PartialCheckpoints"]
-
-PathLike = str | os.PathLike[str]
 
 
 class PartialCheckpoints(ParallelStrategy):
