@@ -35,6 +35,11 @@ from lightning_sharded.checkpoint.writeback import WINDOW
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from lightning_sharded.checkpoint.detect import Found
+    from lightning_sharded.checkpoint.manifest import FrozenPart
+    from lightning_sharded.checkpoint.tools.reader import OfflineReader
+    from lightning_sharded.checkpoint.tools.weight_sources import Listing
+
 
 __all__ = ["FORMATS", "consolidate_checkpoint"]
 
@@ -147,25 +152,70 @@ def consolidate_checkpoint(
             "consolidate_checkpoint(format='lightning') writes a Lightning checkpoint as it is: every key, in"
             " its own dtype. Leave dtype, prefix and config at None (they are for format='safetensors')."
         )
+    return _to_lightning_file(
+        src, dst, overwrite=overwrite, verify=verify, progress=progress, weights_only=weights_only
+    )
+
+
+def _to_lightning_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool,
+    verify: bool,
+    progress: bool | None,
+    weights_only: bool | None,
+) -> Location:
+    """``format="lightning"``: the sharded checkpoint at ``src`` as one full file, planned, then filled."""
     started = time.perf_counter()
     found = detect(src)
-    real = found.data
     if found.kind is CheckpointKind.FULL:
         raise CheckpointError(
             f"{str(src)!r} is already a full checkpoint file: there is nothing to consolidate. Copy it"
             " instead."
         )
-    out = output_file(src, real, dst, overwrite=overwrite)
+    out = output_file(src, found.data, dst, overwrite=overwrite)
     reader = open_sharded(
         found, verify, weights_only, during=True, then=f"Nothing was written at {str(out)!r}."
     )
+    output = _plan(found, reader, weights_only)
+    try:  # written locally (memory-mapped while filled); a URL gets one upload
+        commit_file(out, lambda tmp: _write(tmp, out, output, reader, weights_only, progress))
+    except OSError as err:
+        raise _write_error(out, err) from err
+    log.info(
+        "Consolidated %s into %s (%s of tensors) in %.2fs",
+        found.data,
+        out,
+        format_size(output.total),
+        time.perf_counter() - started,
+    )
+    return out
+
+
+@dataclass
+class _Output:
+    """What the output file holds: the checkpoint with a :class:`_Slot` for each tensor entry, each slot's
+    shape and dtype, and a trainable-only checkpoint's frozen part with what its source holds."""
+
+    skeleton: dict[str, Any]
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    frozen: tuple[FrozenPart, Listing] | None
+
+    @property
+    def total(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.shapes.values())
+
+
+def _plan(found: Found, reader: OfflineReader, weights_only: bool | None) -> _Output:
+    """The output's skeleton from the checkpoint's objects and ``meta.pt``, before anything is written."""
     meta = reader.read_meta()
     rank_state = meta.pop(names.RANK_STATE_KEY, None)
     if isinstance(rank_state, dict):
         log.info(
             "%s holds the per-rank state (RNG, train dataloader) of %s rank(s); the output keeps rank 0's"
             " train dataloader state where Lightning keeps it (the loops) and drops the rest, RNG included",
-            real,
+            found.data,
             rank_state.get("world_size"),
         )
     skeleton = reader.to_lightning({**reader.read_objects(), **{k: _Slot(k) for k in reader.tensors}}, meta)
@@ -173,77 +223,83 @@ def consolidate_checkpoint(
     # A trainable-only checkpoint: its frozen parameters come from the source it names (checked now,
     # before anything is written), so the output is a complete checkpoint, as any other consolidation.
     frozen = found.manifest.frozen if found.manifest is not None else None
-    if frozen is not None:
-        listing = frozen_listing(frozen, str(real), weights_only, "consolidate from a copy that has it")
-        for key in frozen.keys:
-            stored = key[len(frozen.prefix) :]
-            shapes[FROZEN_SLOT + key] = (listing.shapes[stored], listing.dtypes[stored])
-            skeleton[names.STATE_DICT][key] = _Slot(FROZEN_SLOT + key)
-        log.info("%s holds the trainable weights only: its frozen part is read from %s", real, frozen.source)
-    slots = {leaf.key: path for path, leaf in leaves(skeleton) if isinstance(leaf, _Slot)}
-    # The tensors the checkpoint's objects hold themselves (not DCP entries), by path.
-    real_tensors = {path: leaf for path, leaf in leaves(skeleton) if isinstance(leaf, torch.Tensor)}
-    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes.values())
-
-    def fill(loaded: Any, sums: _FillChecksums) -> None:
-        targets = {
-            key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(FROZEN_SLOT)
-        }
-        with progress_bar(total, progress, f"consolidating {basename(real)}") as tick:
-            reader.read_tensors(targets, tick, sums.filled, mapped=True)
-            if frozen is not None:
-                into = {
-                    key[len(FROZEN_SLOT) :]: get_path(loaded, path)
-                    for key, path in slots.items()
-                    if key.startswith(FROZEN_SLOT)
-                }
-                read_frozen(frozen, listing, into, weights_only)
-                for tensor in into.values():
-                    sums.filled(tensor)
-                    tick(tensor.numel() * tensor.element_size())
-        for path, tensor in real_tensors.items():
-            target = get_path(loaded, path)
-            target.copy_(tensor)
-            sums.filled(target)
-        reader.check()  # with verify: the source's checksums, from the reads, before it is published
-
-    def write(tmp: Path) -> None:
-        """The skeleton with empty tensors at ``tmp``, then filled memory-mapped, chunk by chunk."""
-        try:
-            with _unbacked(shapes) as empty, torch.serialization.skip_data():
-                torch.save(map_tensors(skeleton, lambda slot: empty[slot.key], _Slot), tmp)
-        except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
-            raise _write_error(out, err) from err
-        _reserve(tmp)
-        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            loaded = unpickling.safe_load(
-                tmp,
-                what=f"The consolidated file {str(tmp)!r}",
-                weights_only=weights_only,
-                mmap=True,
-                map_location="cpu",
-            )
-        sums = _FillChecksums(tmp, loaded)
-        try:
-            fill(loaded, sums)
-        finally:
-            del loaded
-            gc.collect()
-            sums.close()
-        _fix_zip_crcs(tmp, sums.crcs())
-
-    try:
-        commit_file(out, write)  # written locally (memory-mapped while filled); a URL gets one upload
-    except OSError as err:
-        raise _write_error(out, err) from err
+    if frozen is None:
+        return _Output(skeleton, shapes, None)
+    listing = frozen_listing(frozen, str(found.data), weights_only, "consolidate from a copy that has it")
+    for key in frozen.keys:
+        stored = key[len(frozen.prefix) :]
+        shapes[FROZEN_SLOT + key] = (listing.shapes[stored], listing.dtypes[stored])
+        skeleton[names.STATE_DICT][key] = _Slot(FROZEN_SLOT + key)
     log.info(
-        "Consolidated %s into %s (%s of tensors) in %.2fs",
-        real,
-        out,
-        format_size(total),
-        time.perf_counter() - started,
+        "%s holds the trainable weights only: its frozen part is read from %s", found.data, frozen.source
     )
-    return out
+    return _Output(skeleton, shapes, (frozen, listing))
+
+
+def _write(
+    tmp: Path,
+    out: Location,
+    output: _Output,
+    reader: OfflineReader,
+    weights_only: bool | None,
+    progress: bool | None,
+) -> None:
+    """The skeleton with empty tensors at ``tmp``, then filled memory-mapped, chunk by chunk."""
+    try:
+        with _unbacked(output.shapes) as empty, torch.serialization.skip_data():
+            torch.save(map_tensors(output.skeleton, lambda slot: empty[slot.key], _Slot), tmp)
+    except RuntimeError as err:  # torch's writer reports I/O errors as RuntimeError
+        raise _write_error(out, err) from err
+    _reserve(tmp)
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        loaded = unpickling.safe_load(
+            tmp,
+            what=f"The consolidated file {str(tmp)!r}",
+            weights_only=weights_only,
+            mmap=True,
+            map_location="cpu",
+        )
+    sums = _FillChecksums(tmp, loaded)
+    try:
+        _fill(loaded, output, reader, sums, weights_only, progress)
+    finally:  # the mapping's views go before the CRCs are fixed
+        del loaded
+        gc.collect()
+        sums.close()
+    _fix_zip_crcs(tmp, sums.crcs())
+
+
+def _fill(
+    loaded: Any,
+    output: _Output,
+    reader: OfflineReader,
+    sums: _FillChecksums,
+    weights_only: bool | None,
+    progress: bool | None,
+) -> None:
+    """Every tensor of the mapped output ``loaded`` read into place: the DCP entries, the frozen part,
+    then the tensors the checkpoint's objects hold themselves; with verify, the source checked last."""
+    slots = {leaf.key: path for path, leaf in leaves(output.skeleton) if isinstance(leaf, _Slot)}
+    targets = {key: get_path(loaded, path) for key, path in slots.items() if not key.startswith(FROZEN_SLOT)}
+    with progress_bar(output.total, progress, f"consolidating {basename(reader.root)}") as tick:
+        reader.read_tensors(targets, tick, sums.filled, mapped=True)
+        if output.frozen is not None:
+            frozen, listing = output.frozen
+            into = {
+                key[len(FROZEN_SLOT) :]: get_path(loaded, path)
+                for key, path in slots.items()
+                if key.startswith(FROZEN_SLOT)
+            }
+            read_frozen(frozen, listing, into, weights_only)
+            for tensor in into.values():
+                sums.filled(tensor)
+                tick(tensor.numel() * tensor.element_size())
+    for path, leaf in leaves(output.skeleton):
+        if isinstance(leaf, torch.Tensor):  # held by the checkpoint's objects, not DCP entries
+            target = get_path(loaded, path)
+            target.copy_(leaf)
+            sums.filled(target)
+    reader.check()  # with verify: the source's checksums, from the reads, before it is published
 
 
 def _write_error(out: Location, err: Exception) -> OSError:
