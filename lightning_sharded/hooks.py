@@ -144,52 +144,64 @@ class _LoadPreHook(_Hook):
                 if key is not None:
                     source.pop(key)
                 continue
-            # One attribute, agreed with the other ranks that hold it.
-            target = site.module.__dict__[site.name]
             shown = key if key is not None else prefix + site.key
             if key is None:
                 missing_keys.append(shown)
-                error, code = None, _MISSING
-            else:
-                value = source.pop(key)  # popped: never reported as unexpected, here or in a submodule
-                error = _check(target, shown, value)
-                code = _INVALID if error is not None else _OK
-            codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
-            invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
-            missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
-            if invalid:
-                elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
-                error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
-                continue
-            if missing:
-                if len(missing) < len(codes):
-                    error_msgs.append(
-                        f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
-                        f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
-                    )
-                continue
-            failure = None
-            try:
-                if assign and adapter_for(value) is not None:  # assigned; else copied into the attribute
-                    setattr(site.module, site.name, value)
-                else:
-                    adapter_for(target).copy_into(target, value)  # type: ignore[union-attr]
-            except Exception as ex:
-                failure = (
-                    f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an'
-                    f" exception occurred: {ex!r}."
-                )
-            outcome = exchange_codes(target, _FAILED if failure else _OK)
-            failed = sorted(rank for rank, c in outcome.items() if c == _FAILED)
-            if failed:
-                failure = failure or (
-                    f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).'
-                )
-                error_msgs.append(
-                    failure
-                    + " Every rank stopped loading sharded attributes there, before any further collective."
-                )
-                stopped = True
+            value = source.pop(key) if key is not None else _ABSENT  # popped: never reported unexpected
+            stopped = not _load_one(site.module, site.name, shown, value, assign, error_msgs)
+
+
+#: The value of a sharded attribute the state dict does not have.
+_ABSENT = object()
+
+
+def _load_one(
+    owner: nn.Module, name: str, shown: str, value: Any, assign: bool, error_msgs: list[str]
+) -> bool:
+    """Load ``value`` (:data:`_ABSENT`: missing) into ``owner.<name>``, agreed with the other ranks that
+    hold the attribute; ``False`` if its copy failed on some rank (every rank then stops loading)."""
+    target = owner.__dict__[name]
+    error = None if value is _ABSENT else _check(target, shown, value)
+    code = _MISSING if value is _ABSENT else _INVALID if error is not None else _OK
+    codes = exchange_codes(target, code)  # one decision for every rank that holds the attribute
+    invalid = sorted(rank for rank, c in codes.items() if c == _INVALID)
+    missing = sorted(rank for rank, c in codes.items() if c == _MISSING)
+    if invalid:
+        elsewhere = f'The sharded attribute "{shown}" could not be loaded on rank(s) {invalid}'
+        error_msgs.append(error or elsewhere + " (see their error); no rank loaded it.")
+        return True
+    if missing:
+        if len(missing) < len(codes):
+            error_msgs.append(
+                f'The state dict has the sharded attribute "{shown}" on some ranks only (missing on'
+                f" rank(s) {missing}); no rank loaded it. Every rank must load the same keys."
+            )
+        return True
+    failure = None
+    try:
+        if assign and adapter_for(value) is not None:  # assigned; else copied into the attribute
+            setattr(owner, name, value)
+        else:
+            adapter = adapter_for(target)
+            assert adapter is not None  # _check passed
+            adapter.copy_into(target, value)
+    except Exception as ex:
+        failure = (
+            f'While copying the sharded attribute named "{shown}" ({type(target).__name__}), an'
+            f" exception occurred: {ex!r}."
+        )
+    failed = sorted(
+        rank for rank, c in exchange_codes(target, _FAILED if failure else _OK).items() if c == _FAILED
+    )
+    if not failed:
+        return True
+    failure = (
+        failure or f'Copying the sharded attribute "{shown}" failed on rank(s) {failed} (see their error).'
+    )
+    error_msgs.append(
+        failure + " Every rank stopped loading sharded attributes there, before any further collective."
+    )
+    return False
 
 
 def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> str | None:
