@@ -157,6 +157,23 @@ def test_consolidate_writes_behind_its_fill(droppable: Path, monkeypatch: pytest
     )
 
 
+def test_consolidate_s_skeleton_holds_more_tensors_than_the_kernel_maps(tmp_path: Path) -> None:
+    # The output's skeleton is saved from tensors that take no memory, a storage each (a record each in
+    # the file, which the fill expects), cut from one mapping: a mapping each stopped at the kernel's
+    # vm.max_map_count (65,530), so a checkpoint of more tensor entries could not be consolidated.
+    from lightning_sharded.checkpoint.tools.consolidate import _unbacked
+
+    shapes = {f"w{i}": ((3, 5), torch.float32) for i in range(70_000)}
+    shapes.update(
+        {"empty": ((0, 4), torch.float16), "scalar": ((), torch.int64), "flags": ((7,), torch.bool)}
+    )
+    with _unbacked(shapes) as tensors, torch.serialization.skip_data():
+        assert {key: (tuple(t.shape), t.dtype) for key, t in tensors.items()} == shapes
+        torch.save(tensors, tmp_path / "skeleton.pt")
+    records = [name for name in zipfile.ZipFile(tmp_path / "skeleton.pt").namelist() if "/data/" in name]
+    assert len(records) == len(shapes), f"{len(records)} storage records for {len(shapes)} tensors"
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_consolidate_takes_each_direct_read_s_crc_from_the_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool

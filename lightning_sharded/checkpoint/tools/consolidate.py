@@ -336,19 +336,25 @@ def _reserve(file: Path) -> None:
 @contextlib.contextmanager
 def _unbacked(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> Iterator[dict[str, torch.Tensor]]:
     """Tensors of ``shapes`` that take no memory, for ``torch.save`` under ``skip_data`` (which writes
-    their records' sizes, not their bytes): each maps a sparse temporary file, shared and never
-    touched, so no page is read, written or committed; the file is gone on exit. (Fake tensors would
-    do, but ``FakeTensorMode()`` imports ``torch._dynamo``: 0.55 s of a 2 GB consolidate.)
+    their records' sizes, not their bytes): each a storage of its own, cut from one shared mapping of a
+    sparse temporary file, never touched, so no page is read, written or committed (one mapping: a
+    mapping each would stop at the kernel's ``vm.max_map_count``, 65,530 by default); the file is gone on
+    exit. (Fake tensors would do, but ``FakeTensorMode()`` imports ``torch._dynamo``: 0.55 s.)
     """
+    sizes = {key: math.prod(shape) * dtype.itemsize for key, (shape, dtype) in shapes.items()}
     fd, scratch = tempfile.mkstemp(prefix="lightning-sharded-unbacked-")
     try:
-        os.ftruncate(fd, max((math.prod(s) * d.itemsize for s, d in shapes.values()), default=0))
-        yield {
-            key: torch.from_file(scratch, shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-            if math.prod(shape)
-            else torch.empty(shape, dtype=dtype)
-            for key, (shape, dtype) in shapes.items()
-        }
+        total = max(sum(sizes.values()), 1)
+        os.ftruncate(fd, total)
+        mapped = torch.UntypedStorage.from_file(scratch, True, total)
+        empty, start = {}, 0
+        for key, (shape, dtype) in shapes.items():
+            if not sizes[key]:  # no bytes: a storage of its own all the same
+                empty[key] = torch.empty(shape, dtype=dtype)
+                continue
+            empty[key] = torch.empty(0, dtype=dtype).set_(mapped[start : start + sizes[key]]).view(shape)
+            start += sizes[key]
+        yield empty
     finally:
         os.close(fd)
         os.unlink(scratch)
