@@ -94,16 +94,22 @@ def _storage_location(file: Any, base: int, length: int, nbytes: int, check_tail
             data = start + name_len + extra_len
             if method != 0 or data + nbytes + 16 > length:
                 return None
-            if not check_tail:  # checked by the caller once the bytes are read (_archive_fits)
-                return int(base + data)
-            tail = os.pread(file.fileno(), 24, base + data + nbytes)
-            if tail[:4] != _DESCRIPTOR_MAGIC:
+            # The descriptor is checked here, or by the caller once the bytes are read (_archive_fits).
+            if check_tail and not _descriptor_fits(file, base + data, nbytes):
                 return None
-            size32 = struct.unpack_from("<I", tail, 8)[0]
-            size64 = struct.unpack_from("<Q", tail, 8)[0] if len(tail) >= 16 else -1
-            return base + data if nbytes in (size32, size64) else None
+            return int(base + data)
         position = head.find(_LOCAL_HEADER_MAGIC, position + 4)
     return None
+
+
+def _descriptor_fits(file: Any, offset: int, nbytes: int) -> bool:
+    """Whether the data descriptor right after the ``nbytes`` bytes at ``offset`` says that size."""
+    tail = os.pread(file.fileno(), 24, offset + nbytes)
+    if tail[:4] != _DESCRIPTOR_MAGIC:
+        return False
+    size32 = struct.unpack_from("<I", tail, 8)[0]
+    size64 = struct.unpack_from("<Q", tail, 8)[0] if len(tail) >= 16 else -1
+    return nbytes in (size32, size64)
 
 
 # Fresh memory (an optimizer state template made with `torch.empty`) is faulted in page by page as a
@@ -166,13 +172,7 @@ def _archive_fits(file: Any, job: _Job) -> bool:
     metadata, both right after the bytes just read). If not, torch's path reads the item again."""
     assert job.archive is not None
     base, length = job.archive
-    nbytes = job.nbytes
-    tail = os.pread(file.fileno(), 24, job.offset + nbytes)
-    if tail[:4] != _DESCRIPTOR_MAGIC:
-        return False
-    size32 = struct.unpack_from("<I", tail, 8)[0]
-    size64 = struct.unpack_from("<Q", tail, 8)[0] if len(tail) >= 16 else -1
-    if nbytes not in (size32, size64):
+    if not _descriptor_fits(file, job.offset, job.nbytes):
         return False
     view = cast(IO[bytes], create_file_view(file, base, length))
     try:
@@ -183,7 +183,7 @@ def _archive_fits(file: Any, job: _Job) -> bool:
         isinstance(meta, torch.Tensor)
         and meta.storage_offset() == 0
         and meta.is_contiguous()
-        and meta.untyped_storage().nbytes() == nbytes
+        and meta.untyped_storage().nbytes() == job.nbytes
         and meta.dtype == job.target.dtype
         and meta.shape == job.target.shape
     )
@@ -296,9 +296,9 @@ class DirectReader(GivenMetadata, FileSystemReader):
 
     The items it reads directly are read by :data:`_STREAMS` threads at once, each going through its
     own contiguous part of the bytes in file order (its own file descriptors, so the kernel's
-    read-ahead sees a sequential reader, and is all the reading ahead there is). Each
-    item is located and its target resolved in the calling thread first, and committed there as soon
-    as its bytes are in; the threads only move bytes. The pages of what a direct read read leave the
+    read-ahead sees a sequential reader, and is all the reading ahead there is). Each item's target is
+    resolved in the calling thread first, and committed there as soon as its bytes are in; the threads
+    find the storage records and move bytes. The pages of what a direct read read leave the
     page cache behind it, unless the load reads the same stored item more than once (see the module
     doc); a plan this reader's :meth:`prepare_global_plan` did not mark keeps them all.
 
@@ -386,44 +386,13 @@ class DirectReader(GivenMetadata, FileSystemReader):
             if meanwhile is not None:
                 meanwhile()
             return []
-        total = sum(job.nbytes for job in jobs)
-        parts: list[list[_Job]] = [[]]
-        done = 0
-        for job in jobs:  # contiguous parts of about total / _STREAMS bytes each
-            if done >= total * len(parts) / _STREAMS and len(parts) < _STREAMS:
-                parts.append([])
-            parts[-1].append(job)
-            done += job.nbytes
-        finished: queue.SimpleQueue[tuple[_Job | None, bool, int, BaseException | None]] = queue.SimpleQueue()
+        parts = _parts(jobs)
+        finished: _Finished = queue.SimpleQueue()
         checksums = self._checksums
-        hashing = checksums is not None
-
-        def read(part: list[_Job]) -> None:
-            try:
-                with contextlib.ExitStack() as stack:
-                    files: dict[str, Any] = {}
-
-                    def opened(path: str) -> Any:
-                        if path not in files:
-                            files[path] = stack.enter_context(open(path, "rb", buffering=0))
-                        return files[path]
-
-                    # No `POSIX_FADV_WILLNEED` for the next items: on top of the kernel's read-ahead
-                    # it made a resume slower here (2 ranks x 1 GB: 1.23-1.41 s with the next 2 items
-                    # requested, 0.82-0.85 s without; FSDP2 resume 1.52-1.69 GB/s against 2.18-2.33).
-                    for job in part:
-                        file = opened(job.path)
-                        if job.archive is not None and not _find_record(file, job):
-                            finished.put((job, False, 0, None))
-                            continue
-                        whole, crc = _readinto(file, job.offset, job.target, hashing, job.drop)
-                        if whole and job.archive is not None and not _archive_fits(file, job):
-                            whole = False
-                        finished.put((job, whole, crc, None))
-            except BaseException as err:  # reported to the calling thread, which raises it
-                finished.put((None, False, 0, err))
-
-        threads = [threading.Thread(target=read, args=(part,), daemon=True) for part in parts]
+        threads = [
+            threading.Thread(target=_read_part, args=(part, finished, checksums is not None), daemon=True)
+            for part in parts
+        ]
         if self._prefault and libc.populate_write_works():  # the targets' pages in ahead of the readers
             order = [job for row in itertools.zip_longest(*parts) for job in row if job is not None]
             threads.append(threading.Thread(target=_prefault, args=(order,), daemon=True))
@@ -453,6 +422,46 @@ class DirectReader(GivenMetadata, FileSystemReader):
         if error is not None:
             raise error
         return short
+
+
+#: A reading thread's reports: ``(job, whole, crc, None)`` per job, ``(None, False, 0, error)`` if it fails.
+_Finished = queue.SimpleQueue[tuple[_Job | None, bool, int, BaseException | None]]
+
+
+def _parts(jobs: list[_Job]) -> list[list[_Job]]:
+    """``jobs`` in at most :data:`_STREAMS` contiguous parts of about the same bytes each."""
+    total = sum(job.nbytes for job in jobs)
+    parts: list[list[_Job]] = [[]]
+    done = 0
+    for job in jobs:
+        if done >= total * len(parts) / _STREAMS and len(parts) < _STREAMS:
+            parts.append([])
+        parts[-1].append(job)
+        done += job.nbytes
+    return parts
+
+
+def _read_part(part: list[_Job], finished: _Finished, hashing: bool) -> None:
+    """A reading thread: each job of ``part`` in order, each file opened once (see :data:`_Finished`)."""
+    try:
+        with contextlib.ExitStack() as stack:
+            files: dict[str, Any] = {}
+            # No `POSIX_FADV_WILLNEED` for the next items: on top of the kernel's read-ahead it made a
+            # resume slower here (2 ranks x 1 GB: 1.23-1.41 s with the next 2 items requested,
+            # 0.82-0.85 s without; FSDP2 resume 1.52-1.69 GB/s against 2.18-2.33).
+            for job in part:
+                if job.path not in files:
+                    files[job.path] = stack.enter_context(open(job.path, "rb", buffering=0))
+                file = files[job.path]
+                if job.archive is not None and not _find_record(file, job):
+                    finished.put((job, False, 0, None))
+                    continue
+                whole, crc = _readinto(file, job.offset, job.target, hashing, job.drop)
+                if whole and job.archive is not None and not _archive_fits(file, job):
+                    whole = False
+                finished.put((job, whole, crc, None))
+    except BaseException as err:  # reported to the calling thread, which raises it
+        finished.put((None, False, 0, err))
 
 
 _fsspec_reader_class: Any = None
