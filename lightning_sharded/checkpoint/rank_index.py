@@ -1,32 +1,17 @@
 """The per-rank index of a sharded checkpoint: each loading rank reads only the part it needs.
 
 DCP's ``.metadata`` lists every piece of every tensor, so at N ranks it grows with N, and a load gives
-all of it to every rank (3.7 MB, 0.45 s of CPU to unpickle, per rank at 4,096 ranks). Beside it (still
-written, for stock readers and the tools), a checkpoint of this library holds:
-
-- :data:`~.names.INDEX_LAYOUT`, written by rank 0 from the global ``Metadata`` its save returns: per
-  key its dtype, global shape and *grid*, which says which rank wrote which piece without listing where
-  the bytes are. An even dim-0 split (the common case: FSDP1, FSDP2, a ``Shard(0)`` attribute) is
-  ``["even", rows, n]``, three numbers whatever N; a key stored whole (a replicated or plain tensor,
-  Adam's ``step``) is ``["whole", relative path, offset, length]``, its bytes' place itself; a tensor
-  kept as a range of a flat buffer cut every ``every`` elements, piece k on rank k (FSDP1's flat
-  parameters, cut inside rows), is ``["flat", at, every]``; anything else (2-D meshes) lists its
-  pieces' offsets, sizes and ranks. The byte items (param groups) are
-  there too, with their place. JSON: read without unpickling anything.
-- :func:`~.names.rank_index_file` ``(k)``, written by rank k from its own write results (no
-  collective): where each piece it wrote is (its file, offset, length).
-
-A loading rank reads the layout (rank 0 reads it and shares it, like ``.metadata`` before), finds from
-the grids which ranks wrote a piece its own tensors overlap (its own rank for a load at the same world
-size, about N/M + 1 at another one), reads only those ranks' files and builds a DCP ``Metadata``
-holding every key but only those pieces: what DCP's planner and the reader are given instead of the
-whole index. The read items it plans are the same as with the whole index. A checkpoint without
-:data:`~.names.INDEX_LAYOUT` in its manifest (stock, or older versions of this library) loads from
-``.metadata`` as before, and an older version of this library reads a new checkpoint from its
-``.metadata`` too (the index files are only more listed files).
-
-:func:`layout_bytes` returns ``None`` when a save's index cannot be described this way (a writer that
-names its files otherwise, storage transforms): that checkpoint then has no layout, and loads whole.
+all of it to every rank (3.7 MB, 0.45 s of CPU to unpickle, per rank at 4,096 ranks). Beside it, a save
+of this library writes :data:`~.names.INDEX_LAYOUT` (rank 0, from the global ``Metadata``: per key its
+dtype, global shape and *grid*, which says which rank wrote which piece, three or four numbers for the
+common cuts: :data:`EVEN`, :data:`WHOLE`, :data:`FLAT`, else :data:`CHUNKS`) and
+:func:`~.names.rank_index_file` ``(k)`` (rank k, no collective: where each piece it wrote is). A loading
+rank finds from the grids the ranks whose pieces its tensors overlap (:func:`ranks_to_read`), reads
+only their files, and plans its reads with a DCP ``Metadata`` of every key but only those pieces
+(:func:`partial_metadata`): the same reads as with the whole index. The files, the grids and the
+compatibility rules: ``docs/checkpoint-format.md``, "The per-rank index". A save the grids cannot
+describe (:func:`layout_bytes` returns ``None``: a writer that names its files otherwise, storage
+transforms) has no layout, and loads from ``.metadata``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Bounded retries, with exponential backoff and jitter, of object-store requests that throttle or drop.
 
 An object store answers a burst of requests (every rank of a large job saving at once) with ``503
-SlowDown``, and a connection may drop midway. ``s3fs`` retries each request a few times itself (about
-1.5 s in all); every request this library makes through a backend's filesystem (:class:`Retrying`:
-listings, sizes, the manifest, ``meta.pt``, the per-rank files, deletes, a full file's upload and
-download) is retried on top of that, up to :func:`attempts` times, waiting ``backoff * 2**i`` seconds
-(at most :data:`MAX_WAIT_S`) with full jitter between tries, then fails with a
+SlowDown``, and a connection may drop midway. On top of ``s3fs``'s own few retries (about 1.5 s in all),
+every request a backend makes through :class:`Retrying` (each idempotent: a whole object put or read, a
+listing, a delete) is tried again up to :data:`RETRIES_ENV` times (default :data:`DEFAULT_RETRIES`),
+waiting ``backoff * 2**i`` seconds (:data:`BACKOFF_ENV`, default :data:`DEFAULT_BACKOFF_S`; at most
+:data:`MAX_WAIT_S`) with full jitter, read at each request; then it fails with a
 :class:`~lightning_sharded.checkpoint.errors.StorageError` that says what was throttled or dropped, how
-many times and for how long, and the last error. Every request it retries is idempotent (a whole
-object put or read, a listing, a delete). DCP's own shard writes and reads go through ``s3fs``, with
-its retries.
-
-Configuration, read at each request: :data:`RETRIES_ENV` (tries after the first, default
-:data:`DEFAULT_RETRIES`) and :data:`BACKOFF_ENV` (seconds of the first wait, default
-:data:`DEFAULT_BACKOFF_S`).
+many times, for how long, and the last error. DCP's own shard writes and reads have ``s3fs``'s retries.
 """
 
 from __future__ import annotations
