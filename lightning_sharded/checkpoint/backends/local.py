@@ -1,23 +1,12 @@
 """Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename.
 
-A sharded save writes ``.<name>.staging-<token>`` next to the target, fsyncs every file and the
-directory, writes the manifest last inside it, then publishes: onto a free path with ``rename``; over
-an existing checkpoint (directory or file) with ``renameat2(RENAME_EXCHANGE)``, one atomic swap, where
-Linux and the filesystem support it, else with two renames (target to ``.<name>.old-<token>``, staging
-to target). It fsyncs the parent directory, then removes the previous version (renamed to
-``.<name>.trash-<token>`` first, then deleted). Directories the save creates are fsynced up to one
-that existed.
-
-Recovery rules (:func:`resolve`, applied read-only by every load and for real by the next save):
-
-- the path exists: it is the checkpoint; every ``.<name>.staging-*``, ``.<name>.trash-*`` and
-  ``.<name>.old-*`` next to it is a leftover, ignored by loads and deleted by the next save;
-- the path does not exist but ``.<name>.old-<token>`` does (a crash between the two renames of the
-  fallback publish): the newest such ``old`` is the checkpoint; the next save renames it back.
-
-A save replaces a previous checkpoint (directory or file, ours or stock, whole or left by a crashed
-save) or an empty directory, never a non-empty directory of something else: that raises
-``IsADirectoryError`` and changes nothing.
+A save writes ``.<name>.staging-<token>`` next to the target, fsyncs every file and directory (the
+manifest last), then publishes: ``rename`` onto a free path; over an existing checkpoint (directory or
+file), ``renameat2(RENAME_EXCHANGE)`` where Linux and the filesystem support it, else two renames
+through ``.<name>.old-<token>``; the previous version then goes through ``.<name>.trash-<token>``.
+:func:`resolve` applies the recovery rules (read-only for loads, for real by the next save). A save
+never replaces a non-empty directory of something else: ``IsADirectoryError``, nothing changed. The
+steps and the rules: ``docs/checkpoint-format.md``, "How a save commits" and "Recovery rules".
 """
 
 from __future__ import annotations
@@ -280,10 +269,8 @@ class LocalBackend:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    @contextlib.contextmanager
-    def open_file(self, loc: Location) -> Iterator[IO[bytes]]:
-        with open(loc, "rb") as f:
-            yield f
+    def open_file(self, loc: Location) -> IO[bytes]:
+        return open(loc, "rb")
 
     def read_bytes(self, loc: Location) -> bytes:
         return _path(loc).read_bytes()
@@ -293,9 +280,8 @@ class LocalBackend:
 
         return torch.load(loc, **kwargs)
 
-    @contextlib.contextmanager
-    def local_file(self, loc: Location) -> Iterator[Path]:
-        yield _path(loc)
+    def local_file(self, loc: Location) -> contextlib.nullcontext[Path]:
+        return contextlib.nullcontext(_path(loc))
 
     def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
         if known is None:

@@ -1,27 +1,14 @@
 """Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename.
 
-A sharded checkpoint at ``URL`` is laid out as::
-
-    URL/lightning_sharded.json        the manifest: the version published, every file, size and CRC-32
-    URL/data-<token>/.metadata        the version it names: DCP index, shards and Lightning's meta.pt
-    URL/data-<token>/__0_0.distcp
-    URL/data-<token>/meta.pt
-
-The manifest is the only object a save overwrites, in one ``PUT`` (atomic on S3: readers see the old
-object or the new one, never a mix). A save stages a fresh ``URL/data-<token>`` (after deleting every
-``data-*`` prefix the current manifest does not name), checksums each file as its bytes go out,
-checks every file is stored with that size, then publishes with one ``PUT`` of the manifest naming
-``data-<token>`` (``data_dir``); only then does it delete the previous version (and the files of a
-stock checkpoint at ``URL``). A load reads the manifest first and only ever reads the version it
-names; a prefix with data but no manifest is *not published*. Assumes what S3 promises: a single-object
-``PUT`` is atomic, and reads after a write see it (strong read-after-write consistency).
-
-A full checkpoint file at ``URL`` is one object, written locally then uploaded in one upload, which
-S3 also makes visible all at once.
-
-Credentials and endpoints come from wherever the fsspec filesystem looks: for S3, the usual
-``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_ENDPOINT_URL`` / ``AWS_PROFILE`` variables,
-``~/.aws``, or fsspec's own configuration.
+A sharded checkpoint at ``URL`` keeps each version under ``URL/data-<token>`` and one manifest,
+``URL/lightning_sharded.json``, that names the published one (``data_dir``): the only object a save
+overwrites, in one ``PUT`` (atomic on S3). A save stages a fresh version, checks that every file is
+stored with the size written, publishes with the manifest's ``PUT``, and only then deletes the previous
+version; a load reads only the version the manifest names. A full checkpoint file is one object, written
+locally and uploaded whole. The layout, the steps and what they assume of the store (an atomic
+single-object ``PUT``, strong read-after-write consistency): ``docs/cluster.md``, "How a save is
+published where there is no rename". Credentials and endpoints are the fsspec filesystem's (for S3 the
+``AWS_*`` variables, ``~/.aws``).
 """
 
 from __future__ import annotations
@@ -55,6 +42,8 @@ if TYPE_CHECKING:
 __all__ = ["ObjectStoreBackend", "filesystem"]
 
 log = logging.getLogger(__name__)
+
+_NO_CHECKSUMS = "torch's fsspec reader records no checksums (reads_checksums is False)"
 
 
 def filesystem(url: str) -> tuple[Any, str]:
@@ -227,7 +216,7 @@ class ObjectStoreBackend:
 
     def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
         if known:
-            raise ValueError("torch's fsspec reader records no checksums (reads_checksums is False)")
+            raise ValueError(_NO_CHECKSUMS)
         fs, path = filesystem(_url(loc))
         with fs.open(path, "rb", block_size=CHUNK_SIZE) as f:
             return stream_checksum(f)
@@ -243,7 +232,7 @@ class ObjectStoreBackend:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 
         if checksums is not None:
-            raise ValueError("torch's fsspec reader records no checksums (reads_checksums is False)")
+            raise ValueError(_NO_CHECKSUMS)
         return fsspec_reader(_url(data), metadata)
 
     # --------------------------------------------------------------------------------------- commit
@@ -253,26 +242,26 @@ class ObjectStoreBackend:
     ) -> tuple[str | None, int | None]:
         url = _url(target)
         manifest = self._manifest(url)
-        if directory:
-            if manifest is None and self.is_file(url):
+        if not directory:
+            if manifest is not None or names.DCP_METADATA in self.list_files(url):
                 raise CheckpointError(
-                    f"{url!r} is a full checkpoint file (one object); saving a sharded checkpoint there would"
-                    " leave both until the file is deleted, which object storage cannot do atomically. Remove"
+                    f"{url!r} holds a sharded checkpoint; saving a full checkpoint file there would leave"
+                    " both until the directory is deleted, which object storage cannot do atomically. Remove"
                     " it first, or save to another URL."
                 )
-        elif manifest is not None or names.DCP_METADATA in self.list_files(url):
+            return None, None  # no filesystem to fill: object stores skip the space check
+        if manifest is None and self.is_file(url):
             raise CheckpointError(
-                f"{url!r} holds a sharded checkpoint; saving a full checkpoint file there would leave both"
-                " until the directory is deleted, which object storage cannot do atomically. Remove it first,"
-                " or save to another URL."
+                f"{url!r} is a full checkpoint file (one object); saving a sharded checkpoint there would"
+                " leave both until the file is deleted, which object storage cannot do atomically. Remove"
+                " it first, or save to another URL."
             )
         current = manifest.data_dir if manifest is not None else None
-        if directory:
-            for name in self.list_dirs(url):
-                if names.DATA_DIR.match(name) and name != current:
-                    log.info("Removing %s/%s left by an interrupted save", url, name)
-                    self._remove_tree(join(url, name))
-        return current, None  # no filesystem to fill: object stores skip the space check
+        for name in self.list_dirs(url):
+            if names.DATA_DIR.match(name) and name != current:
+                log.info("Removing %s/%s left by an interrupted save", url, name)
+                self._remove_tree(join(url, name))
+        return current, None
 
     def stage(self, target: Location, *, directory: bool) -> Location:
         if directory:  # object storage has no directories to create
@@ -369,7 +358,7 @@ class ObjectStoreBackend:
             fs.put_file(os.fspath(staged), path)
             fs.invalidate_cache(path)
         finally:
-            shutil.rmtree(staged.parent, ignore_errors=True)
+            self.discard(staged)
 
     def discard(self, staging: Location) -> None:
         if isinstance(staging, Path):  # a full file staged locally
