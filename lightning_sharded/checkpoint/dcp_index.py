@@ -10,7 +10,7 @@ per-rank index's layout, for checkpoints that have one).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,11 +102,12 @@ def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Prob
 
 def top_level_keys(metadata: Any) -> set[str]:
     """The top-level keys of the state a DCP index describes (``"model"``, ``"optimizer_0"``...)."""
-    mapping = getattr(metadata, "planner_data", None) or {}
-    return {
-        str(mapping[key][0]) if key in mapping else key.split(".", 1)[0]
-        for key in metadata.state_dict_metadata
-    }
+    return _tops(metadata.state_dict_metadata, getattr(metadata, "planner_data", None) or {})
+
+
+def _tops(keys: Iterable[str], planner_data: Mapping[str, Sequence[Any]]) -> set[str]:
+    """The top-level keys of flattened DCP ``keys``: each one's first step in DCP's ``planner_data``."""
+    return {str(planner_data[key][0]) if key in planner_data else key.split(".", 1)[0] for key in keys}
 
 
 def model_key(tops: Iterable[str], data: Location) -> str:
@@ -235,8 +236,7 @@ def read_indexed_layout(backend: Backend, data: Location) -> ShardedLayout:
     entries: dict[str, tuple[int, ...] | None] = {k: size for k, (_, size, _) in index.tensors.items()}
     entries.update(dict.fromkeys(index.byte_items))
     dtypes = {k: dtype for k, (dtype, _, _) in index.tensors.items()}
-    tops = {str(index.planner_data[k][0]) if k in index.planner_data else k.split(".", 1)[0] for k in entries}
-    return _layout(data, entries, dtypes, tops, index=index)
+    return _layout(data, entries, dtypes, _tops(entries, index.planner_data), index=index)
 
 
 def _layout(
