@@ -181,59 +181,76 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
     """
     given = location(path)
     backend = backend_for(given)
-    data, manifest = backend.locate(given)
     shown = str(given)
-    if manifest is not None and backend.manifest_is_stale(given, manifest):
-        log.warning(
-            "The manifest %s of %r does not describe the checkpoint's `.metadata` and `meta.pt`: a save"
-            " without lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as"
-            " that save left it.",
-            names.MANIFEST_NAME,
-            shown,
+    data, manifest = _published(backend, given, shown)
+    if manifest is None and backend.is_file(data):
+        _refuse_part(backend, data, shown)
+        kind = _file_kind(backend, data, shown)
+        found = Found(given, data, kind, backend, None)
+        return found if kind is CheckpointKind.FULL else _weights(found, shown, safetensors, None)
+    if manifest is None and not backend.exists(data):
+        raise MissingCheckpointError(  # a ValueError with stock's words, and a FileNotFoundError
+            f"There is no checkpoint at {shown!r}: the path does not exist (no file, {backend.noun} or"
+            f" object by that name), so it does not point to a valid checkpoint."
+            f" {backend.hint.format(cwd=os.getcwd())} {_WHAT_A_CHECKPOINT_IS}"
         )
-        data, manifest = given, None
-    if manifest is None:
-        if backend.is_file(data):
-            _refuse_part(backend, data, shown)
-            kind = _file_kind(backend, data, shown)
-            found = Found(given, data, kind, backend, None)
-            return found if kind is CheckpointKind.FULL else _weights(found, shown, safetensors, None)
-        if not backend.exists(data):
-            raise MissingCheckpointError(  # a ValueError with stock's words, and a FileNotFoundError
-                f"There is no checkpoint at {shown!r}: the path does not exist (no file, {backend.noun} or"
-                f" object by that name), so it does not point to a valid checkpoint."
-                f" {backend.hint.format(cwd=os.getcwd())} {_WHAT_A_CHECKPOINT_IS}"
-            )
     files = backend.list_files(data)
     if hf_layout.is_weights_listing(files):
         found = Found(given, data, CheckpointKind.SAFETENSORS, backend, manifest)
         return _weights(found, shown, safetensors, files)
-    if manifest is None:
-        dirs = backend.list_dirs(data)
-        if not files and not dirs:
-            raise CheckpointError(
-                f"The {backend.noun} {shown!r} is empty: it holds no checkpoint, so it does not point to a"
-                f" valid checkpoint. {_WHAT_A_CHECKPOINT_IS}"
-            )
-        if not any(names.is_checkpoint_member(n) for n in files):
-            _refuse_part(backend, data, shown)
-            unpublished = [d for d in dirs if names.DATA_DIR.match(d)]  # object storage's versions
-            if unpublished:
-                raise CheckpointError(
-                    f"The checkpoint {shown!r} is not published: it has no manifest {names.MANIFEST_NAME!r},"
-                    f" only the data of {len(unpublished)} save(s) that did not finish"
-                    f" ({', '.join(unpublished)}). Load an earlier checkpoint; the next save to this"
-                    " location removes these leftovers."
-                )
-            listed = sorted(files) + [f"{d}/" for d in dirs]
-            held = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
-            raise not_a_checkpoint(
-                shown,
-                backend.noun,
-                f"it is not a sharded checkpoint (it has no `.metadata`, no `__<rank>_0.distcp` shard file"
-                f" and no {names.MANIFEST_NAME}; it holds {held}) and not a file, so it does not point to a"
-                " valid checkpoint",
-            )
+    if manifest is None and not any(names.is_checkpoint_member(n) for n in files):
+        _refuse_other_directory(backend, data, shown, files)
+    _refuse_unfinished(shown, files)
+    return Found(given, data, CheckpointKind.SHARDED, backend, manifest)
+
+
+def _published(backend: Backend, given: Location, shown: str) -> tuple[Location, Manifest | None]:
+    """Where the files of the checkpoint at ``given`` are, and its manifest: the backend's recovery
+    rules, then a manifest that a stock save made stale left aside."""
+    data, manifest = backend.locate(given)
+    if manifest is None or not backend.manifest_is_stale(given, manifest):
+        return data, manifest
+    log.warning(
+        "The manifest %s of %r does not describe the checkpoint's `.metadata` and `meta.pt`: a save"
+        " without lightning_sharded wrote over it. Ignoring the manifest; the checkpoint is read as"
+        " that save left it.",
+        names.MANIFEST_NAME,
+        shown,
+    )
+    return given, None
+
+
+def _refuse_other_directory(backend: Backend, data: Location, shown: str, files: dict[str, int]) -> None:
+    """The error for a directory without a manifest that holds none of a checkpoint's files: empty, one
+    part of a checkpoint, unpublished versions (object storage), or anything else."""
+    dirs = backend.list_dirs(data)
+    if not files and not dirs:
+        raise CheckpointError(
+            f"The {backend.noun} {shown!r} is empty: it holds no checkpoint, so it does not point to a"
+            f" valid checkpoint. {_WHAT_A_CHECKPOINT_IS}"
+        )
+    _refuse_part(backend, data, shown)
+    unpublished = [d for d in dirs if names.DATA_DIR.match(d)]  # object storage's versions
+    if unpublished:
+        raise CheckpointError(
+            f"The checkpoint {shown!r} is not published: it has no manifest {names.MANIFEST_NAME!r},"
+            f" only the data of {len(unpublished)} save(s) that did not finish"
+            f" ({', '.join(unpublished)}). Load an earlier checkpoint; the next save to this"
+            " location removes these leftovers."
+        )
+    listed = sorted(files) + [f"{d}/" for d in dirs]
+    held = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
+    raise not_a_checkpoint(
+        shown,
+        backend.noun,
+        f"it is not a sharded checkpoint (it has no `.metadata`, no `__<rank>_0.distcp` shard file"
+        f" and no {names.MANIFEST_NAME}; it holds {held}) and not a file, so it does not point to a"
+        " valid checkpoint",
+    )
+
+
+def _refuse_unfinished(shown: str, files: dict[str, int]) -> None:
+    """The error for a sharded checkpoint without ``.metadata`` or ``meta.pt``, which the save writes last."""
     if names.DCP_METADATA not in files:
         raise CheckpointError(
             f"The sharded checkpoint {shown!r} has no `.metadata` file, which torch.distributed.checkpoint"
@@ -248,7 +265,6 @@ def detect(path: str | os.PathLike[str], *, safetensors: bool = False) -> Found:
             " Lightning writes it after the shards), or the file was deleted. Loading it would restart"
             " progress silently; restore the directory from a copy or load an earlier checkpoint."
         )
-    return Found(given, data, CheckpointKind.SHARDED, backend, manifest)
 
 
 def checkpoint_files(found: Found) -> dict[str, int]:
