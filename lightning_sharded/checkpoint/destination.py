@@ -1,17 +1,10 @@
 """Where an offline tool may write: the rules that keep it from destroying what it did not create.
 
-A tool that writes a new file from a checkpoint (``consolidate``) calls :func:`output_file` first:
-
-- ``DST`` ending with a slash (``runs/``) means *inside* that directory: the output is
-  ``runs/<name of the source>``; the directory is created if needed;
-- the output may never be the source, lie inside it, or hold it (a sharded source is a directory;
-  a symlink or an interrupted save's ``.old`` version that leads to the source counts as the source):
-  writing there would destroy the only copy;
-- anything already at the output (a file, an empty directory, another sharded checkpoint) is
-  replaced only with ``overwrite=True`` (``--force``); a directory that is not a checkpoint never is;
-- its folder must be a directory (or creatable).
-
-The write itself then goes through the atomic commit, so the output appears complete or not at all.
+A tool that writes a new file from a checkpoint (``consolidate``) asks :func:`output_file` first: never
+the source, inside it, or a directory that holds it (symlinks and an interrupted save's ``.old``
+version count as the source); what is already there only with ``overwrite=True`` (``--force``), and
+a directory that is not a checkpoint never; ``DST/`` means inside ``DST``. The rules as the CLI gives
+them: ``docs/cli.md``, ``consolidate``. The write itself then goes through the atomic commit.
 """
 
 from __future__ import annotations

@@ -4,16 +4,8 @@ the manifest's name).
 A sharded checkpoint directory holds what ``torch.distributed.checkpoint`` (DCP) writes (shard files
 ``__<rank>_<i>.distcp`` and :data:`DCP_METADATA`), Lightning's :data:`LIGHTNING_METADATA` with the
 rest of the Lightning checkpoint and, when this library wrote it, :data:`MANIFEST_NAME`. The model
-state sits under one top-level key, which depends on the writer:
-
-============================================  ===================  =================
-writer                                         model key            optimizer keys
-============================================  ===================  =================
-this library's ``ShardedFSDPStrategy``        ``model``            ``optimizer_N``
-stock Lightning ``FSDPStrategy``               ``model``            ``optimizer_N``
-this library's ``ShardedModelParallelStrategy``  ``state_dict``     ``optimizer_N``
-stock Lightning ``ModelParallelStrategy``      ``state_dict``       ``optimizer_N``
-============================================  ===================  =================
+state sits under :data:`MODEL` (``FSDPStrategy``, stock and ours) or :data:`STATE_DICT`
+(``ModelParallelStrategy``, stock and ours), each optimizer's under ``optimizer_N``.
 
 A save writes next to its target under hidden sibling names ``.<name>.<kind>-<token>`` (kinds
 :data:`STAGING`, :data:`OLD`, :data:`TRASH`); on object storage, versions live in ``data-<token>``

@@ -1,19 +1,13 @@
 """How many bytes a save needs on its filesystem, and the refusal of one that cannot fit there.
 
-Each rank estimates its share of a sharded save (:func:`sharded_share`): the bytes of its tensors that
-DCP writes (a ``DTensor``'s local shard, divided among the ranks that hold the same replica; a plain
-tensor or value, written once by whichever rank DCP picks, divided among all ranks), plus
-:data:`ITEM_BYTES` per item for ``torch.save``'s container in the shard file and the item's entry in
-``.metadata`` (measured here: 1.8-2.1 KiB per item), plus the files it writes itself (``meta.pt``, its
-per-rank state file), each rounded up to a block. The commit gathers the estimates on rank 0, which
-compares their sum plus a margin (:func:`required`: :data:`MARGIN_FRACTION` of it and
-:data:`MARGIN_BYTES`) with the space free on the target's filesystem
-(:func:`~lightning_sharded.checkpoint.failures.free_space`), measured after the leftovers of crashed
-saves are removed and before anything is created, and refuses the save if it does not fit.
-
-Over an existing checkpoint the new one is written beside it and the old one is removed only once the
-new one is published: both must fit, and they do when the new one fits in the space that is free,
-since the old one's bytes are not free. Object storage has no such limit: no check there.
+Each rank estimates its share of a sharded save (:func:`sharded_share`: the bytes of its tensors that
+DCP writes, divided among the ranks that hold the same data, plus :data:`ITEM_BYTES` per item and its
+own files, each in whole blocks). Rank 0 compares the sum and its margin (:func:`required`) with the
+space free on the target's filesystem, measured after the leftovers of crashed saves are removed and
+before anything is created, and refuses a save that does not fit (:func:`refusal`). Over an existing
+checkpoint both versions must fit, and do when the new one fits in the space free (the old one's bytes
+are not free). Object storage has no such limit: no check there. The estimate in words:
+``docs/troubleshooting.md``, "Refused before writing".
 """
 
 from __future__ import annotations
