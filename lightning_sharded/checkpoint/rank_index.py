@@ -312,7 +312,7 @@ def ranks_to_read(
         if grid[0] == EVEN and len(entry[1]) and all(len(box[0]) == len(entry[1]) for box in mine):
             rows, n, rest = grid[1], grid[2], len(entry[1]) - 1
             for offsets, sizes in mine:
-                if sizes[0] <= 0 or any(s <= 0 for s in sizes):
+                if any(s <= 0 for s in sizes):
                     continue
                 for k in range(offsets[0] // rows, min(n - 1, (offsets[0] + sizes[0] - 1) // rows) + 1):
                     wanted.setdefault(k, set()).add((fqn, (k * rows,) + (0,) * rest))

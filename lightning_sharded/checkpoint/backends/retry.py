@@ -127,10 +127,11 @@ def call(request: Callable[[], T], what: str) -> T:
                 raise
             if attempt == retries:
                 spent = time.monotonic() - started
+                throttled = reason.startswith("throttled")
                 cause = (
                     "kept throttling the requests (503 SlowDown)"
-                    if reason.startswith("throttled")
-                    else ("kept dropping the connection")
+                    if throttled
+                    else "kept dropping the connection"
                 )
                 summary = (
                     f"{what} failed {attempt + 1} time(s) over {spent:.1f} s; the last error:"
@@ -138,7 +139,7 @@ def call(request: Callable[[], T], what: str) -> T:
                 )
                 raise StorageError(
                     f"The object store {cause}: {summary}. {ADVICE}",
-                    errno.EBUSY if reason.startswith("throttled") else errno.ECONNRESET,
+                    errno.EBUSY if throttled else errno.ECONNRESET,
                     reason=f"The object store {cause}",
                     summary=summary,
                     advice=ADVICE,
@@ -179,7 +180,7 @@ class Retrying:
             return value
 
         def retried(*args: Any, **kwargs: Any) -> Any:
-            target = args[-1] if name in ("put_file",) and args else (args[0] if args else "")
+            target = args[-1] if name == "put_file" and args else (args[0] if args else "")
             return call(lambda: value(*args, **kwargs), f"{verb} {str(target)!r}")
 
         return retried
