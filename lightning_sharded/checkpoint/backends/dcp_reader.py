@@ -21,11 +21,7 @@ and Adam, interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 
 1.49 and 1.44 GB/s with it.
 
 Both readers here (:class:`DirectReader` locally, :func:`fsspec_reader` for URLs) can be given the
-checkpoint's DCP ``Metadata`` (``.metadata``) already read: ``read_metadata``, which DCP calls on every
-rank of every load, then returns it without touching storage. A load reads ``.metadata`` once, on rank
-0, and broadcasts it (:func:`~lightning_sharded.checkpoint.load.sharded.restore_sharded`); without that,
-N ranks each read it once per ``dcp.load`` call (the model, then each optimizer): a metadata storm on a
-parallel file system, N GET requests (and as many HEAD) per call on S3.
+checkpoint's DCP ``Metadata`` already read (:class:`GivenMetadata`).
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ import contextlib
 import copy
 import dataclasses
 import itertools
+import operator
 import os
 import queue
 import struct
@@ -226,6 +223,11 @@ class SafeBytesPlanner(DefaultLoadPlanner):
 class GivenMetadata:
     """A DCP ``StorageReader`` mixin: ``read_metadata`` returns the ``Metadata`` given at construction.
 
+    DCP calls ``read_metadata`` on every rank of every ``dcp.load`` (the model, then each optimizer): N
+    reads of ``.metadata`` per call, a metadata storm on a parallel file system, N GET (and as many HEAD)
+    requests on S3. A load reads it once, on rank 0, and broadcasts it
+    (:func:`~lightning_sharded.checkpoint.load.sharded.restore_sharded`); the readers return that.
+
     Args:
         *args: the reader's own arguments (the checkpoint's path or URL...).
         metadata: the checkpoint's DCP ``Metadata``, read once elsewhere (rank 0) and shared; ``None``
@@ -337,18 +339,14 @@ class DirectReader(GivenMetadata, FileSystemReader):
         shared = plan.storage_data.indices if isinstance(plan.storage_data, SharedReads) else None
         fallback: list[Any] = []
         jobs: list[_Job] = []
-        per_file: dict[str, list[Any]] = {}
-        for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        for relative_path, reqs in sorted(per_file.items()):
-            path = os.fspath(self.fs.concat_path(self.path, relative_path))
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                job = self._prelocate(path, relative_path, req, planner)
-                if job is None:
-                    fallback.append(req)
-                else:
-                    job.drop = shared is not None and req.storage_index not in shared
-                    jobs.append(job)
+        in_file_order = operator.attrgetter("relative_path", "offset")
+        for req in sorted(plan.items, key=lambda r: in_file_order(self.storage_data[r.storage_index])):
+            job = self._prelocate(req, planner)
+            if job is None:
+                fallback.append(req)
+            else:
+                job.drop = shared is not None and req.storage_index not in shared
+                jobs.append(job)
 
         def small() -> None:  # torch's path, in this thread while the threads read the large items
             super(DirectReader, self).read_data(
@@ -358,7 +356,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
         late = self._read_jobs(jobs, planner, meanwhile=small if fallback else None)
         return super().read_data(type(plan)(late, plan.storage_data, plan.planner_data), planner)
 
-    def _prelocate(self, path: str, relative: str, req: Any, planner: Any) -> _Job | None:
+    def _prelocate(self, req: Any, planner: Any) -> _Job | None:
         """The direct read of ``req`` with its storage record still to find (no I/O), or ``None`` for
         torch's path."""
         info = self.storage_data[req.storage_index]
@@ -374,7 +372,8 @@ class DirectReader(GivenMetadata, FileSystemReader):
             or target.dim() == 0
         ):
             return None
-        return _Job(req, path, relative, -1, target, archive=(info.offset, info.length))
+        path = os.fspath(self.fs.concat_path(self.path, info.relative_path))
+        return _Job(req, path, info.relative_path, -1, target, archive=(info.offset, info.length))
 
     def _read_jobs(
         self, jobs: list[_Job], planner: Any, meanwhile: Callable[[], None] | None = None
