@@ -353,14 +353,8 @@ class LocalBackend:
             return []
         prefix = f"__{rank}_"
         mine = (names.rank_state_file(rank), names.rank_index_file(rank))
-
-        def own_file(rel: str) -> bool:
-            return ("/" not in rel and rel.startswith(prefix)) or rel in mine
-
-        if written:
-            own = sorted(rel for rel in written if own_file(rel))
-        else:
-            own = [rel for rel in _walk(_path(staging)) if own_file(rel)]
+        listed = sorted(written) if written else _walk(_path(staging))
+        own = [rel for rel in listed if ("/" not in rel and rel.startswith(prefix)) or rel in mine]
         return [_entry(_path(staging), rel, rank, written) for rel in own]
 
     def seal(
