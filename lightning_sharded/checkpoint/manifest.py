@@ -41,9 +41,8 @@ OBJECT_STORE_FORMAT_VERSION = 2
 #: Manifest format version of a trainable-only checkpoint (it adds ``frozen``; older readers refuse it
 #: instead of loading a model without its frozen part). Other checkpoints keep their version.
 PARTIAL_FORMAT_VERSION = 3
-#: The newest format version this library reads: 2 adds :attr:`Manifest.data_dir` (object storage),
-#: 3 :attr:`Manifest.frozen` (trainable-only checkpoints).
-READABLE_FORMAT_VERSION = 3
+#: The newest format version this library reads.
+READABLE_FORMAT_VERSION = PARTIAL_FORMAT_VERSION
 
 
 def _version(distribution: str) -> str:
