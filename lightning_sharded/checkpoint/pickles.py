@@ -76,8 +76,6 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
 
 def _rank_state_files(backend: Backend, root: Location) -> list[tuple[str, int]]:
     """The per-rank state files of a sharded checkpoint, relative to it, with their ranks (sorted)."""
-    if names.RANK_STATE_DIR not in backend.list_dirs(root):
-        return []
     listed = (f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR)))
     return sorted((rel, int(m.group(1))) for rel in listed if (m := names.RANK_STATE_FILE.match(rel)))
 
