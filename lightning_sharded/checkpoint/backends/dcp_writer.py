@@ -10,14 +10,13 @@ it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.check
 would give.
 
 It also switches off ``torch.save``'s own per-record CRC-32 for the shards it writes (DCP stores each
-tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours): only
+tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours) only
 while DCP writes into one of this writer's files, on the thread that writes it (torch's setting is a
-context variable; nothing else in the process, no other thread, no ``torch.save`` a user's ``state_dict``
-makes during the save, sees it), and
-keeps a large shard's write-back going as it is written, its pages leaving the page cache once on disk
-(:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: a save then takes no fresh memory for
-the page cache, which costs a background save's CPU, and so training's).
-Files written that way load everywhere, with or without this library.
+context variable: nothing else in the process sees it), and keeps a large shard's write-back going as
+it is written, its pages leaving the page cache once on disk
+(:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: a save then takes no fresh memory for the
+page cache, which costs a background save's CPU, and so training's). Files written that way load
+everywhere, with or without this library.
 """
 
 from __future__ import annotations
