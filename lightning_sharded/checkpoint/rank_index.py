@@ -187,20 +187,19 @@ def layout_bytes(metadata: Any) -> bytes | None:
             return None
         size = tuple(item.size)
         boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in item.chunks)
-        stored = [places.get((fqn, offsets)) for offsets, _ in boxes]
-        if any(place is None for place in stored):
+        if any((fqn, offsets) not in places for offsets, _ in boxes):
             return None
-        ranks = [names.shard_rank(place[0]) for place in stored if place is not None]
-        if any(rank is None for rank in ranks):
+        stored = [places[(fqn, offsets)] for offsets, _ in boxes]
+        ranks = [rank for place in stored if (rank := names.shard_rank(place[0])) is not None]
+        if len(ranks) < len(stored):
             return None
         dtype = str(item.properties.dtype).removeprefix("torch.")
-        grid: list[Any] | None
         if len(boxes) == 1 and boxes[0] == ((0,) * len(size), size):
-            grid = [WHOLE, *stored[0]]  # type: ignore[misc]
+            grid = [WHOLE, *stored[0]]
         else:
             grid = (
-                _even_grid(size, boxes, ranks)  # type: ignore[arg-type]
-                or _flat_grid(size, boxes, ranks)  # type: ignore[arg-type]
+                _even_grid(size, boxes, ranks)
+                or _flat_grid(size, boxes, ranks)
                 or [CHUNKS, [list(o) for o, _ in boxes], [list(s) for _, s in boxes], ranks]
             )
         tensors[fqn] = [dtype, list(size), grid]
