@@ -1,15 +1,11 @@
 """Hugging Face weights (a ``save_pretrained`` directory, ``consolidate --format safetensors``, one
 ``.safetensors`` file): recognised, listed and checked from names and headers only (standard library).
 
-A ``.safetensors`` file is an 8-byte little-endian header length ``N``, a JSON header of ``N`` bytes
-(``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
-offsets relative to the end of the header) and the tensors' bytes
-(https://huggingface.co/docs/safetensors/index#format). A directory holds ``model.safetensors``, or
-``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` (``{"weight_map":
-{key: file}}``). The detector tells such weights from a checkpoint here; ``verify`` checks what can be
-checked without reading a tensor (every header reads, every file is as long as its header says, the
-index names files that are there and keys that they hold); ``inspect`` and ``load_pretrained`` list
-the tensors.
+The file format and the directory's layout are described in
+:mod:`~lightning_sharded.checkpoint.tools.safetensors_format`, which writes them. The detector tells such
+weights from a checkpoint here; ``verify`` checks what can be checked without reading a tensor (every
+header reads, every file is as long as its header says, the index names files that are there and keys
+that they hold); ``inspect`` and ``load_pretrained`` list the tensors.
 """
 
 from __future__ import annotations
@@ -73,9 +69,7 @@ class Header:
 
 def is_safetensors_head(head: bytes) -> bool:
     """Whether a file's first bytes (9 or more) are a safetensors file's: a header length, then ``{``."""
-    if len(head) < 9:
-        return False
-    return 2 <= struct.unpack("<Q", head[:8])[0] <= HEADER_LIMIT and head[8:9] == b"{"
+    return len(head) >= 9 and 2 <= struct.unpack("<Q", head[:8])[0] <= HEADER_LIMIT and head[8:9] == b"{"
 
 
 def is_weights_listing(files: Iterable[str]) -> bool:
