@@ -1,9 +1,4 @@
-"""Listing a refused checkpoint: a ``torch.save`` file read with every refused object a placeholder.
-
-:func:`inert_load` lets ``inspect`` still describe a full file or ``meta.pt`` that a safe load
-refuses: tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual, and
-every other global is never looked up (no code from the file runs).
-"""
+"""Listing a refused checkpoint: a ``torch.save`` file read with every refused object a placeholder."""
 
 from __future__ import annotations
 
