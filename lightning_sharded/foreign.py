@@ -42,13 +42,9 @@ def foreign_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(types, type):
         return []
     found: list[tuple[str, nn.Module]] = []
-    inside: list[str] = []
     for name, module in root.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in inside):
-            continue
-        if isinstance(module, types):
+        if isinstance(module, types) and not any(name.startswith(p + ".") for p, _ in found):
             found.append((name, cast(nn.Module, module)))
-            inside.append(name)
     return found
 
 
