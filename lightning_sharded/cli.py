@@ -277,13 +277,9 @@ def _split_demo(args: list[str]) -> tuple[list[str], list[str]] | None:
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is when a record is logged (tests replace it)."""
 
-    @property  # type: ignore[override]
-    def stream(self) -> object:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: object) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # under the handler's lock
+        super().emit(record)
 
 
 @contextlib.contextmanager
