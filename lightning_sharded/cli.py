@@ -89,9 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.verify import verify_checkpoint
 
     report = verify_checkpoint(
-        args.path,
-        progress=False if args.no_progress else None,
-        weights_only=not args.unsafe_unpickle,
+        args.path, progress=False if args.no_progress else None, weights_only=not args.unsafe_unpickle
     )
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
@@ -259,9 +257,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config", metavar="CONFIG_JSON", help="safetensors: a config.json to copy beside the weights"
     )
     commands.add_parser(
-        "demo",
-        help="train, save and resume a sharded model on CPU (options: demo --help)",
-        add_help=False,
+        "demo", help="train, save and resume a sharded model on CPU (options: demo --help)", add_help=False
     )
     return parser
 

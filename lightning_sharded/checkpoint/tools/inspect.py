@@ -25,12 +25,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import check_found
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
-from lightning_sharded.checkpoint.tools.reader import (
-    OfflineReader,
-    leaves,
-    load_full,
-    safe_torch_load,
-)
+from lightning_sharded.checkpoint.tools.reader import OfflineReader, leaves, load_full, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]

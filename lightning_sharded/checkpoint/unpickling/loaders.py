@@ -21,14 +21,7 @@ from lightning_sharded.checkpoint.unpickling.allowed import (
     safe_globals,
 )
 
-__all__ = [
-    "UNSAFE_FLAG",
-    "RefusedPickleError",
-    "load_pickle",
-    "refused_name",
-    "safe_load",
-    "unsafe_globals",
-]
+__all__ = ["UNSAFE_FLAG", "RefusedPickleError", "load_pickle", "refused_name", "safe_load", "unsafe_globals"]
 
 #: The command-line flag that opens a trusted checkpoint whatever it holds.
 UNSAFE_FLAG = "--unsafe-unpickle"
