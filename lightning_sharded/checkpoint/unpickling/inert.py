@@ -30,17 +30,10 @@ class NotUnpickled:
     def __call__(self, *args: Any, **kwargs: Any) -> NotUnpickled:
         return self
 
-    def __setstate__(self, state: Any) -> None:
+    def _ignore(self, *args: Any) -> None:
         pass
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
+    __setstate__ = __setitem__ = append = extend = _ignore
 
 
 def _placeholder(name: str) -> type:
