@@ -59,72 +59,58 @@ DYNAMO_EVAL_FRAME_MODULE = "torch._dynamo.eval_frame"
 
 
 def create_file_view(file: Any, offset: int, length: int) -> Any:
-    """A read-only view of ``length`` bytes of ``file`` from ``offset``, as DCP's readers make.
-
-    Public replacement: none (``torch.distributed.checkpoint.utils._create_file_view``); a small
-    ``io.RawIOBase`` of our own would do.
-    """
+    """A read-only view of ``length`` bytes of ``file`` from ``offset``, as DCP's readers make. Public
+    replacement: none (``torch.distributed.checkpoint.utils._create_file_view``); a small ``io.RawIOBase`` of
+    our own would do."""
     from torch.distributed.checkpoint.utils import _create_file_view
 
     return _create_file_view(file, offset, length)
 
 
 def fsspec_filesystem() -> ModuleType:
-    """torch's fsspec storage for DCP (``FileSystem``, ``FsspecReader``, ``FsspecWriter``).
-
-    Public replacement: ``torch.distributed.checkpoint.FsspecReader``/``FsspecWriter`` where a torch
-    exports them (2.13 to 2.15 do not; ``FileSystem`` has no public name in any).
-    """
+    """torch's fsspec storage for DCP (``FileSystem``, ``FsspecReader``, ``FsspecWriter``). Public
+    replacement: ``torch.distributed.checkpoint.FsspecReader``/``FsspecWriter`` where a torch exports them
+    (2.13 to 2.15 do not; ``FileSystem`` has no public name in any)."""
     return importlib.import_module("torch.distributed.checkpoint._fsspec_filesystem")
 
 
 def create_chunk_list(tensor: Any) -> Any:
-    """The chunks DCP records for a tensor (DTensor, ShardedTensor or plain).
-
-    Public replacement: ``tensor.__create_chunk_list__()`` where every kind has it (plain tensors do not).
-    """
+    """The chunks DCP records for a tensor (DTensor, ShardedTensor or plain). Public replacement:
+    ``tensor.__create_chunk_list__()`` where every kind has it (plain tensors do not)."""
     from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
     return _create_chunk_list(tensor)
 
 
 def flatten_state_dict(state: Any) -> Any:
-    """DCP's flattening of a nested state dict: ``(flat, mapping)``.
-
-    Public replacement: none (``DefaultSavePlanner(flatten_state_dict=True)`` does it inside a plan).
-    """
+    """DCP's flattening of a nested state dict: ``(flat, mapping)``. Public replacement: none
+    (``DefaultSavePlanner(flatten_state_dict=True)`` does it inside a plan)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
 
     return flatten(state)
 
 
 def flatten_sharded_tensors(state: Any) -> Any:
-    """DCP's flattening of nested ShardedTensors (as its planners do before planning).
-
-    Public replacement: ``DefaultSavePlanner(flatten_sharded_tensors=True)`` inside a plan.
-    """
+    """DCP's flattening of nested ShardedTensors (as its planners do before planning). Public replacement:
+    ``DefaultSavePlanner(flatten_sharded_tensors=True)`` inside a plan."""
     from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
     return _flatten_sharded_tensors(state)
 
 
 def storage_info(relative_path: str, offset: int, length: int) -> Any:
-    """The storage record a ``FileSystemWriter``'s write results carry (``_StorageInfo``).
-
-    Public replacement: none; ``WriteResult.storage_data`` is typed ``Any``.
-    """
+    """The storage record a ``FileSystemWriter``'s write results carry (``_StorageInfo``). Public replacement:
+    none; ``WriteResult.storage_data`` is typed ``Any``."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     return _StorageInfo(relative_path, offset, length)
 
 
 def dcp_load_state_dict(state: Any, *, storage_reader: Any, planner: Any) -> None:
-    """DCP's load into ``state`` in this process alone (no process group), with a planner of ours.
-
-    Public replacement: ``torch.distributed.checkpoint.load(..., no_dist=True)`` does the same here (no
-    ``Stateful`` values) but warns on every call ("assuming the intent is to load in a single process"),
-    and silencing that would change the process's warning filters (not thread-safe).
-    """
+    """DCP's load into ``state`` in this process alone (no process group), with a planner of ours. Public
+    replacement: ``torch.distributed.checkpoint.load(..., no_dist=True)`` does the same here (no ``Stateful``
+    values) but warns on every call ("assuming the intent is to load in a single process"), and silencing that
+    would change the process's warning filters (not thread-safe)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     _load_state_dict(state, storage_reader=storage_reader, planner=planner, no_dist=True)
@@ -135,40 +121,32 @@ def dcp_load_state_dict(state: Any, *, storage_reader: Any, planner: Any) -> Non
 
 def object_collective_device(group: Any) -> Any:
     """The device torch's object collectives use on ``group`` (CPU on gloo, the current CUDA one on NCCL).
-
-    Public replacement: none; ``torch.distributed.get_backend(group)`` and a rule of our own would do.
-    """
+    Public replacement: none; ``torch.distributed.get_backend(group)`` and a rule of our own would do."""
     from torch.distributed.distributed_c10d import _get_object_coll_device
 
     return _get_object_coll_device(group)
 
 
 def default_store() -> Any:
-    """The default process group's store.
-
-    Public replacement: none (a ``TCPStore`` of our own, at the cost of a port).
-    """
+    """The default process group's store. Public replacement: none (a ``TCPStore`` of our own, at the cost of
+    a port)."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
 
 
 def gather_state_dict(state: dict[str, Any], *, ranks_only: tuple[int, ...]) -> dict[str, Any]:
-    """A state dict whose sharded values (DTensor, ShardedTensor) are gathered onto ``ranks_only``.
-
-    Public replacement: ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))``
-    for a whole model (which FSDP1 on CPU does not support with sharded attributes beside it).
-    """
+    """A state dict whose sharded values (DTensor, ShardedTensor) are gathered onto ``ranks_only``. Public
+    replacement: ``get_model_state_dict(..., options=StateDictOptions(full_state_dict=True))`` for a whole
+    model (which FSDP1 on CPU does not support with sharded attributes beside it)."""
     from torch.distributed._state_dict_utils import _gather_state_dict
 
     return _gather_state_dict(state, cpu_offload=False, ranks_only=ranks_only)  # type: ignore[no-any-return]
 
 
 def strided_shard() -> Any:
-    """DTensor's ``_StridedShard`` placement (FSDP2 over tensor parallelism).
-
-    Public replacement: none in 2.13 to 2.15 (``torch.distributed.tensor.placement_types``).
-    """
+    """DTensor's ``_StridedShard`` placement (FSDP2 over tensor parallelism). Public replacement: none in 2.13
+    to 2.15 (``torch.distributed.tensor.placement_types``)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard
@@ -176,10 +154,8 @@ def strided_shard() -> Any:
 
 def sharded_tensor_api() -> Any:
     """The ``ShardedTensor`` classes: ``(ShardedTensor, Shard, ShardMetadata, ShardedTensorMetadata,
-    TensorProperties)``. Imported on use only (a package that makes ShardedTensors has imported them).
-
-    Public replacement: none (``torch.distributed._shard``, deprecated for DTensor).
-    """
+    TensorProperties)``. Imported on use only (a package that makes ShardedTensors has imported them). Public
+    replacement: none (``torch.distributed._shard``, deprecated for DTensor)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -190,10 +166,8 @@ def sharded_tensor_api() -> Any:
 
 def fsdp1_state_dict_utils() -> ModuleType:
     """FSDP1's state-dict hook module, whose steps :mod:`~lightning_sharded.checkpoint.fsdp1.views` reuses.
-
-    Public replacement: none (FSDP1's ``SHARDED_STATE_DICT`` through ``state_dict()`` gathers nothing
-    but copies; FSDP2 replaces FSDP1).
-    """
+    Public replacement: none (FSDP1's ``SHARDED_STATE_DICT`` through ``state_dict()`` gathers nothing but
+    copies; FSDP2 replaces FSDP1)."""
     return importlib.import_module("torch.distributed.fsdp._state_dict_utils")
 
 
@@ -210,21 +184,17 @@ def fsdp1_names() -> tuple[str, str]:
 
 
 def materialize_distributed_module(module: Any, device: Any) -> None:
-    """Lightning's materialization of a model's meta-device parameters after ``fully_shard``/TP.
-
-    Public replacement: none in Lightning 2.6 (``lightning.fabric.utilities.init``); used by
-    ``ShardedModelParallelStrategy.setup`` until it can call stock's (see docs/strategies.md).
-    """
+    """Lightning's materialization of a model's meta-device parameters after ``fully_shard``/TP. Public
+    replacement: none in Lightning 2.6 (``lightning.fabric.utilities.init``); used by
+    ``ShardedModelParallelStrategy.setup`` until it can call stock's (see docs/strategies.md)."""
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
     _materialize_distributed_module(module, device)
 
 
 def optimizers_to_device(optimizers: Any, device: Any) -> None:
-    """Lightning's move of the optimizers' state to ``device``.
-
-    Public replacement: none in Lightning 2.6 (``lightning.fabric.utilities.optimizer``).
-    """
+    """Lightning's move of the optimizers' state to ``device``. Public replacement: none in Lightning 2.6
+    (``lightning.fabric.utilities.optimizer``)."""
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
@@ -236,10 +206,8 @@ def load_module_from(
     """Lightning's ``cls.load_from_checkpoint(path, ...)`` of a checkpoint dict already read: what
     ``lightning.pytorch.core.saving._load_from_checkpoint`` does after its read (migration, ``hparams_file``
     and ``kwargs`` over the saved hyperparameters, the model built and loaded, moved to its state's device).
-
-    Public replacement: none in Lightning 2.6 (``load_from_checkpoint`` reads the checkpoint itself,
-    through the module-level ``pl_load``).
-    """
+    Public replacement: none in Lightning 2.6 (``load_from_checkpoint`` reads the checkpoint itself, through
+    the module-level ``pl_load``)."""
     import torch
     from lightning.pytorch.core.saving import _load_state, load_hparams_from_tags_csv, load_hparams_from_yaml
     from lightning.pytorch.utilities import rank_zero_warn

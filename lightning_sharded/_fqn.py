@@ -62,16 +62,6 @@ class Edge:
     clean: str
 
 
-def _present() -> list[tuple[type, _Wrapper]]:
-    found = []
-    for wrapper in _WRAPPERS:
-        module = sys.modules.get(wrapper.module)
-        cls = getattr(module, wrapper.cls, None) if module is not None else None
-        if isinstance(cls, type):
-            found.append((cls, wrapper))
-    return found
-
-
 def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
     """``(name, child, edge)`` for the children of ``parent`` to walk, in registration order.
 
@@ -79,11 +69,10 @@ def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
     where ``state_dict()`` removes it); other views of the wrapped module (Fabric's ``_forward_module``)
     are not walked, since ``state_dict()`` does not visit them either.
     """
-    wrapper = next((w for cls, w in _present() if isinstance(parent, cls)), None)
+    present = ((getattr(sys.modules.get(w.module), w.cls, None), w) for w in _WRAPPERS)
+    wrapper = next((w for cls, w in present if isinstance(cls, type) and isinstance(parent, cls)), None)
     for name, child in parent._modules.items():
-        if child is None:
-            continue
-        if wrapper is not None and name in wrapper.skip:
+        if child is None or (wrapper is not None and name in wrapper.skip):
             continue
         if wrapper is not None and name == wrapper.inner:
             yield name, child, Edge(raw=name + "." if wrapper.keeps_part else "", clean="")

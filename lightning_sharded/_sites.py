@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -51,24 +51,14 @@ _NO_EXTRAS = operator.itemgetter("training", "training")
 
 @dataclass(frozen=True)
 class Site:
-    """One sharded attribute ``module.<name>``, at dotted ``path`` ("" or "a.b.") under the root.
+    """One sharded attribute ``module.<name>`` of the tree, with its two keys relative to the root."""
 
-    ``path`` is spelled as ``state_dict()`` spells parameter keys (``clean_path`` without any wrapper part).
-    """
-
-    path: str
     module: nn.Module
     name: str
-    clean_path: str = ""
-    #: The state-dict key relative to the root, as ``state_dict()`` gives a parameter at this place.
-    key: str = field(init=False)
-    #: The clean FQN relative to the root, as ``get_model_state_dict`` gives it.
-    clean_key: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        # Computed once per walk: the state-dict hook reads them at every call.
-        object.__setattr__(self, "key", self.path + self.name)
-        object.__setattr__(self, "clean_key", self.clean_path + self.name)
+    #: As ``state_dict()`` gives a parameter at this place (its path through wrappers spelled so).
+    key: str
+    #: The clean FQN, as ``get_model_state_dict`` gives it.
+    clean_key: str
 
     @property
     def value(self) -> Any:
@@ -154,7 +144,7 @@ class SiteIndex:
             getters.append(operator.itemgetter(*extras, extras[0]) if extras else _NO_EXTRAS)
             for name in extras:
                 if adapter_for(module.__dict__[name]) is not None:
-                    sites.append(Site(path, module, name, clean))
+                    sites.append(Site(module, name, path + name, clean + name))
         dicts = list(map(vars, modules))
         child_dicts = list(map(_modules_of, dicts))
         parents = [d for d in child_dicts if d]

@@ -2,8 +2,8 @@
 
 Every command works in one plain process, with no process group. Exit status: 0 when all went
 well, 1 when a checkpoint is missing, invalid or damaged or a destination is refused (one line on
-stderr says what and where; ``--debug`` shows the traceback), 2 for usage errors and for a missing
-demo. ``-v`` and ``--debug`` may come before or after the command.
+stderr says what and where; ``--debug`` shows the traceback), 2 for usage errors. ``-v`` and
+``--debug`` may come before or after the command.
 """
 
 from __future__ import annotations
@@ -89,9 +89,7 @@ def _verify(args: argparse.Namespace) -> int:
     from lightning_sharded.checkpoint.verify import verify_checkpoint
 
     report = verify_checkpoint(
-        args.path,
-        progress=False if args.no_progress else None,
-        weights_only=not args.unsafe_unpickle,
+        args.path, progress=False if args.no_progress else None, weights_only=not args.unsafe_unpickle
     )
     what = "checksums" if report.has_manifest or report.kind == "full" else "sizes"
     files = f"{report.files} file" + ("s" if report.files != 1 else "")
@@ -147,18 +145,7 @@ def _demo(argv: list[str]) -> int:
     import importlib
 
     try:
-        demo = importlib.import_module("lightning_sharded.demo")
-    except ModuleNotFoundError as err:
-        if err.name != "lightning_sharded.demo":
-            raise
-        print(
-            f"{_PROG} demo: the demo is not part of this installation yet (no module"
-            " lightning_sharded.demo). Update lightning_sharded to a version that ships it.",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
-    try:
-        return int(demo.main(argv) or 0)
+        return int(importlib.import_module("lightning_sharded.demo").main(argv) or 0)
     except SystemExit as exit_:  # the demo's own argument parser: --help, or a usage error
         return int(exit_.code or 0)
 
@@ -270,9 +257,7 @@ def _parser() -> argparse.ArgumentParser:
         "--config", metavar="CONFIG_JSON", help="safetensors: a config.json to copy beside the weights"
     )
     commands.add_parser(
-        "demo",
-        help="train, save and resume a sharded model on CPU (options: demo --help)",
-        add_help=False,
+        "demo", help="train, save and resume a sharded model on CPU (options: demo --help)", add_help=False
     )
     return parser
 
@@ -288,13 +273,9 @@ def _split_demo(args: list[str]) -> tuple[list[str], list[str]] | None:
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is when a record is logged (tests replace it)."""
 
-    @property  # type: ignore[override]
-    def stream(self) -> object:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: object) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # under the handler's lock
+        super().emit(record)
 
 
 @contextlib.contextmanager
@@ -335,20 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         errors.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
     demo = _split_demo(args_list)
-    if demo is not None:
-        before, demo_args = demo
-        try:
-            options = parser.parse_args([*before, "demo"])
-        except SystemExit as exit_:
-            return int(exit_.code or 0)
-        with _logging(options.verbose):
-            return _demo(demo_args)
     try:
-        args = parser.parse_args(args_list)
+        args = _parser().parse_args(args_list if demo is None else [*demo[0], "demo"])
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if demo is not None:
+        with _logging(args.verbose):
+            return _demo(demo[1])
     verbose, debug = getattr(args, "verbose", False), getattr(args, "debug", False)
     handler = {"inspect": _inspect, "verify": _verify, "consolidate": _consolidate}[args.command]
     where = f"{_PROG} {args.command}"

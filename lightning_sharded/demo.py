@@ -196,19 +196,8 @@ def _launch(args: argparse.Namespace, job: str, world: int, output: Path, retry:
     once more on another port.
     """
     port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_sharded.demo",
-        "--rank-job",
-        job,
-        "--output",
-        str(output),
-        "--state-dict-type",
-        args.state_dict_type,
-        "--strategy",
-        args.strategy,
-    ]
+    command = [sys.executable, "-m", "lightning_sharded.demo", "--rank-job", job, "--output", str(output)]
+    command += ["--state-dict-type", args.state_dict_type, "--strategy", args.strategy]
     envs = [rank_env(rank, world, port, _PACKAGE_ROOT) for rank in range(world)]
     outcome = run_ranks(command, envs, timeout=args.timeout)
     if outcome.ok:

@@ -42,13 +42,9 @@ def foreign_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     if not isinstance(types, type):
         return []
     found: list[tuple[str, nn.Module]] = []
-    inside: list[str] = []
     for name, module in root.named_modules():
-        if any(name == p or name.startswith(p + ".") for p in inside):
-            continue
-        if isinstance(module, types):
+        if isinstance(module, types) and not any(name.startswith(p + ".") for p, _ in found):
             found.append((name, cast(nn.Module, module)))
-            inside.append(name)
     return found
 
 
@@ -96,8 +92,7 @@ def attach_fused_state(root: nn.Module) -> None:
             value = local.get(name)
             if value is None:
                 value = _empty_like_layout(*layouts[name])
-            current = module.__dict__.get(name)
-            if current is not value:
+            if module.__dict__.get(name) is not value:
                 object.__setattr__(module, name, value)
 
 
@@ -115,10 +110,10 @@ def _exchange_layouts(local: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Every rank's ``{attribute: (ShardedTensorMetadata, process group)}``, merged (collective)."""
     mine = {name: value.metadata() for name, value in local.items()}
     groups = {name: value._process_group for name, value in local.items()}
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {name: (mine[name], groups[name]) for name in sorted(mine)}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
     merged: dict[str, Any] = {}
     for metadata in everyone:
         for name, meta in metadata.items():

@@ -1,15 +1,11 @@
 """Hugging Face weights (a ``save_pretrained`` directory, ``consolidate --format safetensors``, one
 ``.safetensors`` file): recognised, listed and checked from names and headers only (standard library).
 
-A ``.safetensors`` file is an 8-byte little-endian header length ``N``, a JSON header of ``N`` bytes
-(``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
-offsets relative to the end of the header) and the tensors' bytes
-(https://huggingface.co/docs/safetensors/index#format). A directory holds ``model.safetensors``, or
-``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` (``{"weight_map":
-{key: file}}``). The detector tells such weights from a checkpoint here; ``verify`` checks what can be
-checked without reading a tensor (every header reads, every file is as long as its header says, the
-index names files that are there and keys that they hold); ``inspect`` and ``load_pretrained`` list
-the tensors.
+The file format and the directory's layout are described in
+:mod:`~lightning_sharded.checkpoint.tools.safetensors_format`, which writes them. The detector tells such
+weights from a checkpoint here; ``verify`` checks what can be checked without reading a tensor (every
+header reads, every file is as long as its header says, the index names files that are there and keys
+that they hold); ``inspect`` and ``load_pretrained`` list the tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ import math
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, join
@@ -59,11 +55,10 @@ class StoredTensor:
 
 @dataclass(frozen=True)
 class Header:
-    """A safetensors file's header: its JSON length, its tensors (in header order), its metadata."""
+    """A safetensors file's header: its JSON length and its tensors (in header order)."""
 
     length: int
     tensors: dict[str, StoredTensor]
-    metadata: dict[str, Any]
 
     @property
     def file_size(self) -> int:
@@ -73,9 +68,7 @@ class Header:
 
 def is_safetensors_head(head: bytes) -> bool:
     """Whether a file's first bytes (9 or more) are a safetensors file's: a header length, then ``{``."""
-    if len(head) < 9:
-        return False
-    return 2 <= struct.unpack("<Q", head[:8])[0] <= HEADER_LIMIT and head[8:9] == b"{"
+    return len(head) >= 9 and 2 <= struct.unpack("<Q", head[:8])[0] <= HEADER_LIMIT and head[8:9] == b"{"
 
 
 def is_weights_listing(files: Iterable[str]) -> bool:
@@ -118,8 +111,7 @@ def parse_header(f: IO[bytes], shown: str) -> Header:
                 f"{shown!r} is not a safetensors file: the header's entry {key!r} is {info!r}, not a dtype,"
                 " a shape and data offsets"
             ) from None
-    metadata = header.get("__metadata__")
-    return Header(length, tensors, metadata if isinstance(metadata, dict) else {})
+    return Header(length, tensors)
 
 
 @dataclass
@@ -127,13 +119,11 @@ class WeightsListing:
     """What a weights directory or file holds, after reading its headers (and index).
 
     Attributes:
-        files: The weights files and the index, by name relative to the directory, with their sizes.
         tensors: Every tensor, by key, with the file that holds it.
         problems: What is wrong: a file the index names that is not there, a header that does not read,
             a file shorter or longer than its header says, a key the index puts in a file without it.
     """
 
-    files: dict[str, int] = field(default_factory=dict)
     tensors: dict[str, tuple[str, StoredTensor]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
 
@@ -153,7 +143,7 @@ def _tensor_problem(name: str, tensor: StoredTensor) -> Problem | None:
 
 
 def list_weights(backend: Backend, data: Location) -> WeightsListing:
-    """The weights at ``data`` (a directory or one ``.safetensors`` file): files, tensors, problems.
+    """The weights at ``data`` (a directory or one ``.safetensors`` file): its tensors and problems.
 
     A directory with an index is read through its ``weight_map``; without one, every ``.safetensors``
     file in it is. Reads the index and each file's header, no tensor data.
@@ -165,7 +155,6 @@ def list_weights(backend: Backend, data: Location) -> WeightsListing:
         root, present = data, backend.list_files(data)
     weight_map: dict[str, str] | None = None
     if root is not None and names.SAFETENSORS_INDEX in present:
-        listing.files[names.SAFETENSORS_INDEX] = present[names.SAFETENSORS_INDEX]
         try:
             loaded = json.loads(backend.read_bytes(join(root, names.SAFETENSORS_INDEX)))
             weight_map = loaded["weight_map"]
@@ -185,7 +174,7 @@ def list_weights(backend: Backend, data: Location) -> WeightsListing:
                 Problem(name, f"is missing (the index {names.SAFETENSORS_INDEX} names it)")
             )
             continue
-        size = listing.files[name] = present[name]
+        size = present[name]
         try:
             with backend.open_file(join(root, name) if root is not None else data) as f:
                 header = parse_header(f, name)
@@ -204,12 +193,10 @@ def list_weights(backend: Backend, data: Location) -> WeightsListing:
                 listing.problems.append(problem)
                 break
     if weight_map is not None:
-        held = {name for name in wanted if name in listing.files}
         for key, name in sorted(weight_map.items()):
-            if name in held and listing.tensors.get(key, ("",))[0] != name:
+            if name in present and listing.tensors.get(key, ("",))[0] != name:
                 listing.problems.append(
                     Problem(names.SAFETENSORS_INDEX, f"puts {key!r} in {name!r}, which does not hold it")
                 )
                 break
-    listing.files = dict(sorted(listing.files.items()))
     return listing

@@ -14,7 +14,7 @@ from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, local_path, location
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE
 from lightning_sharded.checkpoint.dcp_index import index_problems, model_key, read_index, top_level_keys
-from lightning_sharded.checkpoint.detect import CheckpointKind, checkpoint_files, detect
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found, checkpoint_files, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import find_problems
 from lightning_sharded.checkpoint.pickles import check_pickles
@@ -110,68 +110,87 @@ def verify_checkpoint(
     """
     started = time.perf_counter()
     found = detect(path, safetensors=True)
-    backend, real = found.backend, found.data
-    report = VerifyReport(real, found.kind)
-    manifest = found.manifest
-    weights = found.kind is CheckpointKind.SAFETENSORS
-    # Hugging Face weights: every header reads, every file as long as its header says; with a manifest
-    # (our export) the checksums too, below.
-    header_problems = hf_layout.list_weights(backend, real).problems if weights else []
+    report = VerifyReport(found.data, found.kind)
     if found.kind is CheckpointKind.FULL:
-        _raise(real, _full_file_problems(backend, real, progress))
-    elif weights and manifest is None:
-        _raise(real, header_problems)
-        report.notes.append(
-            "no manifest (weights not written by lightning_sharded): there are no checksums to compare with;"
-            " checked that every safetensors header reads and that every file is as long as its header says"
-        )
-    elif manifest is None:
-        try:  # read safely, flag or not: verify never unpickles
-            problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
-        except unpickling.RefusedPickleError:
-            problems = []  # the pickle check below refuses it, or notes it with the flag
-            report.notes.append(
-                "the shard files were not checked against `.metadata`: reading it would run code from it"
-            )
-        except CheckpointError as err:
-            detail = repr(err.__cause__) if err.__cause__ is not None else str(err)
-            problems = [Problem(names.DCP_METADATA, f"cannot be read ({detail})")]
-        _raise(real, problems)
-        report.notes.append(
-            "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
-            " with; checked that `.metadata` reads and that every shard file it references is present and"
-            " long enough"
-        )
+        _raise(found.data, _full_file_problems(found.backend, found.data, progress))
+    elif found.kind is CheckpointKind.SAFETENSORS:
+        _verify_weights(found, report, progress)
+    elif found.manifest is None:
+        _verify_index(found, report)
     else:
-        with progress_bar(manifest.total_size, progress, f"verifying {basename(real)}") as tick:
-            problems = find_problems(backend, real, manifest, checksums=True, on_bytes=tick)
-        if not weights and names.DCP_METADATA not in {e.path for e in manifest.files}:
-            problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
-        seen = {p.path for p in problems}
-        _raise(real, problems + [p for p in header_problems if p.path not in seen])
-        report.has_manifest = True
-        if manifest.frozen is not None:
-            source = manifest.frozen.source
-            on_disk = local_path(location(source))  # a URL is not looked up offline
-            gone = ", which does not exist" if on_disk is not None and not os.path.exists(on_disk) else ""
-            report.notes.append(
-                f"trainable only: {len(manifest.frozen.keys)} frozen parameter(s) are not in this checkpoint;"
-                f" a load reads them from {source}{gone} (not checked here)"
-            )
+        _verify_manifest(found, report, progress)
     files = checkpoint_files(found)
     report.files, report.bytes = len(files), sum(files.values())
-    if not weights:  # safetensors holds no pickle
-        report.notes += check_pickles(backend, real, found.kind, weights_only)
+    if found.kind is not CheckpointKind.SAFETENSORS:  # safetensors holds no pickle
+        report.notes += check_pickles(found.backend, found.data, found.kind, weights_only)
     if found.kind is CheckpointKind.SHARDED:  # the model state under a model key, as loads need it; an
         # index read safely, so one holding a refused type (noted by the pickle check) is not checked
         with contextlib.suppress(unpickling.RefusedPickleError):
-            model_key(top_level_keys(read_index(backend, real, weights_only=True)), real)
+            model_key(top_level_keys(read_index(found.backend, found.data, weights_only=True)), found.data)
     log.info(
         "Verified %s (%s, %d files, %s) in %.2fs",
-        real,
+        found.data,
         found.kind.value,
         report.files,
         format_size(report.bytes),
         time.perf_counter() - started,
     )
     return report
+
+
+def _verify_weights(found: Found, report: VerifyReport, progress: bool | None) -> None:
+    """Hugging Face weights: every header reads, every file as long as its header says; with a manifest
+    (our export) the checksums too."""
+    header_problems = hf_layout.list_weights(found.backend, found.data).problems
+    if found.manifest is not None:
+        _verify_manifest(found, report, progress, header_problems)
+        return
+    _raise(found.data, header_problems)
+    report.notes.append(
+        "no manifest (weights not written by lightning_sharded): there are no checksums to compare with;"
+        " checked that every safetensors header reads and that every file is as long as its header says"
+    )
+
+
+def _verify_index(found: Found, report: VerifyReport) -> None:
+    """A sharded directory without a manifest: the shard files against its ``.metadata``."""
+    backend, real = found.backend, found.data
+    try:  # read safely, flag or not: verify never unpickles
+        problems = index_problems(backend, real, read_index(backend, real, weights_only=True))
+    except unpickling.RefusedPickleError:
+        problems = []  # the pickle check refuses it, or notes it with the flag
+        report.notes.append(
+            "the shard files were not checked against `.metadata`: reading it would run code from it"
+        )
+    except CheckpointError as err:
+        detail = repr(err.__cause__) if err.__cause__ is not None else str(err)
+        problems = [Problem(names.DCP_METADATA, f"cannot be read ({detail})")]
+    _raise(real, problems)
+    report.notes.append(
+        "no manifest (a checkpoint written without lightning_sharded): there are no checksums to compare"
+        " with; checked that `.metadata` reads and that every shard file it references is present and"
+        " long enough"
+    )
+
+
+def _verify_manifest(
+    found: Found, report: VerifyReport, progress: bool | None, header_problems: list[Problem] | None = None
+) -> None:
+    """Every file the manifest lists: present, with its size and checksum (and the weights' headers)."""
+    manifest = found.manifest
+    assert manifest is not None
+    with progress_bar(manifest.total_size, progress, f"verifying {basename(found.data)}") as tick:
+        problems = find_problems(found.backend, found.data, manifest, checksums=True, on_bytes=tick)
+    if found.kind is CheckpointKind.SHARDED and names.DCP_METADATA not in {e.path for e in manifest.files}:
+        problems.append(Problem(names.DCP_METADATA, "is not listed in the manifest"))
+    seen = {p.path for p in problems}
+    _raise(found.data, problems + [p for p in header_problems or [] if p.path not in seen])
+    report.has_manifest = True
+    if manifest.frozen is not None:
+        source = manifest.frozen.source
+        on_disk = local_path(location(source))  # a URL is not looked up offline
+        gone = ", which does not exist" if on_disk is not None and not os.path.exists(on_disk) else ""
+        report.notes.append(
+            f"trainable only: {len(manifest.frozen.keys)} frozen parameter(s) are not in this checkpoint;"
+            f" a load reads them from {source}{gone} (not checked here)"
+        )

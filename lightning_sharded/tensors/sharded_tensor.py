@@ -17,16 +17,11 @@ from lightning_sharded._compat import SHARDED_TENSOR_MODULE, sharded_tensor_api
 from lightning_sharded.tensors.base import to_full
 
 
-def _sharded_tensor_type() -> type | None:
-    module = sys.modules.get(SHARDED_TENSOR_MODULE)
-    return getattr(module, "ShardedTensor", None) if module is not None else None
-
-
 class ShardedTensorAdapter:
     """Answers the :class:`~lightning_sharded.tensors.base.ShardedAdapter` questions for ``ShardedTensor``."""
 
     def is_sharded(self, value: Any) -> bool:
-        cls = _sharded_tensor_type()
+        cls = getattr(sys.modules.get(SHARDED_TENSOR_MODULE), "ShardedTensor", None)
         return cls is not None and isinstance(value, cls)
 
     def global_shape(self, value: Any) -> torch.Size:
@@ -41,9 +36,7 @@ class ShardedTensorAdapter:
         return value
 
     def same_layout(self, target: Any, source: Any) -> bool:
-        if not self.is_sharded(source):
-            return False
-        return _layout(target) == _layout(source)
+        return self.is_sharded(source) and _layout(target) == _layout(source)
 
     def copy_into(self, target: Any, source: Any) -> None:
         with torch.no_grad():

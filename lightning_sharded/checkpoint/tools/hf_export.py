@@ -153,47 +153,13 @@ def export_safetensors(
     out = local_path(output_file(src, found.data, dst, overwrite=overwrite))
     assert out is not None
     model, read = _source(found, verify, weights_only, prefix)
-    if not model:
-        raise CheckpointError(
-            f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"
-            " nothing to export. Check the prefix (`lightning-sharded inspect` lists the keys)."
-        )
-    tensors = {t.out_key: t for t in model}
-    for t in model:
-        if t.dtype not in DTYPE_NAMES:
-            raise CheckpointError(
-                f"The tensor {t.source_key!r} of {str(src)!r} is {t.dtype}, which safetensors cannot store."
-            )
-    entries = [
-        Entry(t.out_key, t.shape, target_dtype if target_dtype and t.dtype.is_floating_point else t.dtype)
-        for t in model
-    ]
+    entries = _entries(src, model, prefix, target_dtype)
     files = plan_files(entries, max_bytes)
     total = sum(e.nbytes for e in entries)
 
     def write(staging: Path) -> dict[str, tuple[int, str]]:
-        written: dict[str, tuple[int, str]] = {}
-        weight_map: dict[str, str] = {}
         with progress_bar(total, progress, f"exporting {basename(found.data)}") as tick:
-            for index, group in enumerate(files, start=1):
-                name = file_name(index, len(files))
-                ordered = storage_order(group)
-                with open(staging / name, "xb") as raw, HashingStream(raw) as f:  # closed: no thread left
-                    f.write(encode_header(ordered))
-                    for batch in plan_files(ordered, BATCH_BYTES):  # a batch in memory at a time
-                        buffers = {
-                            tensors[e.key].source_key: torch.empty(e.shape, dtype=tensors[e.key].dtype)
-                            for e in batch
-                        }
-                        read(buffers)
-                        for e in batch:
-                            value = buffers.pop(tensors[e.key].source_key).to(e.dtype).contiguous()
-                            if value.numel():  # no copy: the tensor's own bytes
-                                f.write(value.reshape(-1).view(torch.uint8).numpy())
-                            tick(e.nbytes)
-                            del value
-                    written[name] = f.result()
-                weight_map.update(dict.fromkeys((e.key for e in group), name))
+            written, weight_map = _write_weights(staging, files, {t.out_key: t for t in model}, read, tick)
         extra: dict[str, bytes] = {}
         if len(files) > 1:
             index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -238,3 +204,55 @@ def _read_config(config: str | os.PathLike[str] | None) -> bytes | None:
             " (`model.config.save_pretrained(DIR)` writes one)."
         ) from None
     return data
+
+
+def _entries(
+    src: str | os.PathLike[str], model: list[_Tensor], prefix: str, target_dtype: torch.dtype | None
+) -> list[Entry]:
+    """The output's tensors (floating ones cast to ``target_dtype``), each of a dtype safetensors stores."""
+    if not model:
+        raise CheckpointError(
+            f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"
+            " nothing to export. Check the prefix (`lightning-sharded inspect` lists the keys)."
+        )
+    for t in model:
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(
+                f"The tensor {t.source_key!r} of {str(src)!r} is {t.dtype}, which safetensors cannot store."
+            )
+    return [
+        Entry(t.out_key, t.shape, target_dtype if target_dtype and t.dtype.is_floating_point else t.dtype)
+        for t in model
+    ]
+
+
+def _write_weights(
+    staging: Path,
+    files: list[list[Entry]],
+    sources: dict[str, _Tensor],
+    read: Callable[[dict[str, torch.Tensor]], None],
+    tick: Callable[[int], None],
+) -> tuple[dict[str, tuple[int, str]], dict[str, str]]:
+    """Each file's header, then its tensors, read a batch at a time, cast and appended; returns each file's
+    size and checksum, and each key's file."""
+    written: dict[str, tuple[int, str]] = {}
+    weight_map: dict[str, str] = {}
+    for index, group in enumerate(files, start=1):
+        name = file_name(index, len(files))
+        ordered = storage_order(group)
+        with open(staging / name, "xb") as raw, HashingStream(raw) as f:  # closed: no thread left
+            f.write(encode_header(ordered))
+            for batch in plan_files(ordered, BATCH_BYTES):  # a batch in memory at a time
+                buffers = {
+                    sources[e.key].source_key: torch.empty(e.shape, dtype=sources[e.key].dtype) for e in batch
+                }
+                read(buffers)
+                for e in batch:
+                    value = buffers.pop(sources[e.key].source_key).to(e.dtype).contiguous()
+                    if value.numel():  # no copy: the tensor's own bytes
+                        f.write(value.reshape(-1).view(torch.uint8).numpy())
+                    tick(e.nbytes)
+                    del value
+            written[name] = f.result()
+        weight_map.update(dict.fromkeys((e.key for e in group), name))
+    return written, weight_map

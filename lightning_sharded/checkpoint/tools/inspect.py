@@ -25,12 +25,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import check_found
 from lightning_sharded.checkpoint.load.checks import frozen_of
 from lightning_sharded.checkpoint.problems import damaged
-from lightning_sharded.checkpoint.tools.reader import (
-    OfflineReader,
-    leaves,
-    load_full,
-    safe_torch_load,
-)
+from lightning_sharded.checkpoint.tools.reader import OfflineReader, leaves, load_full, safe_torch_load
 from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
@@ -281,14 +276,10 @@ def _inspect_safetensors(found: Found) -> CheckpointInfo:
     error = damaged(found.data, listing.problems)
     if error is not None:
         raise error
-    entries = []
-    for key, (_, tensor) in sorted(listing.tensors.items()):
-        dtype = TORCH_DTYPES.get(tensor.dtype)
-        entries.append(
-            EntryInfo(
-                key, list(tensor.shape), str(dtype) if dtype else tensor.dtype, tensor.end - tensor.begin, 1
-            )
-        )
+    entries = [  # a dtype torch does not have keeps its safetensors name
+        EntryInfo(key, list(t.shape), str(TORCH_DTYPES.get(t.dtype, t.dtype)), t.end - t.begin, 1)
+        for key, (_, t) in sorted(listing.tensors.items())
+    ]
     files = checkpoint_files(found)
     return CheckpointInfo(
         path=str(found.data),

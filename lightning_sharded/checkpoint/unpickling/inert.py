@@ -1,9 +1,4 @@
-"""Listing a refused checkpoint: a ``torch.save`` file read with every refused object a placeholder.
-
-:func:`inert_load` lets ``inspect`` still describe a full file or ``meta.pt`` that a safe load
-refuses: tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual, and
-every other global is never looked up (no code from the file runs).
-"""
+"""Listing a refused checkpoint: a ``torch.save`` file read with every refused object a placeholder."""
 
 from __future__ import annotations
 
@@ -35,17 +30,10 @@ class NotUnpickled:
     def __call__(self, *args: Any, **kwargs: Any) -> NotUnpickled:
         return self
 
-    def __setstate__(self, state: Any) -> None:
+    def _ignore(self, *args: Any) -> None:
         pass
 
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-    def append(self, value: Any) -> None:
-        pass
-
-    def extend(self, values: Any) -> None:
-        pass
+    __setstate__ = __setitem__ = append = extend = _ignore
 
 
 def _placeholder(name: str) -> type:

@@ -1,12 +1,5 @@
-"""Reading one pickle of a checkpoint safely, and the one error for a pickle that is refused.
-
-- :func:`safe_load`: ``torch.load`` (full files, ``meta.pt``, DCP's non-tensor items) with
-  :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` added to torch's list.
-- :func:`load_pickle`: a plain pickle (DCP's ``.metadata``) restricted to the classes DCP writes.
-- :func:`unsafe_globals`: the types a ``torch.save`` file holds that would be refused, read
-  statically (nothing is unpickled), for ``verify``.
-- :class:`RefusedPickleError`: the refusal, naming the pickle, its file and the type.
-"""
+"""Reading one pickle of a checkpoint safely, and the one error for a pickle that is refused (the package
+docstring says which function reads what)."""
 
 from __future__ import annotations
 
@@ -28,14 +21,7 @@ from lightning_sharded.checkpoint.unpickling.allowed import (
     safe_globals,
 )
 
-__all__ = [
-    "UNSAFE_FLAG",
-    "RefusedPickleError",
-    "load_pickle",
-    "refused_name",
-    "safe_load",
-    "unsafe_globals",
-]
+__all__ = ["UNSAFE_FLAG", "RefusedPickleError", "load_pickle", "refused_name", "safe_load", "unsafe_globals"]
 
 #: The command-line flag that opens a trusted checkpoint whatever it holds.
 UNSAFE_FLAG = "--unsafe-unpickle"
