@@ -18,9 +18,8 @@ from lightning_sharded.checkpoint.fsdp1.layout import (
     state_tensor,
     supported,
 )
-from lightning_sharded.tensors import adapter_for
 
-__all__ = ["loaded_optimizer_state", "optimizer_state_views", "optimizer_template"]
+__all__ = ["optimizer_state_views", "optimizer_template"]
 
 STATE = "state"
 PARAM_GROUPS = "param_groups"
@@ -100,14 +99,16 @@ def optimizer_template(
     model: nn.Module,
     optimizer: Optimizer,
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+    backing: dict[int, torch.Tensor],
+) -> dict[str, Any] | None:
     """What to load an FSDP1 optimizer's state into, from the checkpoint's index; or ``None``.
 
-    Returns ``(template, local)``: the name-keyed template DCP loads into (a state with the parameter's
-    global shape is a ``ShardedTensor`` over a new local flat tensor, other tensors plain, non-tensors
-    ``None``) and the same state with those local flat tensors, for :func:`loaded_optimizer_state` once
-    DCP has filled them. ``stored`` is as for :func:`~lightning_sharded.checkpoint.load.checks.template_like`.
-    Depends on the model and the checkpoint only: every rank takes the same branch.
+    The name-keyed template DCP loads into: a state with the parameter's global shape is a
+    ``ShardedTensor`` over a new local flat tensor (recorded in ``backing``: ``id(sharded) -> tensor``,
+    what the optimizer then holds, :func:`~lightning_sharded.checkpoint.shard_pieces.unwrap_state`),
+    other tensors plain, non-tensors ``None``. ``stored`` is as for
+    :func:`~lightning_sharded.checkpoint.load.checks.template_like`. Depends on the model and the
+    checkpoint only: every rank takes the same branch.
     """
     if not supported(model):
         return None
@@ -117,7 +118,6 @@ def optimizer_template(
     if params is None:
         return None
     template: dict[str, dict[str, Any]] = {}
-    local: dict[str, dict[str, Any]] = {}
     for name in sorted(stored):
         param = params.get(name)
         if param is None:
@@ -125,29 +125,12 @@ def optimizer_template(
         handle, layout, numel = _piece(where, param)
         for entry, (shape, dtype) in sorted(stored[name].items()):
             value: Any = None
-            piece: Any = None
             if shape is not None and dtype is not None:
                 if len(shape) > 0 and tuple(shape) == layout.shape:
-                    piece = torch.empty(numel, dtype=dtype, device=param.device)
-                    value = sharded_tensor(piece, layout, handle.process_group, handle.rank)
+                    local = torch.empty(numel, dtype=dtype, device=param.device)
+                    value = sharded_tensor(local, layout, handle.process_group, handle.rank)
+                    backing[id(value)] = local
                 else:
-                    piece = value = torch.empty(shape, dtype=dtype)
+                    value = torch.empty(shape, dtype=dtype)
             template.setdefault(name, {})[entry] = value
-            local.setdefault(name, {})[entry] = piece
-    return {STATE: template, PARAM_GROUPS: _groups(optimizer, names)}, local
-
-
-def loaded_optimizer_state(template: dict[str, Any], local: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The name-keyed optimizer state to load, once ``template`` (from :func:`optimizer_template`) is filled.
-
-    A ``ShardedTensor`` entry was read into its local flat tensor, which is what the optimizer holds;
-    anything else was filled in place (plain tensors) or put into the template (non-tensors).
-    """
-    state = {
-        name: {
-            entry: local[name][entry] if adapter_for(value) is not None else value
-            for entry, value in entries.items()
-        }
-        for name, entries in template[STATE].items()
-    }
-    return {STATE: state, PARAM_GROUPS: template[PARAM_GROUPS]}
+    return {STATE: template, PARAM_GROUPS: _groups(optimizer, names)}
