@@ -32,6 +32,9 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.tensors import adapter_for
 
 __all__ = [
+    "PARAMS",
+    "PARAM_GROUPS",
+    "STATE",
     "Piece",
     "agreed_entries",
     "candidates",
@@ -42,7 +45,10 @@ __all__ = [
     "wrap_state",
 ]
 
+#: The keys of a torch optimizer state dict.
 STATE = "state"
+PARAM_GROUPS = "param_groups"
+PARAMS = "params"
 
 
 @dataclass(frozen=True)

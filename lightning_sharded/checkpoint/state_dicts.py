@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_sharded._fqn import clean_keys, parameter_names
 from lightning_sharded.checkpoint import fsdp1, shard_pieces
 from lightning_sharded.checkpoint.fsdp1.layout import param_index
+from lightning_sharded.checkpoint.shard_pieces import PARAM_GROUPS, PARAMS, STATE
 from lightning_sharded.foreign import foreign_modules
 from lightning_sharded.tensors import gather_full_values, to_full
 
@@ -36,10 +37,6 @@ __all__ = [
     "plain_optimizer",
     "torch_optimizer_template",
 ]
-
-STATE = "state"
-PARAM_GROUPS = "param_groups"
-PARAMS = "params"
 
 
 def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:

@@ -18,12 +18,9 @@ from lightning_sharded.checkpoint.fsdp1.layout import (
     state_tensor,
     supported,
 )
+from lightning_sharded.checkpoint.shard_pieces import PARAM_GROUPS, PARAMS, STATE
 
 __all__ = ["optimizer_state_views", "optimizer_template"]
-
-STATE = "state"
-PARAM_GROUPS = "param_groups"
-PARAMS = "params"
 
 
 def _groups(optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:

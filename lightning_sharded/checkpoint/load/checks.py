@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
-from lightning_sharded.checkpoint import shard_pieces
+from lightning_sharded.checkpoint import collective, shard_pieces
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.manifest import FrozenPart
@@ -26,6 +26,7 @@ __all__ = [
     "check_optimizer_count",
     "check_shapes",
     "copy_full_into",
+    "fit_model",
     "frozen_of",
     "global_shape",
     "named_optimizer_params",
@@ -119,6 +120,27 @@ def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
             f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
             " saved from this model."
         )
+
+
+def fit_model(
+    path: Location,
+    stored: dict[str, tuple[int, ...] | None],
+    target: dict[str, Any],
+    frozen: Collection[str],
+    *,
+    strict: bool,
+) -> tuple[KeyReport, dict[str, Any], list[str]]:
+    """The model's state ``target`` checked against the checkpoint's entries ``stored`` (key -> global
+    shape, ``None`` for a non-tensor) and the keys a trainable-only checkpoint left out (``frozen``);
+    collective. Returns the comparison, the values to load and the keys to take from the frozen source."""
+    elsewhere = sorted(set(frozen) - set(stored))
+    report = KeyReport(list(target), [*stored, *elsewhere])
+    check_keys(path, report, strict)
+    to_load = {key: target[key] for key in report.common if key in stored}
+    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
+    # not raise while the others go on to read.
+    collective.agree(lambda: check_shapes(path, to_load, stored), step="checking the shapes")
+    return report, to_load, [key for key in report.common if key not in stored]
 
 
 def global_shape(value: Any) -> tuple[int, ...] | None:

@@ -21,10 +21,10 @@ from lightning_sharded.checkpoint.failures import read_failed
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     Stored,
-    check_keys,
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    fit_model,
     frozen_of,
     named_optimizer_params,
     set_model_state,
@@ -98,21 +98,14 @@ def restore_full(
     if optimizers:
         check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
     target = model_state_dict(model, full=False)
-    elsewhere = sorted(set(frozen.keys if frozen else ()) - set(source))
-    report = KeyReport(list(target), [*source, *elsewhere])
-    check_keys(path, report, strict)
-    common = [key for key in report.common if key in source]
-    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter); no rank raises alone.
-    shapes: dict[str, tuple[int, ...] | None] = {
-        key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)
-    }
-    targets = {key: target[key] for key in common}
-    collective.agree(lambda: check_shapes(path, targets, shapes), step="checking the shapes")
+    stored = {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in source.items()}
+    report, to_load, from_source = fit_model(
+        path, stored, target, frozen.keys if frozen else (), strict=strict
+    )
     if frozen is not None:
-        frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in source), frozen.prefix)
-    to_load: dict[str, Any] = {}
-    for key in common:  # sorted: the same order on every rank
-        to_load[key] = copy_full_into(target[key], source[key])
+        frozen = FrozenPart(frozen.source, tuple(from_source), frozen.prefix)
+    for key in to_load:  # sorted: the same order on every rank
+        to_load[key] = copy_full_into(to_load[key], source[key])
         mapping.release(source[key])
     set_model_state(model, to_load)
     del to_load, source

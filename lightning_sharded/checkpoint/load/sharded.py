@@ -29,10 +29,10 @@ from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     Stored,
-    check_keys,
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    fit_model,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
@@ -94,7 +94,7 @@ def restore_sharded(
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
-    report, to_load, from_source = _fit_model(path, layout, target, frozen, strict)
+    report, to_load, from_source = fit_model(path, layout.model_entries, target, frozen, strict=strict)
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     metadata: dict[str, Any] = {}
@@ -123,22 +123,6 @@ def restore_sharded(
     for finish in finishes:
         finish()
     return metadata, report, from_source
-
-
-def _fit_model(
-    path: Location, layout: ShardedLayout, target: dict[str, Any], frozen: Collection[str], strict: bool
-) -> tuple[KeyReport, dict[str, Any], list[str]]:
-    """The model's keys compared with the checkpoint's (``frozen``: those it left out), checked; the
-    values to read, and the keys the frozen source holds."""
-    elsewhere = sorted(set(frozen) - set(layout.model_entries))
-    report = KeyReport(list(target), [*layout.model_entries, *elsewhere])
-    check_keys(path, report, strict)
-    from_source = [key for key in report.common if key not in layout.model_entries]
-    to_load = {key: target[key] for key in report.common if key in layout.model_entries}
-    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
-    # not raise while the others go on to read.
-    collective.agree(lambda: check_shapes(path, to_load, layout.model_entries), step="checking the shapes")
-    return report, to_load, from_source
 
 
 def _read(
