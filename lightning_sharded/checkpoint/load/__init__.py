@@ -178,8 +178,7 @@ def _restore(
             verification.check_sizes()
         else:
             check_found(found, verify=mode is not None)
-        partial = found.manifest.frozen if found.manifest is not None else None
-        metadata, report, from_source = restore_sharded(
+        metadata, report, frozen = restore_sharded(
             found,
             model,
             optimizers,
@@ -187,10 +186,9 @@ def _restore(
             weights_only=weights_only,
             verification=verification,
             keep_model=mode == "before",
-            frozen=partial.keys if partial is not None else (),
+            frozen=found.manifest.frozen if found.manifest is not None else None,
             read_metadata=read_metadata,
         )
-        frozen = FrozenPart(partial.source, tuple(from_source), partial.prefix) if partial else None
         return Restored(metadata, report, found, frozen)
     # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
     with found.backend.local_file(found.data) as local:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,21 +126,23 @@ def fit_model(
     path: Location,
     stored: dict[str, tuple[int, ...] | None],
     target: dict[str, Any],
-    frozen: Collection[str],
+    frozen: FrozenPart | None,
     *,
     strict: bool,
-) -> tuple[KeyReport, dict[str, Any], list[str]]:
+) -> tuple[KeyReport, dict[str, Any], FrozenPart | None]:
     """The model's state ``target`` checked against the checkpoint's entries ``stored`` (key -> global
     shape, ``None`` for a non-tensor) and the keys a trainable-only checkpoint left out (``frozen``);
-    collective. Returns the comparison, the values to load and the keys to take from the frozen source."""
-    elsewhere = sorted(set(frozen) - set(stored))
+    collective. Returns the comparison, the values to load and ``frozen`` limited to the model's keys."""
+    elsewhere = sorted(set(frozen.keys if frozen else ()) - set(stored))
     report = KeyReport(list(target), [*stored, *elsewhere])
     check_keys(path, report, strict)
     to_load = {key: target[key] for key in report.common if key in stored}
     # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
     # not raise while the others go on to read.
     collective.agree(lambda: check_shapes(path, to_load, stored), step="checking the shapes")
-    return report, to_load, [key for key in report.common if key not in stored]
+    if frozen is not None:
+        frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in stored), frozen.prefix)
+    return report, to_load, frozen
 
 
 def global_shape(value: Any) -> tuple[int, ...] | None:

@@ -99,11 +99,7 @@ def restore_full(
         check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
     target = model_state_dict(model, full=False)
     stored = {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in source.items()}
-    report, to_load, from_source = fit_model(
-        path, stored, target, frozen.keys if frozen else (), strict=strict
-    )
-    if frozen is not None:
-        frozen = FrozenPart(frozen.source, tuple(from_source), frozen.prefix)
+    report, to_load, frozen = fit_model(path, stored, target, frozen, strict=strict)
     for key in to_load:  # sorted: the same order on every rank
         to_load[key] = copy_full_into(to_load[key], source[key])
         mapping.release(source[key])

@@ -8,7 +8,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from lightning_sharded.checkpoint.load.checks import (
     set_optimizer_state,
     template_like,
 )
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.staging import StagingBuffers
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
@@ -61,15 +62,15 @@ def restore_sharded(
     weights_only: bool | None,
     verification: ReadVerification | None = None,
     keep_model: bool = False,
-    frozen: Collection[str] = (),
+    frozen: FrozenPart | None = None,
     read_metadata: bool = True,
-) -> tuple[dict[str, Any], KeyReport, list[str]]:
+) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
     """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
     ``optimizers``.
 
     Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
-    comparison of model keys, and the model keys to take from a trainable-only checkpoint's frozen
-    source (those of ``frozen``, the keys it left out, that the model has: not read here). With a
+    comparison of model keys, and a trainable-only checkpoint's ``frozen`` part limited to the keys
+    the model has (not read here). With a
     ``verification``, the checksums of the files are computed from the reads and compared before the
     model's remaining state and the optimizers are set; a read that fails names a damaged file. With
     ``keep_model`` too, the model's tensors are read into CPU buffers laid out as its shards and copied
@@ -94,7 +95,7 @@ def restore_sharded(
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
-    report, to_load, from_source = fit_model(path, layout.model_entries, target, frozen, strict=strict)
+    report, to_load, frozen = fit_model(path, layout.model_entries, target, frozen, strict=strict)
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     metadata: dict[str, Any] = {}
@@ -122,7 +123,7 @@ def restore_sharded(
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for finish in finishes:
         finish()
-    return metadata, report, from_source
+    return metadata, report, frozen
 
 
 def _read(
