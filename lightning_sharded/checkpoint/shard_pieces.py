@@ -40,7 +40,6 @@ __all__ = [
     "candidates",
     "find_pieces",
     "set_agreed_values",
-    "template_entry",
     "unwrap_state",
     "wrap_state",
 ]
@@ -173,8 +172,8 @@ def wrap_state(state: dict[str, Any], pieces: Mapping[str, Piece]) -> dict[int, 
 
 
 def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """The name-keyed optimizer state dict ``state`` with each sharded view :func:`wrap_state` or
-    :func:`template_entry` made replaced by the plain tensor it views (what the optimizer holds); in place."""
+    """The name-keyed optimizer state dict ``state`` with each sharded view of ``backing`` (from
+    :func:`wrap_state` or a load's template) replaced by the plain tensor it views, in place."""
     if backing:
         for entries in state.get(STATE, {}).values():
             for entry, value in list(entries.items()):
@@ -287,15 +286,3 @@ def set_agreed_values(state: dict[str, Any], merged: Described) -> None:
 
 def _shape_text(info: Any) -> str:
     return str(list(info[1])) if info[0] == "sharded" else f"a {type(info[1]).__name__}"
-
-
-def template_entry(
-    piece: Piece, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[Any, torch.Tensor] | None:
-    """What a load reads a stored state tensor of ``shape`` and ``dtype`` of ``piece`` into, and the plain
-    tensor the optimizer will hold: a sharded value of the piece's layout over a new tensor of the
-    parameter's shape; ``None`` when ``shape`` is not the layout's global shape (it does not fit)."""
-    if tuple(shape) != piece.global_shape:
-        return None
-    local = torch.empty_like(piece.param, dtype=dtype, requires_grad=False)
-    return piece.views(local), local

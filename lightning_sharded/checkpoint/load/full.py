@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import read_failed
+from lightning_sharded.checkpoint.lightning_meta import refused
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     Stored,
@@ -41,7 +42,6 @@ from lightning_sharded.checkpoint.state_dicts import (
     model_state_dict,
     param_names,
 )
-from lightning_sharded.checkpoint.unpickling import refused_name
 
 __all__ = ["restore_full"]
 
@@ -52,11 +52,7 @@ def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
     except pickle.UnpicklingError as ex:
         if "Weights only load failed" not in str(ex):  # damage, not a refusal: said below
             raise _unreadable(path, ex) from ex
-        raise CheckpointError(
-            f"The checkpoint file {str(path)!r} holds {refused_name(ex)}, which torch.load refuses with"
-            f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
-            " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
-        ) from None
+        raise refused(f"The checkpoint file {str(path)!r}", ex, weights_only) from None
     except Exception as ex:
         storage = read_failed(ex, f"the checkpoint file {str(path)!r}")
         if storage is not None:
