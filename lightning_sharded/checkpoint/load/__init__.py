@@ -20,15 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
-from lightning_sharded.checkpoint.integrity import (
-    AFTER_READ,
-    UNCHANGED,
-    ReadVerification,
-    VerifyMode,
-    check_found,
-    verify_mode,
-)
+from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
 from lightning_sharded.checkpoint.load.checks import KeyReport
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
@@ -103,24 +95,34 @@ def restore_checkpoint(
             reach a step of the load in time (the strategy's ``checkpoint_timeout``), naming it.
     """
     plain = [plain_optimizer(optimizer) for optimizer in optimizers]
+    mode = verify_mode(verify)
     try:
-        restored = _restore(
-            path,
-            model,
-            plain,
-            strict=strict,
-            weights_only=weights_only,
-            verify=verify,
-            read_metadata=read_metadata,
-        )
-        _reattach(optimizers, plain)
-        return restored
+        if mode is None:  # each rank gets its share of the manifest: its own files
+            found = collective.decide_each(lambda n: _shares(detect(path), n), step="finding the checkpoint")
+        else:  # checksums are checked by every rank, files split between them: every rank needs every entry
+            found = collective.decide(lambda: detect(path), step="finding the checkpoint")
+        if found.kind is CheckpointKind.SHARDED:
+            metadata, report, frozen = restore_sharded(
+                found,
+                model,
+                plain,
+                strict=strict,
+                weights_only=weights_only,
+                mode=mode,
+                read_metadata=read_metadata,
+            )
+        else:
+            metadata, report, frozen = restore_full(
+                found, model, plain, strict=strict, weights_only=weights_only
+            )
     except RanksLost as err:
         raise RanksLost(
             f"Loading the checkpoint {str(path)!r} failed: {err} Nothing on disk was changed; the model may"
             " hold part of the checkpoint.",
             err.ranks,
         ) from err
+    _reattach(optimizers, plain)
+    return Restored(metadata, report, found, frozen)
 
 
 def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> None:
@@ -151,55 +153,3 @@ def _shares(found: Found, world_size: int) -> list[Found]:
         dataclasses.replace(found, manifest=dataclasses.replace(manifest, files=common + own.get(rank, [])))
         for rank in range(1, world_size)
     ]
-
-
-def _restore(
-    path: str | Path,
-    model: nn.Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool,
-    weights_only: bool | None,
-    verify: bool | VerifyMode | None,
-    read_metadata: bool,
-) -> Restored:
-    mode = verify_mode(verify)
-    if mode is None:  # each rank gets its share of the manifest: its own files
-        found = collective.decide_each(lambda n: _shares(detect(path), n), step="finding the checkpoint")
-    else:  # checksums are checked by every rank, files split between them: every rank needs every entry
-        found = collective.decide(lambda: detect(path), step="finding the checkpoint")
-    if found.kind is CheckpointKind.SHARDED:
-        # Local files with a manifest are checked from the load's own reads (each byte read once); for
-        # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
-        # storage), every file is checksummed before the first read.
-        verification = None
-        if mode is not None and ReadVerification.applies(found):
-            verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
-            verification.check_sizes()
-        else:
-            check_found(found, verify=mode is not None)
-        metadata, report, frozen = restore_sharded(
-            found,
-            model,
-            optimizers,
-            strict=strict,
-            weights_only=weights_only,
-            verification=verification,
-            keep_model=mode == "before",
-            frozen=found.manifest.frozen if found.manifest is not None else None,
-            read_metadata=read_metadata,
-        )
-        return Restored(metadata, report, found, frozen)
-    # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
-    with found.backend.local_file(found.data) as local:
-        try:
-            metadata, report, frozen = restore_full(
-                local, model, optimizers, strict=strict, weights_only=weights_only
-            )
-        except CheckpointError as err:
-            if local == found.data:
-                raise
-            same = type(err) in (OptimizerCountError, MissingCheckpointError)
-            kind = type(err) if same else CheckpointError
-            raise kind(str(err).replace(str(local), str(found.data))) from err  # stock's type kept
-    return Restored(metadata, report, found, frozen)

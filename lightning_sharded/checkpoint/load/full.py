@@ -16,7 +16,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.detect import Found
+from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.failures import read_failed
 from lightning_sharded.checkpoint.lightning_meta import refused
 from lightning_sharded.checkpoint.load.checks import (
@@ -75,13 +76,34 @@ def _unreadable(path: Path, ex: BaseException) -> CheckpointError:
 
 
 def restore_full(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+    found: Found,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
 ) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
-    """Load the full checkpoint file at local ``path`` into ``model`` and ``optimizers``; collective.
+    """Load the full checkpoint file ``found`` into ``model`` and ``optimizers``; collective. A URL is
+    downloaded first (by each rank); the errors name it, not the download.
 
     Returns the rest of the checkpoint (without model and optimizer states), the comparison of keys,
     and for a trainable-only file its frozen part, limited to the keys the model has (not read here).
     """
+    with found.backend.local_file(found.data) as local:
+        try:
+            return _restore_local(local, model, optimizers, strict=strict, weights_only=weights_only)
+        except CheckpointError as err:
+            if local == found.data:
+                raise
+            same = type(err) in (OptimizerCountError, MissingCheckpointError)
+            kind = type(err) if same else CheckpointError
+            raise kind(str(err).replace(str(local), str(found.data))) from err  # stock's type kept
+
+
+def _restore_local(
+    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
+    """:func:`restore_full` of the local file ``path``: memory-mapped, read one tensor at a time."""
     # Every rank reads the file (memory-mapped); whether it could is agreed, so none enters a
     # collective alone.
     checkpoint = collective.agree(lambda: _open_full(path, weights_only))
