@@ -20,7 +20,14 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.integrity import VerifyMode, verify_mode
+from lightning_sharded.checkpoint.integrity import (
+    AFTER_READ,
+    UNCHANGED,
+    ReadVerification,
+    VerifyMode,
+    check_found,
+    verify_mode,
+)
 from lightning_sharded.checkpoint.load.checks import KeyReport
 from lightning_sharded.checkpoint.load.full import restore_full
 from lightning_sharded.checkpoint.load.sharded import restore_sharded
@@ -108,7 +115,8 @@ def restore_checkpoint(
                 plain,
                 strict=strict,
                 weights_only=weights_only,
-                mode=mode,
+                verification=_verification(found, mode),
+                keep_model=mode == "before",
                 read_metadata=read_metadata,
             )
         else:
@@ -153,3 +161,16 @@ def _shares(found: Found, world_size: int) -> list[Found]:
         dataclasses.replace(found, manifest=dataclasses.replace(manifest, files=common + own.get(rank, [])))
         for rank in range(1, world_size)
     ]
+
+
+def _verification(found: Found, mode: VerifyMode | None) -> ReadVerification | None:
+    """What checks the files before the first read: presence and sizes always, the checksums too with a
+    verify ``mode``. Local files with a manifest are checked from the load's own reads (each byte read
+    once; for "before" the model's values wait beside it until the checksums matched): the returned
+    verification. Elsewhere (object storage), every file is checksummed before the first read."""
+    if mode is not None and ReadVerification.applies(found):
+        verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
+        verification.check_sizes()
+        return verification
+    check_found(found, verify=mode is not None)
+    return None

@@ -25,11 +25,7 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
 from lightning_sharded.checkpoint.integrity import (
-    AFTER_READ,
-    UNCHANGED,
     ReadVerification,
-    VerifyMode,
-    check_found,
 )
 from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
@@ -66,7 +62,8 @@ def restore_sharded(
     *,
     strict: bool,
     weights_only: bool | None,
-    mode: VerifyMode | None = None,
+    verification: ReadVerification | None = None,
+    keep_model: bool = False,
     read_metadata: bool = True,
 ) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
     """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
@@ -74,13 +71,12 @@ def restore_sharded(
 
     Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
     comparison of model keys, and a trainable-only checkpoint's frozen part limited to the keys the
-    model has (not read here). With a verify ``mode``, local files' checksums are computed from the reads
-    and compared before the model's remaining state and the optimizers are set; a read that fails names
-    a damaged file. For ``"before"`` the model's tensors are read into CPU buffers laid out as its shards
-    and copied into the model only once the checksums matched, so a damaged checkpoint leaves the model
-    as it was (the cost: one more copy of the rank's model shard in host memory while it loads).
+    model has (not read here). With a ``verification``, the checksums of the files are computed from the
+    reads and compared before the model's remaining state and the optimizers are set; a read that fails
+    names a damaged file. With ``keep_model`` too, the model's tensors are read into CPU buffers laid out
+    as its shards and copied into the model only once the checksums matched, so a damaged checkpoint
+    leaves the model as it was (the cost: one more copy of the rank's model shard in host memory).
     """
-    verification = _verification(found, mode)
     backend, path = found.backend, found.data
     reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
@@ -114,11 +110,7 @@ def restore_sharded(
     # not fit fails before the model changed. Then one DCP pass reads the model and every optimizer:
     # each rank's file is read front to back once (the reader's streams and read-ahead span all of it).
     # verify=True from the reads: the model's values are read beside it, and copied in once checked.
-    into = (
-        StagingBuffers().stage(to_load, copy=False)
-        if mode == "before" and verification is not None
-        else to_load
-    )
+    into = StagingBuffers().stage(to_load, copy=False) if keep_model and verification is not None else to_load
     state: dict[str, Any] = {layout.model_key: into}
     finishes = [
         _prepare_optimizer(
@@ -133,19 +125,6 @@ def restore_sharded(
     for finish in finishes:
         finish()
     return metadata, report, frozen
-
-
-def _verification(found: Found, mode: VerifyMode | None) -> ReadVerification | None:
-    """What checks the files before the first read: presence and sizes always, the checksums too with a
-    verify ``mode``. Local files with a manifest are checked from the load's own reads (each byte read
-    once; for "before" the model's values wait beside it until the checksums matched): the returned
-    verification. Elsewhere (object storage), every file is checksummed before the first read."""
-    if mode is not None and ReadVerification.applies(found):
-        verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
-        verification.check_sizes()
-        return verification
-    check_found(found, verify=mode is not None)
-    return None
 
 
 def _read(
