@@ -13,10 +13,7 @@ parameter's memory (an empty parameter holds none). Its optimizer state tensors 
 shape (and strides) are then saved as sharded values laid out like the model's value, each local piece
 a view of the state at the place the value's local tensor has in the parameter: DCP writes every
 rank's piece, and a load reads them back at any plan and world size (DCP reshards). Zero-dimensional
-states (``step``) stay as they are.
-
-Saving is collective where pieces exist (:func:`agreed_entries`): a state that a rank holding part of
-the value lacks while another rank has it would leave a hole in the saved tensor, and is refused.
+states (``step``) stay as they are. Saving is collective where pieces exist (:func:`agreed_entries`).
 """
 
 from __future__ import annotations
@@ -256,10 +253,9 @@ def agreed_entries(state: dict[str, Any], pieces: Mapping[str, Piece]) -> Descri
             if held[name] and lacking:
                 raise CheckpointError(
                     f"Cannot save the optimizer state of {name!r}: rank {rank} holds part of the parameter"
-                    f" but has no {', '.join(repr(e) for e in lacking)} while other ranks have: the"
-                    " checkpoint"
-                    " would hold that part uninitialized. Save after an optimizer step that reached every"
-                    " rank's part of the parameter (each needs a gradient)."
+                    f" but has no {', '.join(repr(e) for e in lacking)} while other ranks"
+                    " have: the checkpoint would hold that part uninitialized. Save after an optimizer step"
+                    " that reached every rank's part of the parameter (each needs a gradient)."
                 )
     return merged
 

@@ -54,12 +54,9 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
         import torch.distributed as dist
 
         state = gather_full_values(dict(model_state_dict(model, full=False)))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return (
-            {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            if rank == 0
-            else {}
-        )
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if full and _fsdp1_on_cpu(model):
         with _fsdp1_type(model, full=True):
             from lightning_sharded._compat import gather_state_dict

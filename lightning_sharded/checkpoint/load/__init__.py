@@ -147,8 +147,7 @@ def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> No
 def _shares(found: Found, world_size: int) -> list[Found]:
     """``found`` as each rank of ``world_size`` needs it for a load without checksums: rank 0 with the
     whole manifest (it checks every file's size), another rank with the entries of its own files and of
-    the per-rank index's layout (whether the checkpoint has one). At N ranks a rank then receives a few
-    entries instead of all of them (two or more per rank)."""
+    the per-rank index's layout (whether the checkpoint has one), not every rank's."""
     manifest = found.manifest
     if manifest is None or world_size == 1:
         return [found] * world_size
