@@ -73,7 +73,7 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
         # model's save: no gather, nothing offloaded, no submodule or frozen-parameter options here.
         with torch.no_grad(), _fsdp1_type(model, full=False), fsdp1.views():
             return clean_keys(model, model.state_dict())
-    return get_model_state_dict(model, options=_options(model, full))
+    return get_model_state_dict(model, options=_options(full))
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
@@ -99,7 +99,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
         with _fsdp1_type(model, full=True):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
     else:
-        state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
+        state = get_optimizer_state_dict(model, optimizer, options=_options(full))
         if not full:
             return _sharded_pieces(state, pieces, over_plain)
     state = _full_pieces(optimizer, state, pieces, over_plain)
@@ -221,7 +221,7 @@ def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options(model, False))
+    return get_optimizer_state_dict(model, optimizer, options=_options(False))
 
 
 def has_fsdp1(model: nn.Module) -> bool:
@@ -266,7 +266,7 @@ def _fsdp1_type(model: nn.Module, *, full: bool) -> Iterator[None]:
             yield
 
 
-def _options(model: nn.Module, full: bool) -> Any:
+def _options(full: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # `cpu_offload` makes a full state dict rank-0 only (the other ranks get an empty dict), as stock
