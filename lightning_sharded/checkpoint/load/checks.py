@@ -22,7 +22,6 @@ from lightning_sharded.tensors import adapter_for
 __all__ = [
     "KeyReport",
     "Stored",
-    "check_keys",
     "check_optimizer_count",
     "check_shapes",
     "copy_full_into",
@@ -107,21 +106,6 @@ def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
     )
 
 
-def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
-    if report and strict:
-        raise CheckpointError(
-            f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
-            f"{report.describe()} Make the model match the checkpoint, or set `self.strict_loading = False`"
-            " in the LightningModule to load only the keys both have."
-        )
-    if report.missing and not report.common:
-        raise CheckpointError(
-            f"The checkpoint {str(path)!r} holds none of the model's {len(report.missing)} key(s): it is not"
-            f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
-            " saved from this model."
-        )
-
-
 def fit_model(
     path: Location,
     stored: dict[str, tuple[int, ...] | None],
@@ -135,7 +119,18 @@ def fit_model(
     collective. Returns the comparison, the values to load and ``frozen`` limited to the model's keys."""
     elsewhere = sorted(set(frozen.keys if frozen else ()) - set(stored))
     report = KeyReport(list(target), [*stored, *elsewhere])
-    check_keys(path, report, strict)
+    if report and strict:
+        raise CheckpointError(
+            f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
+            f"{report.describe()} Make the model match the checkpoint, or set `self.strict_loading = False`"
+            " in the LightningModule to load only the keys both have."
+        )
+    if report.missing and not report.common:
+        raise CheckpointError(
+            f"The checkpoint {str(path)!r} holds none of the model's {len(report.missing)} key(s): it is not"
+            f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
+            " saved from this model."
+        )
     to_load = {key: target[key] for key in report.common if key in stored}
     # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
     # not raise while the others go on to read.
