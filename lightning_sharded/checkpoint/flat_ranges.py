@@ -1,10 +1,7 @@
-"""A contiguous range of a row-major tensor's flattening, as boxes (standard library only).
-
-FSDP1 keeps each original parameter as a flat range of its rank's flat shard: its piece on a rank is
-``[start, stop)`` of the parameter's row-major flattening, which :func:`boxes` cuts into at most a few
-boxes (a partial first row, whole rows, a partial last row, recursively). The FSDP1 views
+"""A contiguous range of a row-major tensor's flattening, as boxes (standard library only): an FSDP1
+parameter's piece of its rank's flat shard, cut the same way by the FSDP1 views
 (:mod:`~lightning_sharded.checkpoint.fsdp1.layout`) and the per-rank index's ``flat`` grid
-(:mod:`~lightning_sharded.checkpoint.rank_index`) cut the same way.
+(:mod:`~lightning_sharded.checkpoint.rank_index`).
 """
 
 from __future__ import annotations
@@ -18,11 +15,9 @@ Box = tuple[tuple[int, ...], tuple[int, ...], int]  # (offsets, sizes, flat star
 
 
 def boxes(start: int, stop: int, shape: Sequence[int]) -> list[Box]:
-    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as boxes, in flat order.
-
-    Each box is ``(offsets, sizes, flat start)`` and covers a contiguous flat range; together they cover
-    the range exactly once. A scalar (``shape == ()``) is one box when the range holds its element.
-    """
+    """The flat range ``[start, stop)`` of a row-major tensor of ``shape`` as at most a few boxes (a
+    partial first row, whole rows, a partial last row, recursively), in flat order, covering it once.
+    A scalar (``shape == ()``) is one box when the range holds its element."""
     shape = tuple(shape)
     if start >= stop:
         return []

@@ -1,12 +1,7 @@
 """The one reader of a sharded checkpoint's ``meta.pt``: the rest of the Lightning checkpoint (epoch,
-global step, loops, callbacks, hyperparameters...), which Lightning saves beside the DCP files.
-
-Two rules, as everywhere a pickle is read (see ``docs/checkpoint-format.md``, Security): a resume is
-the user's own run and unpickles with ``torch.load``'s ``weights_only`` as ``fit()`` was given it
-(Lightning's rule); the offline tools (``safe=True``) unpickle safely unless ``weights_only=False``. The
-errors are the same otherwise: a read the storage failed says so first, with a load's advice
-(:func:`~lightning_sharded.checkpoint.failures.read_failed`); anything else that does not read is a
-damaged file.
+global step, loops, callbacks, hyperparameters...), which Lightning saves beside the DCP files. It
+unpickles by the two rules of every pickle read (``docs/checkpoint-format.md``, Security): a resume's
+and the offline tools'.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ from lightning_sharded.checkpoint import failures, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, parent
 from lightning_sharded.checkpoint.errors import CheckpointError
 
-__all__ = ["VERIFY_HINT", "read_meta"]
+__all__ = ["VERIFY_HINT", "read_meta", "refused"]
 
 #: What the tools' errors about a damaged file tell to do.
 VERIFY_HINT = "Run `lightning-sharded verify {path}` to find the damaged file."
@@ -53,12 +48,8 @@ def read_meta(
             metadata = backend.torch_load(file, map_location="cpu", weights_only=weights_only)
     except CheckpointError:  # the tools' refusal of a type, named
         raise
-    except pickle.UnpicklingError as ex:  # Lightning's rule: torch.load's weights_only, as given to fit()
-        raise CheckpointError(
-            f"{what} holds {unpickling.refused_name(ex)}, which torch.load refuses with"
-            f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
-            " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
-        ) from None
+    except pickle.UnpicklingError as ex:
+        raise refused(what, ex, weights_only) from None
     except Exception as ex:
         storage = failures.read_failed(ex, f"the Lightning metadata {str(file)!r}")
         if storage is not None:
@@ -77,3 +68,13 @@ def read_meta(
             f"{what} holds a {type(metadata).__name__}, not a dict: this is not a Lightning checkpoint."
         )
     return metadata
+
+
+def refused(what: str, ex: pickle.UnpicklingError, weights_only: bool | None) -> CheckpointError:
+    """A resume's error for a pickle in ``what`` that ``torch.load`` refused: Lightning's rule, torch's
+    ``weights_only`` as ``fit()`` was given it."""
+    return CheckpointError(
+        f"{what} holds {unpickling.refused_name(ex)}, which torch.load refuses with"
+        f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
+        " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
+    )

@@ -1,13 +1,10 @@
 """Each rank's own state: its random number generators and its train dataloader position.
 
 Lightning writes rank 0's non-tensor checkpoint part only, and no random number generator (RNG) state.
-This keeps, per rank (``docs/checkpoint-format.md#per-rank-state``): the RNG states (torch's CPU, CUDA's
-when initialized, ``random``'s, NumPy's when imported: plain data, which a ``weights_only`` load reads),
-the fit loop's train dataloader state, the train dataloaders' generators (:mod:`.train_loaders`) and the
-registered objects' states. A sharded directory has one file per rank (:func:`~.names.rank_state_file`,
-a marker in ``meta.pt``), a full file every rank's under :data:`~.names.RANK_STATE_KEY`. :func:`restore`
-gives each rank its own train dataloader state in the Lightning checkpoint and returns the rest, which
-``lightning_sharded.strategies._exact_resume`` sets where the resumed run needs it.
+This keeps, per rank (``docs/checkpoint-format.md#per-rank-state``), the RNG states (plain data, which a
+``weights_only`` load reads), the train dataloader's state and generators, and the registered objects'
+states: in a sharded directory one file per rank (:func:`~.names.rank_state_file`, a marker in
+``meta.pt``), in a full file every rank's under :data:`~.names.RANK_STATE_KEY`.
 """
 
 from __future__ import annotations

@@ -13,10 +13,7 @@ parameter's memory (an empty parameter holds none). Its optimizer state tensors 
 shape (and strides) are then saved as sharded values laid out like the model's value, each local piece
 a view of the state at the place the value's local tensor has in the parameter: DCP writes every
 rank's piece, and a load reads them back at any plan and world size (DCP reshards). Zero-dimensional
-states (``step``) stay as they are.
-
-Saving is collective where pieces exist (:func:`agreed_entries`): a state that a rank holding part of
-the value lacks while another rank has it would leave a hole in the saved tensor, and is refused.
+states (``step``) stay as they are. Saving is collective where pieces exist (:func:`agreed_entries`).
 """
 
 from __future__ import annotations
@@ -32,17 +29,22 @@ from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.tensors import adapter_for
 
 __all__ = [
+    "PARAMS",
+    "PARAM_GROUPS",
+    "STATE",
     "Piece",
     "agreed_entries",
     "candidates",
     "find_pieces",
     "set_agreed_values",
-    "template_entry",
     "unwrap_state",
     "wrap_state",
 ]
 
+#: The keys of a torch optimizer state dict.
 STATE = "state"
+PARAM_GROUPS = "param_groups"
+PARAMS = "params"
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,8 @@ def wrap_state(state: dict[str, Any], pieces: Mapping[str, Piece]) -> dict[int, 
 
 
 def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """The name-keyed optimizer state dict ``state`` with each sharded view :func:`wrap_state` or
-    :func:`template_entry` made replaced by the plain tensor it views (what the optimizer holds); in place."""
+    """The name-keyed optimizer state dict ``state`` with each sharded view of ``backing`` (from
+    :func:`wrap_state` or a load's template) replaced by the plain tensor it views, in place."""
     if backing:
         for entries in state.get(STATE, {}).values():
             for entry, value in list(entries.items()):
@@ -251,10 +253,9 @@ def agreed_entries(state: dict[str, Any], pieces: Mapping[str, Piece]) -> Descri
             if held[name] and lacking:
                 raise CheckpointError(
                     f"Cannot save the optimizer state of {name!r}: rank {rank} holds part of the parameter"
-                    f" but has no {', '.join(repr(e) for e in lacking)} while other ranks have: the"
-                    " checkpoint"
-                    " would hold that part uninitialized. Save after an optimizer step that reached every"
-                    " rank's part of the parameter (each needs a gradient)."
+                    f" but has no {', '.join(repr(e) for e in lacking)} while other ranks"
+                    " have: the checkpoint would hold that part uninitialized. Save after an optimizer step"
+                    " that reached every rank's part of the parameter (each needs a gradient)."
                 )
     return merged
 
@@ -281,15 +282,3 @@ def set_agreed_values(state: dict[str, Any], merged: Described) -> None:
 
 def _shape_text(info: Any) -> str:
     return str(list(info[1])) if info[0] == "sharded" else f"a {type(info[1]).__name__}"
-
-
-def template_entry(
-    piece: Piece, shape: tuple[int, ...], dtype: torch.dtype
-) -> tuple[Any, torch.Tensor] | None:
-    """What a load reads a stored state tensor of ``shape`` and ``dtype`` of ``piece`` into, and the plain
-    tensor the optimizer will hold: a sharded value of the piece's layout over a new tensor of the
-    parameter's shape; ``None`` when ``shape`` is not the layout's global shape (it does not fit)."""
-    if tuple(shape) != piece.global_shape:
-        return None
-    local = torch.empty_like(piece.param, dtype=dtype, requires_grad=False)
-    return piece.views(local), local

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_sharded._fqn import clean_keys, parameter_names
 from lightning_sharded.checkpoint import fsdp1, shard_pieces
 from lightning_sharded.checkpoint.fsdp1.layout import param_index
+from lightning_sharded.checkpoint.shard_pieces import PARAM_GROUPS, PARAMS, STATE
 from lightning_sharded.foreign import foreign_modules
 from lightning_sharded.tensors import gather_full_values, to_full
 
@@ -36,10 +37,6 @@ __all__ = [
     "plain_optimizer",
     "torch_optimizer_template",
 ]
-
-STATE = "state"
-PARAM_GROUPS = "param_groups"
-PARAMS = "params"
 
 
 def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
@@ -57,12 +54,9 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
         import torch.distributed as dist
 
         state = gather_full_values(dict(model_state_dict(model, full=False)))
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return (
-            {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-            if rank == 0
-            else {}
-        )
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
     if full and _fsdp1_on_cpu(model):
         with _fsdp1_type(model, full=True):
             from lightning_sharded._compat import gather_state_dict
@@ -79,7 +73,7 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
         # model's save: no gather, nothing offloaded, no submodule or frozen-parameter options here.
         with torch.no_grad(), _fsdp1_type(model, full=False), fsdp1.views():
             return clean_keys(model, model.state_dict())
-    return get_model_state_dict(model, options=_options(model, full))
+    return get_model_state_dict(model, options=_options(full))
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
@@ -105,7 +99,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) 
         with _fsdp1_type(model, full=True):
             state = FullyShardedDataParallel.optim_state_dict(model, optimizer)
     else:
-        state = get_optimizer_state_dict(model, optimizer, options=_options(model, full))
+        state = get_optimizer_state_dict(model, optimizer, options=_options(full))
         if not full:
             return _sharded_pieces(state, pieces, over_plain)
     state = _full_pieces(optimizer, state, pieces, over_plain)
@@ -227,7 +221,7 @@ def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options(model, False))
+    return get_optimizer_state_dict(model, optimizer, options=_options(False))
 
 
 def has_fsdp1(model: nn.Module) -> bool:
@@ -272,7 +266,7 @@ def _fsdp1_type(model: nn.Module, *, full: bool) -> Iterator[None]:
             yield
 
 
-def _options(model: nn.Module, full: bool) -> Any:
+def _options(full: bool) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # `cpu_offload` makes a full state dict rank-0 only (the other ranks get an empty dict), as stock

@@ -1,11 +1,8 @@
 """The train dataloaders' part of an exact resume: their generators, where the epoch stood, their position.
 
-- :func:`generator_states` / :func:`set_generator_states`: every ``torch.Generator`` a loader owns, saved
-  per rank. ``torchdata``'s ``StatefulDataLoader`` restores its position but leaves these in another
-  state than the unbroken run's (the next epoch's shuffle differed); a plain ``DataLoader`` saves nothing.
-- :func:`resume_point`: where in its epoch a Lightning checkpoint was saved (:class:`ResumePoint`).
-- :func:`skip_batches`: the position of a plain ``DataLoader`` whose order is its sampler's alone: its next
-  epoch skips the indices of the batches done before the checkpoint, at the sampler, none loaded.
+Every ``torch.Generator`` a loader owns is saved per rank: ``torchdata``'s ``StatefulDataLoader``
+restores its position but leaves these in another state than the unbroken run's (the next epoch's
+shuffle differed); a plain ``DataLoader`` saves nothing.
 """
 
 from __future__ import annotations

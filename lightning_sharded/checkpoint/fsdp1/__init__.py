@@ -21,17 +21,7 @@ shared parameters, no device mesh); anything else takes torch's path.
 """
 
 from lightning_sharded.checkpoint.fsdp1.layout import supported
-from lightning_sharded.checkpoint.fsdp1.optimizer import (
-    loaded_optimizer_state,
-    optimizer_state_views,
-    optimizer_template,
-)
+from lightning_sharded.checkpoint.fsdp1.optimizer import optimizer_state_views, optimizer_template
 from lightning_sharded.checkpoint.fsdp1.views import views
 
-__all__ = [
-    "loaded_optimizer_state",
-    "optimizer_state_views",
-    "optimizer_template",
-    "supported",
-    "views",
-]
+__all__ = ["optimizer_state_views", "optimizer_template", "supported", "views"]

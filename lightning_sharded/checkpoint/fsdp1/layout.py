@@ -17,6 +17,7 @@ from lightning_sharded.checkpoint.flat_ranges import Box, boxes
 from lightning_sharded.tensors.sharded_tensor import ShardedTensorAdapter, from_local_shards
 
 __all__ = [
+    "HOOK_NAMES",
     "TORCH_NAMES",
     "ParamLayout",
     "copy_into_shard",
@@ -68,6 +69,13 @@ def layouts(handle: Any) -> list[ParamLayout]:
     return layouts
 
 
+#: torch's ``SHARDED_STATE_DICT`` hooks that :func:`views` replaces: pre and post save, pre and post load.
+HOOK_NAMES = (
+    "_sharded_pre_state_dict_hook",
+    "_sharded_post_state_dict_hook",
+    "_sharded_pre_load_state_dict_hook",
+    "_sharded_post_load_state_dict_hook",
+)
 #: What :func:`views` uses of torch's private FSDP1 hook module; without any of them, torch's path runs.
 TORCH_NAMES = (
     "_common_pre_state_dict_hook",
@@ -78,10 +86,7 @@ TORCH_NAMES = (
     "_module_handle",
     "_param_name_infos",
     "_lazy_init",
-    "_sharded_pre_state_dict_hook",
-    "_sharded_post_state_dict_hook",
-    "_sharded_pre_load_state_dict_hook",
-    "_sharded_post_load_state_dict_hook",
+    *HOOK_NAMES,
 )
 
 
@@ -183,12 +188,8 @@ def param_tensor(handle: Any, index: int) -> Any:
     Python, 16 of them 3-6 ms of an FSDP1 async save's stall); the views hold the memory they view, so
     the same address means the same memory."""
     layout = layouts(handle)[index]
-    flat = handle.flat_param.detach()
-    if layout.local is None:
-        local = flat[:0]
-    else:
-        offset, numel, _ = layout.local
-        local = flat[offset : offset + numel]
+    offset, numel, _ = layout.local or (0, 0, 0)
+    local = handle.flat_param.detach()[offset : offset + numel]
     where = (local.data_ptr(), local.numel())
     made = _PARAM_VIEWS.setdefault(handle, {})
     known = made.get(index)

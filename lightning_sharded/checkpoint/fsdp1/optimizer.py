@@ -12,59 +12,54 @@ from torch.optim import Optimizer
 from lightning_sharded._fqn import parameter_names
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.fsdp1.layout import (
+    ParamLayout,
     layouts,
     param_index,
     sharded_tensor,
     state_tensor,
     supported,
 )
-from lightning_sharded.tensors import adapter_for
+from lightning_sharded.checkpoint.shard_pieces import PARAM_GROUPS, PARAMS, STATE
 
-__all__ = ["loaded_optimizer_state", "optimizer_state_views", "optimizer_template"]
-
-STATE = "state"
-PARAM_GROUPS = "param_groups"
-PARAMS = "params"
+__all__ = ["optimizer_state_views", "optimizer_template"]
 
 
-def _groups(optimizer: Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
-    return [
-        {**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: [names[id(p)] for p in group[PARAMS]]}
-        for group in optimizer.param_groups
-    ]
+#: An original parameter, its ``FlatParamHandle``, its layout and the numel of its local piece.
+_Piece = tuple[torch.Tensor, Any, ParamLayout, int]
 
 
-def _params_by_name(
-    optimizer: Optimizer, names: dict[int, str], where: dict[int, tuple[Any, int]]
-) -> dict[str, torch.Tensor] | None:
-    """The optimizer's parameters by clean name, in group order; ``None`` if one is not FSDP1's."""
-    params: dict[str, torch.Tensor] = {}
+def _pieces(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, _Piece], list[dict[str, Any]]] | None:
+    """The optimizer's parameters by clean name (group order) with their pieces of the flat shards, and its
+    parameter groups keyed by name; ``None`` unless the model is :func:`supported` and every parameter is
+    FSDP1's."""
+    if not supported(model):
+        return None
+    names = parameter_names(model)
+    where = param_index(model)
+    pieces: dict[str, _Piece] = {}
     for group in optimizer.param_groups:
         for param in group[PARAMS]:
             if id(param) not in where or id(param) not in names:
                 return None
-            params[names[id(param)]] = param
-    return params
+            handle, index = where[id(param)]
+            layout = layouts(handle)[index]
+            numel = layout.local[1] if layout.local is not None else 0
+            pieces[names[id(param)]] = (param, handle, layout, numel)
+    groups = [
+        {**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: [names[id(p)] for p in group[PARAMS]]}
+        for group in optimizer.param_groups
+    ]
+    return pieces, groups
 
 
-def _piece(where: dict[int, tuple[Any, int]], param: torch.Tensor) -> tuple[Any, Any, int]:
-    """``(flat handle, layout, local numel)`` of an original parameter's piece of its flat shard."""
-    handle, index = where[id(param)]
-    layout = layouts(handle)[index]
-    return handle, layout, layout.local[1] if layout.local is not None else 0
-
-
-def _state_views(
-    optimizer: Optimizer, params: dict[str, torch.Tensor], where: dict[int, tuple[Any, int]]
-) -> dict[str, dict[str, Any]] | None:
+def _state_views(optimizer: Optimizer, pieces: dict[str, _Piece]) -> dict[str, dict[str, Any]] | None:
     """Each parameter's optimizer state, its flat tensors as ``ShardedTensor`` views (no communication);
     ``None`` if a state tensor is not the parameter's local piece."""
     state: dict[str, dict[str, Any]] = {}
-    for name, param in params.items():
+    for name, (param, handle, layout, numel) in pieces.items():
         entries = optimizer.state.get(param)
         if not entries:
             continue
-        handle, layout, numel = _piece(where, param)
         out: dict[str, Any] = {}
         for entry, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -86,68 +81,44 @@ def optimizer_state_views(model: nn.Module, optimizer: Optimizer) -> dict[str, A
     tensor of a parameter's local piece becomes a ``ShardedTensor`` of views of it; zero-dimensional
     states (Adam's ``step``) and non-tensors are kept as they are.
     """
-    names = parameter_names(model)
-    where = param_index(model)
-    params = _params_by_name(optimizer, names, where) if supported(model) else None
-    state = _state_views(optimizer, params, where) if params is not None else None
+    found = _pieces(model, optimizer)
+    state = _state_views(optimizer, found[0]) if found is not None else None
     agreed = collective.all_true(state is not None, collective.ranks(), "agreeing on the optimizer's views")
-    if not agreed or state is None:
+    if not agreed or state is None or found is None:
         return None
-    return {STATE: state, PARAM_GROUPS: _groups(optimizer, names)}
+    return {STATE: state, PARAM_GROUPS: found[1]}
 
 
 def optimizer_template(
     model: nn.Module,
     optimizer: Optimizer,
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+    backing: dict[int, torch.Tensor],
+) -> dict[str, Any] | None:
     """What to load an FSDP1 optimizer's state into, from the checkpoint's index; or ``None``.
 
-    Returns ``(template, local)``: the name-keyed template DCP loads into (a state with the parameter's
-    global shape is a ``ShardedTensor`` over a new local flat tensor, other tensors plain, non-tensors
-    ``None``) and the same state with those local flat tensors, for :func:`loaded_optimizer_state` once
-    DCP has filled them. ``stored`` is as for :func:`~lightning_sharded.checkpoint.load.checks.template_like`.
-    Depends on the model and the checkpoint only: every rank takes the same branch.
+    The name-keyed template DCP loads into: a state with the parameter's global shape is a
+    ``ShardedTensor`` over a new local flat tensor (recorded in ``backing``: ``id(sharded) -> tensor``,
+    what the optimizer then holds, :func:`~lightning_sharded.checkpoint.shard_pieces.unwrap_state`),
+    other tensors plain, non-tensors ``None``. ``stored`` is as for
+    :func:`~lightning_sharded.checkpoint.load.checks.template_like`. Depends on the model and the
+    checkpoint only: every rank takes the same branch.
     """
-    if not supported(model):
+    found = _pieces(model, optimizer)
+    if found is None:
         return None
-    names = parameter_names(model)
-    where = param_index(model)
-    params = _params_by_name(optimizer, names, where)
-    if params is None:
-        return None
+    pieces, groups = found
     template: dict[str, dict[str, Any]] = {}
-    local: dict[str, dict[str, Any]] = {}
-    for name in sorted(stored):
-        param = params.get(name)
-        if param is None:
-            continue
-        handle, layout, numel = _piece(where, param)
+    for name in sorted(stored.keys() & pieces.keys()):
+        param, handle, layout, numel = pieces[name]
         for entry, (shape, dtype) in sorted(stored[name].items()):
             value: Any = None
-            piece: Any = None
             if shape is not None and dtype is not None:
                 if len(shape) > 0 and tuple(shape) == layout.shape:
-                    piece = torch.empty(numel, dtype=dtype, device=param.device)
-                    value = sharded_tensor(piece, layout, handle.process_group, handle.rank)
+                    local = torch.empty(numel, dtype=dtype, device=param.device)
+                    value = sharded_tensor(local, layout, handle.process_group, handle.rank)
+                    backing[id(value)] = local
                 else:
-                    piece = value = torch.empty(shape, dtype=dtype)
+                    value = torch.empty(shape, dtype=dtype)
             template.setdefault(name, {})[entry] = value
-            local.setdefault(name, {})[entry] = piece
-    return {STATE: template, PARAM_GROUPS: _groups(optimizer, names)}, local
-
-
-def loaded_optimizer_state(template: dict[str, Any], local: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The name-keyed optimizer state to load, once ``template`` (from :func:`optimizer_template`) is filled.
-
-    A ``ShardedTensor`` entry was read into its local flat tensor, which is what the optimizer holds;
-    anything else was filled in place (plain tensors) or put into the template (non-tensors).
-    """
-    state = {
-        name: {
-            entry: local[name][entry] if adapter_for(value) is not None else value
-            for entry, value in entries.items()
-        }
-        for name, entries in template[STATE].items()
-    }
-    return {STATE: state, PARAM_GROUPS: template[PARAM_GROUPS]}
+    return {STATE: template, PARAM_GROUPS: groups}

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective, names
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.integrity import (
     AFTER_READ,
     UNCHANGED,
@@ -103,24 +102,35 @@ def restore_checkpoint(
             reach a step of the load in time (the strategy's ``checkpoint_timeout``), naming it.
     """
     plain = [plain_optimizer(optimizer) for optimizer in optimizers]
+    mode = verify_mode(verify)
     try:
-        restored = _restore(
-            path,
-            model,
-            plain,
-            strict=strict,
-            weights_only=weights_only,
-            verify=verify,
-            read_metadata=read_metadata,
-        )
-        _reattach(optimizers, plain)
-        return restored
+        if mode is None:  # each rank gets its share of the manifest: its own files
+            found = collective.decide_each(lambda n: _shares(detect(path), n), step="finding the checkpoint")
+        else:  # checksums are checked by every rank, files split between them: every rank needs every entry
+            found = collective.decide(lambda: detect(path), step="finding the checkpoint")
+        if found.kind is CheckpointKind.SHARDED:
+            metadata, report, frozen = restore_sharded(
+                found,
+                model,
+                plain,
+                strict=strict,
+                weights_only=weights_only,
+                verification=_verification(found, mode),
+                keep_model=mode == "before",
+                read_metadata=read_metadata,
+            )
+        else:
+            metadata, report, frozen = restore_full(
+                found, model, plain, strict=strict, weights_only=weights_only
+            )
     except RanksLost as err:
         raise RanksLost(
             f"Loading the checkpoint {str(path)!r} failed: {err} Nothing on disk was changed; the model may"
             " hold part of the checkpoint.",
             err.ranks,
         ) from err
+    _reattach(optimizers, plain)
+    return Restored(metadata, report, found, frozen)
 
 
 def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> None:
@@ -137,8 +147,7 @@ def _reattach(optimizers: Sequence[Optimizer], plain: Sequence[Optimizer]) -> No
 def _shares(found: Found, world_size: int) -> list[Found]:
     """``found`` as each rank of ``world_size`` needs it for a load without checksums: rank 0 with the
     whole manifest (it checks every file's size), another rank with the entries of its own files and of
-    the per-rank index's layout (whether the checkpoint has one). At N ranks a rank then receives a few
-    entries instead of all of them (two or more per rank)."""
+    the per-rank index's layout (whether the checkpoint has one), not every rank's."""
     manifest = found.manifest
     if manifest is None or world_size == 1:
         return [found] * world_size
@@ -153,55 +162,14 @@ def _shares(found: Found, world_size: int) -> list[Found]:
     ]
 
 
-def _restore(
-    path: str | Path,
-    model: nn.Module,
-    optimizers: Sequence[Optimizer],
-    *,
-    strict: bool,
-    weights_only: bool | None,
-    verify: bool | VerifyMode | None,
-    read_metadata: bool,
-) -> Restored:
-    mode = verify_mode(verify)
-    if mode is None:  # each rank gets its share of the manifest: its own files
-        found = collective.decide_each(lambda n: _shares(detect(path), n), step="finding the checkpoint")
-    else:  # checksums are checked by every rank, files split between them: every rank needs every entry
-        found = collective.decide(lambda: detect(path), step="finding the checkpoint")
-    if found.kind is CheckpointKind.SHARDED:
-        # Local files with a manifest are checked from the load's own reads (each byte read once); for
-        # "before" the model's values wait beside it until the checksums matched. Elsewhere (object
-        # storage), every file is checksummed before the first read.
-        verification = None
-        if mode is not None and ReadVerification.applies(found):
-            verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
-            verification.check_sizes()
-        else:
-            check_found(found, verify=mode is not None)
-        partial = found.manifest.frozen if found.manifest is not None else None
-        metadata, report, from_source = restore_sharded(
-            found,
-            model,
-            optimizers,
-            strict=strict,
-            weights_only=weights_only,
-            verification=verification,
-            keep_model=mode == "before",
-            frozen=partial.keys if partial is not None else (),
-            read_metadata=read_metadata,
-        )
-        frozen = FrozenPart(partial.source, tuple(from_source), partial.prefix) if partial else None
-        return Restored(metadata, report, found, frozen)
-    # Read memory-mapped, one tensor at a time: a URL is downloaded first (by each rank).
-    with found.backend.local_file(found.data) as local:
-        try:
-            metadata, report, frozen = restore_full(
-                local, model, optimizers, strict=strict, weights_only=weights_only
-            )
-        except CheckpointError as err:
-            if local == found.data:
-                raise
-            same = type(err) in (OptimizerCountError, MissingCheckpointError)
-            kind = type(err) if same else CheckpointError
-            raise kind(str(err).replace(str(local), str(found.data))) from err  # stock's type kept
-    return Restored(metadata, report, found, frozen)
+def _verification(found: Found, mode: VerifyMode | None) -> ReadVerification | None:
+    """What checks the files before the first read: presence and sizes always, the checksums too with a
+    verify ``mode``. Local files with a manifest are checked from the load's own reads (each byte read
+    once; for "before" the model's values wait beside it until the checksums matched): the returned
+    verification. Elsewhere (object storage), every file is checksummed before the first read."""
+    if mode is not None and ReadVerification.applies(found):
+        verification = ReadVerification(found, then=AFTER_READ if mode == "during" else UNCHANGED)
+        verification.check_sizes()
+        return verification
+    check_found(found, verify=mode is not None)
+    return None

@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded._fqn import parameter_names
-from lightning_sharded.checkpoint import shard_pieces
+from lightning_sharded.checkpoint import collective, shard_pieces
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.errors import CheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.manifest import FrozenPart
@@ -22,10 +22,10 @@ from lightning_sharded.tensors import adapter_for
 __all__ = [
     "KeyReport",
     "Stored",
-    "check_keys",
     "check_optimizer_count",
     "check_shapes",
     "copy_full_into",
+    "fit_model",
     "frozen_of",
     "global_shape",
     "named_optimizer_params",
@@ -106,7 +106,19 @@ def check_optimizer_count(path: Location, configured: int, saved: int) -> None:
     )
 
 
-def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
+def fit_model(
+    path: Location,
+    stored: dict[str, tuple[int, ...] | None],
+    target: dict[str, Any],
+    frozen: FrozenPart | None,
+    *,
+    strict: bool,
+) -> tuple[KeyReport, dict[str, Any], FrozenPart | None]:
+    """The model's state ``target`` checked against the checkpoint's entries ``stored`` (key -> global
+    shape, ``None`` for a non-tensor) and the keys a trainable-only checkpoint left out (``frozen``);
+    collective. Returns the comparison, the values to load and ``frozen`` limited to the model's keys."""
+    elsewhere = sorted(set(frozen.keys if frozen else ()) - set(stored))
+    report = KeyReport(list(target), [*stored, *elsewhere])
     if report and strict:
         raise CheckpointError(
             f"Error(s) in loading the checkpoint {str(path)!r} into the model (strict loading). "
@@ -119,6 +131,13 @@ def check_keys(path: Location, report: KeyReport, strict: bool) -> None:
             f" a checkpoint of this model, or holds no model state. {report.describe()} Load a checkpoint"
             " saved from this model."
         )
+    to_load = {key: target[key] for key in report.common if key in stored}
+    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
+    # not raise while the others go on to read.
+    collective.agree(lambda: check_shapes(path, to_load, stored), step="checking the shapes")
+    if frozen is not None:
+        frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in stored), frozen.prefix)
+    return report, to_load, frozen
 
 
 def global_shape(value: Any) -> tuple[int, ...] | None:
@@ -188,23 +207,23 @@ def template_like(
     model: nn.Module,
     optimizer: Optimizer,
     stored: Stored,
-    pieces: Mapping[str, shard_pieces.Piece] | None = None,
-    backing: dict[int, torch.Tensor] | None = None,
-    where: str = "",
-    source: str = "the checkpoint",
+    pieces: Mapping[str, shard_pieces.Piece],
+    backing: dict[int, torch.Tensor],
+    where: str,
+    source: str,
 ) -> dict[str, Any] | None:
     """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
 
     ``stored``: the checkpoint's entries (:data:`Stored`). Each state tensor with its parameter's global
     shape is made like the parameter (a ``DTensor`` stays sharded the same way, so each rank holds only
-    its piece). A parameter in
-    ``pieces`` (this rank's piece of a sharded model value, :mod:`~lightning_sharded.checkpoint.shard_pieces`)
-    gets, for a state of the value's global shape, a sharded value of its layout over a new tensor of the
-    parameter's shape (recorded in ``backing``: ``id(sharded) -> tensor``, what the optimizer then holds).
-    A zero-dimensional state (``step``) is a plain tensor; so is any other state of a plain parameter
-    (the model's own shape check vouches for the parameter). Unlike ``get_optimizer_state_dict`` this
-    runs no optimizer step. Only for models whose parameters are the optimizer's parameters (plain,
-    FSDP2, tensor parallel); ``None`` for FSDP1 (flat parameters) or a parameter the model does not name.
+    its piece). A parameter in ``pieces`` (this rank's piece of a sharded model value,
+    :mod:`~lightning_sharded.checkpoint.shard_pieces`) gets, for a state of the value's global shape, a
+    sharded value of its layout over a new tensor of the parameter's shape (recorded in ``backing``:
+    ``id(sharded) -> tensor``, what the optimizer then holds). A zero-dimensional state (``step``) is a
+    plain tensor; so is any other state of a plain parameter (the model's own shape check vouches for
+    the parameter). Unlike ``get_optimizer_state_dict`` this runs no optimizer step. Only for models
+    whose parameters are the optimizer's parameters (plain, FSDP2, tensor parallel); ``None`` for FSDP1
+    (flat parameters) or a parameter the model does not name.
 
     Raises:
         CheckpointError: a state tensor that fits neither its parameter nor the sharded value it is a
@@ -218,32 +237,26 @@ def template_like(
     except KeyError:
         return None
     params = dict(named)
-    pieces = pieces or {}
     state: dict[str, dict[str, Any]] = {}
     bad: list[str] = []
-    for name in sorted(stored):
-        param = params.get(name)
-        if param is None:
-            continue  # state of a parameter this optimizer does not have: not loaded
-        piece = pieces.get(name)
+    for name in sorted(stored.keys() & params.keys()):  # the state of other parameters is not loaded
+        param, piece = params[name], pieces.get(name)
         for entry, (shape, dtype) in sorted(stored[name].items()):
+            key = f"{where}{name}.{entry}"
             value: Any = None  # a non-tensor entry: the loader puts the stored object here
             if shape is not None and dtype is not None:
                 if piece is not None and len(shape) > 0:
-                    made = shard_pieces.template_entry(piece, shape, dtype)
-                    if made is None:
-                        bad.append(
-                            _mismatch(f"{where}{name}.{entry}", shape, piece.global_shape, piece.param)
-                        )
+                    if tuple(shape) != piece.global_shape:
+                        bad.append(_mismatch(key, shape, piece.global_shape, piece.param))
                         continue
-                    value, local = made
-                    if backing is not None:
-                        backing[id(value)] = local
+                    local = torch.empty_like(piece.param, dtype=dtype, requires_grad=False)
+                    value = piece.views(local)
+                    backing[id(value)] = local
                 elif len(shape) > 0 and tuple(shape) == tuple(param.shape):
                     value = torch.empty_like(param, dtype=dtype, requires_grad=False)
                 elif len(shape) > 0 and adapter_for(param) is not None:
                     # A sharded parameter's state of another shape would be one rank's copy, read by all.
-                    bad.append(_mismatch(f"{where}{name}.{entry}", shape, tuple(param.shape), None))
+                    bad.append(_mismatch(key, shape, tuple(param.shape), None))
                     continue
                 else:
                     value = torch.empty(shape, dtype=dtype)

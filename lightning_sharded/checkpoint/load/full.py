@@ -16,15 +16,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_sharded.checkpoint import collective
-from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.detect import Found
+from lightning_sharded.checkpoint.errors import CheckpointError, MissingCheckpointError, OptimizerCountError
 from lightning_sharded.checkpoint.failures import read_failed
+from lightning_sharded.checkpoint.lightning_meta import refused
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     Stored,
-    check_keys,
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    fit_model,
     frozen_of,
     named_optimizer_params,
     set_model_state,
@@ -41,7 +43,6 @@ from lightning_sharded.checkpoint.state_dicts import (
     model_state_dict,
     param_names,
 )
-from lightning_sharded.checkpoint.unpickling import refused_name
 
 __all__ = ["restore_full"]
 
@@ -52,11 +53,7 @@ def _open_full(path: Path, weights_only: bool | None) -> dict[str, Any]:
     except pickle.UnpicklingError as ex:
         if "Weights only load failed" not in str(ex):  # damage, not a refusal: said below
             raise _unreadable(path, ex) from ex
-        raise CheckpointError(
-            f"The checkpoint file {str(path)!r} holds {refused_name(ex)}, which torch.load refuses with"
-            f" weights_only={weights_only} (the default is torch's, True). If you trust the checkpoint (your"
-            " own run), resume with trainer.fit(..., weights_only=False), as with stock Lightning."
-        ) from None
+        raise refused(f"The checkpoint file {str(path)!r}", ex, weights_only) from None
     except Exception as ex:
         storage = read_failed(ex, f"the checkpoint file {str(path)!r}")
         if storage is not None:
@@ -79,13 +76,34 @@ def _unreadable(path: Path, ex: BaseException) -> CheckpointError:
 
 
 def restore_full(
-    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+    found: Found,
+    model: nn.Module,
+    optimizers: Sequence[Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
 ) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
-    """Load the full checkpoint file at local ``path`` into ``model`` and ``optimizers``; collective.
+    """Load the full checkpoint file ``found`` into ``model`` and ``optimizers``; collective. A URL is
+    downloaded first (by each rank); the errors name it, not the download.
 
     Returns the rest of the checkpoint (without model and optimizer states), the comparison of keys,
     and for a trainable-only file its frozen part, limited to the keys the model has (not read here).
     """
+    with found.backend.local_file(found.data) as local:
+        try:
+            return _restore_local(local, model, optimizers, strict=strict, weights_only=weights_only)
+        except CheckpointError as err:
+            if local == found.data:
+                raise
+            same = type(err) in (OptimizerCountError, MissingCheckpointError)
+            kind = type(err) if same else CheckpointError
+            raise kind(str(err).replace(str(local), str(found.data))) from err  # stock's type kept
+
+
+def _restore_local(
+    path: Path, model: nn.Module, optimizers: Sequence[Optimizer], *, strict: bool, weights_only: bool | None
+) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
+    """:func:`restore_full` of the local file ``path``: memory-mapped, read one tensor at a time."""
     # Every rank reads the file (memory-mapped); whether it could is agreed, so none enters a
     # collective alone.
     checkpoint = collective.agree(lambda: _open_full(path, weights_only))
@@ -98,21 +116,10 @@ def restore_full(
     if optimizers:
         check_optimizer_count(path, len(optimizers), len(optimizer_states or []))
     target = model_state_dict(model, full=False)
-    elsewhere = sorted(set(frozen.keys if frozen else ()) - set(source))
-    report = KeyReport(list(target), [*source, *elsewhere])
-    check_keys(path, report, strict)
-    common = [key for key in report.common if key in source]
-    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter); no rank raises alone.
-    shapes: dict[str, tuple[int, ...] | None] = {
-        key: tuple(value.shape) for key, value in source.items() if isinstance(value, torch.Tensor)
-    }
-    targets = {key: target[key] for key in common}
-    collective.agree(lambda: check_shapes(path, targets, shapes), step="checking the shapes")
-    if frozen is not None:
-        frozen = FrozenPart(frozen.source, tuple(k for k in report.common if k not in source), frozen.prefix)
-    to_load: dict[str, Any] = {}
-    for key in common:  # sorted: the same order on every rank
-        to_load[key] = copy_full_into(target[key], source[key])
+    stored = {key: tuple(v.shape) if isinstance(v, torch.Tensor) else None for key, v in source.items()}
+    report, to_load, frozen = fit_model(path, stored, target, frozen, strict=strict)
+    for key in to_load:  # sorted: the same order on every rank
+        to_load[key] = copy_full_into(to_load[key], source[key])
         mapping.release(source[key])
     set_model_state(model, to_load)
     del to_load, source

@@ -3,7 +3,7 @@
 A full checkpoint file is loaded memory-mapped (``torch.load(mmap=True)``), and every page a rank
 reads from it stays in that rank's resident memory until the mapping goes away at the end of the
 load: on a 2-rank resume that is one more shard per rank (measured: peak 2x the shard). After each
-tensor is copied into the rank's shard, :func:`release_pages` tells the kernel this process no longer
+tensor is copied into the rank's shard, :meth:`FileMapping.release` tells the kernel this process no longer
 needs those pages (``madvise(MADV_DONTNEED)``); they stay in the page cache, and a later read of the
 same tensor simply maps them again. Only memory inside this process's mappings of that very file
 (found in ``/proc/self/maps``) is touched: on anonymous memory ``MADV_DONTNEED`` would discard data.

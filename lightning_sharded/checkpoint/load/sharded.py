@@ -8,7 +8,7 @@ the model; the Lightning metadata is read (once, on rank 0, and shared) before t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -24,20 +24,23 @@ from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
-from lightning_sharded.checkpoint.integrity import ReadVerification
+from lightning_sharded.checkpoint.integrity import (
+    ReadVerification,
+)
 from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
     Stored,
-    check_keys,
     check_optimizer_count,
     check_shapes,
     copy_full_into,
+    fit_model,
     named_optimizer_params,
     set_model_state,
     set_optimizer_state,
     template_like,
 )
+from lightning_sharded.checkpoint.manifest import FrozenPart
 from lightning_sharded.checkpoint.staging import StagingBuffers
 from lightning_sharded.checkpoint.state_dicts import (
     PARAM_GROUPS,
@@ -61,20 +64,18 @@ def restore_sharded(
     weights_only: bool | None,
     verification: ReadVerification | None = None,
     keep_model: bool = False,
-    frozen: Collection[str] = (),
     read_metadata: bool = True,
-) -> tuple[dict[str, Any], KeyReport, list[str]]:
+) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
     """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
     ``optimizers``.
 
     Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
-    comparison of model keys, and the model keys to take from a trainable-only checkpoint's frozen
-    source (those of ``frozen``, the keys it left out, that the model has: not read here). With a
-    ``verification``, the checksums of the files are computed from the reads and compared before the
-    model's remaining state and the optimizers are set; a read that fails names a damaged file. With
-    ``keep_model`` too, the model's tensors are read into CPU buffers laid out as its shards and copied
-    into the model only once the checksums matched, so a damaged checkpoint leaves the model as it was
-    (the cost: one more copy of the rank's model shard in host memory while it loads).
+    comparison of model keys, and a trainable-only checkpoint's frozen part limited to the keys the
+    model has (not read here). With a ``verification``, the checksums of the files are computed from the
+    reads and compared before the model's remaining state and the optimizers are set; a read that fails
+    names a damaged file. With ``keep_model`` too, the model's tensors are read into CPU buffers laid out
+    as its shards and copied into the model only once the checksums matched, so a damaged checkpoint
+    leaves the model as it was (the cost: one more copy of the rank's model shard in host memory).
     """
     backend, path = found.backend, found.data
     reading = verification.reading if verification is not None else contextlib.nullcontext
@@ -94,14 +95,8 @@ def restore_sharded(
     if optimizers:
         check_optimizer_count(path, len(optimizers), layout.optimizer_count)
     target = model_state_dict(model, full=False)
-    elsewhere = sorted(set(frozen) - set(layout.model_entries))
-    report = KeyReport(list(target), [*layout.model_entries, *elsewhere])
-    check_keys(path, report, strict)
-    from_source = [key for key in report.common if key not in layout.model_entries]
-    to_load = {key: target[key] for key in report.common if key in layout.model_entries}
-    # Agreed: a plain tensor's shape may differ per rank (a per-rank parameter), and one rank alone must
-    # not raise while the others go on to read.
-    collective.agree(lambda: check_shapes(path, to_load, layout.model_entries), step="checking the shapes")
+    frozen = found.manifest.frozen if found.manifest is not None else None
+    report, to_load, frozen = fit_model(path, layout.model_entries, target, frozen, strict=strict)
     # Before the first read: a bad meta.pt must fail the load before the model changed. Read once,
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     metadata: dict[str, Any] = {}
@@ -123,25 +118,38 @@ def restore_sharded(
         )
         for index, optimizer in enumerate(optimizers)
     ]
-    index = layout.metadata
-    if layout.index is not None:
-        # Each rank reads the index files of the ranks that wrote what it loads, and nothing else. A
-        # file that cannot be read fails the load on every rank with the same error.
-        with reading():
-            index = collective.agree(
-                lambda: _rank_metadata(backend, path, layout, state), step="reading the per-rank index"
-            )
-    fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
-    with reading():
-        _dcp_load(backend, state, path, index, verification, weights_only)
-    if verification is not None:
-        verification.check()
+    _read(found, layout, state, verification, weights_only)
     if into is not to_load:
         _copy_into(to_load, into)
     set_model_state(model, to_load)  # FSDP1: the parameters were read into views of the flat shards
     for finish in finishes:
         finish()
-    return metadata, report, from_source
+    return metadata, report, frozen
+
+
+def _read(
+    found: Found,
+    layout: ShardedLayout,
+    state: dict[str, Any],
+    verification: ReadVerification | None,
+    weights_only: bool | None,
+) -> None:
+    """DCP reads ``state`` (every rank its pieces), then the checksums are compared (``verification``)."""
+    reading = verification.reading if verification is not None else contextlib.nullcontext
+    metadata = layout.metadata
+    if layout.index is not None:
+        # Each rank reads the index files of the ranks that wrote what it loads, and nothing else. A
+        # file that cannot be read fails the load on every rank with the same error.
+        with reading():
+            metadata = collective.agree(
+                lambda: _rank_metadata(found.backend, found.data, layout, state),
+                step="reading the per-rank index",
+            )
+    fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
+    with reading():
+        _dcp_load(found.backend, state, found.data, metadata, verification, weights_only)
+    if verification is not None:
+        verification.check()
 
 
 def _copy_into(to_load: dict[str, Any], read: dict[str, Any]) -> None:
@@ -170,63 +178,73 @@ def _prepare_optimizer(
     template, from_index, load = make_template(
         model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path))
     )
-    groups_in_checkpoint = {
-        int(k.split(".")[2]) for k in layout.entries if k.startswith(f"{key}.{PARAM_GROUPS}.")
-    }
-    if len(groups_in_checkpoint) != len(template[PARAM_GROUPS]):
+    groups: list[dict[str, Any]] = template[PARAM_GROUPS]
+    prefix = f"{key}.{PARAM_GROUPS}."
+    groups_in_checkpoint = {int(k.split(".")[2]) for k in layout.entries if k.startswith(prefix)}
+    if len(groups_in_checkpoint) != len(groups):
         raise CheckpointError(
             f"The optimizer {key} in {str(path)!r} has {len(groups_in_checkpoint)} parameter group(s), the"
-            f" optimizer configured now has {len(template[PARAM_GROUPS])}. Resume with the same parameter"
+            f" optimizer configured now has {len(groups)}. Resume with the same parameter"
             " groups as the run that saved the checkpoint."
         )
-    state: dict[str, dict[str, Any]] = template[STATE]
-    if from_index:
-        # The template holds what the checkpoint has. With any state at all (not a stateless optimizer),
-        # a trainable parameter without state is missing from the checkpoint.
-        trainable = [name for name, param in named_optimizer_params(model, optimizer) if param.requires_grad]
-        missing = [f"{key}.{STATE}.{name}" for name in trainable if name not in state] if state else []
-    else:
-        flat = {f"{key}.{STATE}.{name}.{entry}": (name, entry) for name in state for entry in state[name]}
-        missing = [k for k in flat if k not in layout.entries]
-        check_shapes(
-            path,
-            {k: state[name][entry] for k, (name, entry) in flat.items() if k in layout.entries},
-            layout.entries,
-        )
-        for k in missing:  # not strict (checked below): those parameters start with fresh state
-            name, entry = flat[k]
-            state[name].pop(entry)
-        for name in [n for n, entries in state.items() if not entries]:
-            state.pop(name)
+    missing = _missing_state(path, layout, key, template[STATE], from_index, model, optimizer)
     if missing and strict:
         raise CheckpointError(
             f"The optimizer state {key} in {str(path)!r} does not fit the optimizer (strict loading)."
             f" {KeyReport(missing, []).describe()} Resume with the same model and optimizer, or set"
             " `strict_loading = False` on the LightningModule to load the state both have."
         )
-    own_params = [group[PARAMS] for group in template[PARAM_GROUPS]]
     # The param groups' entries go to DCP under their flat keys: a group of plain values is one leaf to
     # DCP's flattening (no tensor inside), whose key the checkpoint does not have, so a partial load
     # skipped it on the ranks whose groups held no tensor, and kept their current values.
     flat_groups = {
-        f"{key}.{PARAM_GROUPS}.{i}.{name}": value
-        for i, group in enumerate(template[PARAM_GROUPS])
-        for name, value in group.items()
-        if name != PARAMS and f"{key}.{PARAM_GROUPS}.{i}.{name}" in layout.entries
+        f"{prefix}{i}.{name}": (group, name)
+        for i, group in enumerate(groups)
+        for name in group
+        if name != PARAMS and f"{prefix}{i}.{name}" in layout.entries
     }
     into[key] = {STATE: template[STATE]}
-    into.update(flat_groups)
+    into.update({flat_key: group[name] for flat_key, (group, name) in flat_groups.items()})
 
     def finish() -> None:
         # DCP puts the plain values it reads (lr, betas...) in place in `into`.
-        for flat_key in flat_groups:
-            index, name = flat_key[len(f"{key}.{PARAM_GROUPS}.") :].split(".", 1)
-            template[PARAM_GROUPS][int(index)][name] = into[flat_key]
-        for group, params in zip(template[PARAM_GROUPS], own_params, strict=True):
-            group[PARAMS] = params
+        for flat_key, (group, name) in flat_groups.items():
+            group[name] = into[flat_key]
         load()
 
     return finish
+
+
+def _missing_state(
+    path: Location,
+    layout: ShardedLayout,
+    key: str,
+    state: dict[str, dict[str, Any]],
+    from_index: bool,
+    model: nn.Module,
+    optimizer: Optimizer,
+) -> list[str]:
+    """The keys of the optimizer's state the checkpoint does not have. A template not made from the
+    index (torch's) loses them, after a shape check of the rest: those parameters start with fresh state
+    (a non-strict load; the caller refuses a strict one)."""
+    if from_index:
+        # The template holds what the checkpoint has. With any state at all (not a stateless optimizer),
+        # a trainable parameter without state is missing from the checkpoint.
+        trainable = [name for name, param in named_optimizer_params(model, optimizer) if param.requires_grad]
+        return [f"{key}.{STATE}.{name}" for name in trainable if name not in state] if state else []
+    flat = {f"{key}.{STATE}.{name}.{entry}": (name, entry) for name in state for entry in state[name]}
+    missing = [k for k in flat if k not in layout.entries]
+    check_shapes(
+        path,
+        {k: state[name][entry] for k, (name, entry) in flat.items() if k in layout.entries},
+        layout.entries,
+    )
+    for k in missing:
+        name, entry = flat[k]
+        state[name].pop(entry)
+    for name in [n for n, entries in state.items() if not entries]:
+        state.pop(name)
+    return missing
 
 
 def make_template(
@@ -238,7 +256,7 @@ def make_template(
     source: str,
 ) -> tuple[dict[str, Any], bool, Callable[[], None]]:
     """What to read ``optimizer``'s state into (name-keyed): from ``stored`` (the checkpoint's entries,
-    checked and agreed by every rank: :func:`template_like`) or FSDP1's local pieces (``True``), else
+    checked and agreed by every rank: :func:`template_like`, or FSDP1's local pieces) (``True``), else
     torch's helper's (``False``); and what loads it into the optimizer once read.
 
     The state of a parameter that is this rank's piece of a sharded model value (TorchRec's tables) is
@@ -250,10 +268,9 @@ def make_template(
         lambda: template_like(model, optimizer, stored, pieces, backing, where=where, source=source),
         step="checking the optimizer state",
     )
-    local = None
     if template is None:
         # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
-        template, local = fsdp1.optimizer_template(model, optimizer, stored) or (None, None)
+        template = fsdp1.optimizer_template(model, optimizer, stored, backing)
     from_index = template is not None
     if template is None:
         # FSDP1's flat parameters: torch's helper builds the template (with one zero-lr step) and
@@ -263,9 +280,7 @@ def make_template(
 
     def load() -> None:
         shard_pieces.unwrap_state(template, backing)
-        if local is not None:
-            optimizer.load_state_dict(key_by_index(fsdp1.loaded_optimizer_state(template, local)))
-        elif from_index:
+        if from_index:
             optimizer.load_state_dict(key_by_index(template))
         else:
             set_optimizer_state(model, optimizer, template)
