@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -265,20 +265,25 @@ def save_in_background(
     model_key: str,
     rank: int,
     optimizers: Sequence[Any],
-    collected: BaseException | None,
-    extra_files: Mapping[str, bytes] | None,
+    rank_files: Callable[[], Mapping[str, bytes] | None],
     frozen: FrozenPart | None,
     check_space: bool,
 ) -> None:
     """Stage a sharded checkpoint on ``saver`` and return; it is written and published in the background.
 
     Not collective in the calling thread: the background write first agrees rank 0's ``path`` and
-    whether every rank collected its own state (``collected``: this rank's error doing so, raised on
-    every rank alike), then runs :func:`write_sharded_checkpoint`. Optimizer state (its "state", not its
-    param_groups, which LR schedulers change in place) and the parameters the ``optimizers`` update
-    change only in ``step()``: their copies are made after this returns, and the next step waits for
-    them (a change in place meanwhile fails the save: each copy's version counter is checked).
+    whether every rank collected its own state (``rank_files()``, this rank's files for
+    :func:`write_sharded_checkpoint`: its error is raised on every rank alike), then writes. Optimizer
+    state (its "state", not its param_groups, which LR schedulers change in place) and the parameters
+    the ``optimizers`` update change only in ``step()``: their copies are made after this returns, and
+    the next step waits for them (a change in place meanwhile fails the save: each copy's version
+    counter is checked).
     """
+    collected: Exception | None = None
+    try:
+        extra_files = rank_files()
+    except Exception as err:  # raised on every rank alike by the background write
+        extra_files, collected = None, err
     state, metadata = split_sharded_checkpoint(checkpoint, model_key)
 
     def write(target: Location, staged: Any, group: Any) -> None:
