@@ -1,35 +1,15 @@
 """Checkpoints written in the background: stage into host memory, return, write and publish later.
 
-:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds. Its :meth:`~AsyncSaver.save`
-(collective, every rank):
-
-1. waits for the previous background save of this saver, raising its error if it failed (one save in
-   flight at a time, so the staging buffers can be reused and saves publish in order), and for those
-   of the process's other savers (an earlier ``Trainer``'s), whose writes share its process group;
-2. copies every tensor of the state (``DTensor`` and ``ShardedTensor`` shards, plain tensors) into
-   CPU staging buffers (pinned for CUDA tensors) kept from the previous save when shapes and dtypes
-   match (so a steady run allocates nothing), and deep-copies the small non-tensor rest; sharded
-   values keep their layout with the CPU copy as their local data, so staging takes no device memory;
-   training may change the model as soon as this returns;
-3. hands the staged state to one background thread that runs the write: for a sharded directory the
-   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
-   staging directory, checksums, manifest, one rename), with its collectives on a gloo group of the
-   background writes (made once per process), so they never interleave with training's.
-
-What happens to a save in flight:
-
-- the next save, a load (:meth:`~AsyncSaver.wait` before reading), the removal of the same path, and
-  the end of training (:meth:`~AsyncSaver.close` from the strategy's ``teardown``) wait for it; a load
-  of its path by another saver's owner in the same process (a new ``Trainer`` reading what the last one
-  saved after ``fit``) waits for it too (:func:`wait_for_saves_to`);
-- an error in the background (disk full, a rank that failed) is kept and raised, as a
-  :class:`~lightning_sharded.CheckpointError` naming the path, by the next of those calls in the
-  training process; it is never lost (:meth:`close` raises it at the end of training at the latest);
-- a crash (SIGKILL) while it is written leaves the previous checkpoint at that path intact and
-  loadable: nothing is published before every rank's files are complete, fsynced and checksummed.
-
-Staging costs one extra copy of the rank's shard in host memory (page-locked on CUDA) while a saver
-lives, and no device memory.
+:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (the behaviour users see is in
+``docs/async-save.md``). Its :meth:`~AsyncSaver.save` (collective, every rank) waits for the previous
+save of this process (one in flight at a time: the staging buffers are reused, saves publish in
+order), stages the state into CPU buffers kept between saves
+(:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`), and hands it to one background thread
+that runs the write, whose collectives use a gloo group of the background writes (made once per
+process), so they never interleave with training's. A background error is kept and raised, as a
+:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`
+(the next save, a load, the removal of the same path, :meth:`~AsyncSaver.close` at the end of
+training): it is never lost.
 """
 
 from __future__ import annotations
@@ -215,7 +195,10 @@ class AsyncSaver:
         _wait_for_other_savers(self)
         group = self.group()
         start = time.perf_counter()
-        if not self._may_defer(optimizers):
+        # Deferred only when every optimizer is followed (`follow`) and not inside its step() now: a save
+        # from inside a training step, whose update comes right after, copies everything at once (a
+        # step that raised leaves its count up: that optimizer's state is then always copied at once).
+        if not optimizers or any(self._in_step.get(id(o), 1) for o in optimizers):
             defer = ()
         staged = self.buffers.stage(state, defer=defer)
         staging = self._copy_deferred(optimizers, watch) if self.buffers.deferred else None
@@ -234,13 +217,6 @@ class AsyncSaver:
             self.buffers.allocated_bytes / 1e9,
             self.buffers.deferred_bytes / 1e9,
         )
-
-    def _may_defer(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-        """Whether the optimizers' state may be copied after :meth:`save` returns: each is followed
-        (:meth:`follow`) and is not inside its ``step()`` now (a save from inside a training step,
-        whose update comes right after, copies everything at once). A step that raised leaves its
-        count up: that optimizer's state is then always copied at once."""
-        return bool(optimizers) and all(not self._in_step.get(id(o), 1) for o in optimizers)
 
     def follow(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Follow these optimizers' ``step()`` calls from now on (step pre- and post-hooks, removed by

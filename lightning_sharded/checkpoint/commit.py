@@ -1,21 +1,9 @@
 """The one commit protocol: write elsewhere, make durable, then publish; over either backend.
 
-Two entry points, one per kind of checkpoint:
-
-- :func:`commit_directory` (collective): a sharded checkpoint written by every rank, for example
-  through ``torch.distributed.checkpoint.save`` plus Lightning's ``meta.pt``;
-- :func:`commit_file` (one process): a full checkpoint file, for example ``torch.save``.
-
-The steps of :func:`commit_directory`, the same for a local path and an fsspec URL (what each step does
-on disk is the backend's: :mod:`~lightning_sharded.checkpoint.backends.local` publishes by rename,
-:mod:`~lightning_sharded.checkpoint.backends.objstore` by writing the manifest last):
-
-1. rank 0 prepares the target (recovery rules, leftovers of crashed saves removed, a refusal of a
-   directory that is not a checkpoint) and stages a fresh location; the outcome is broadcast;
-2. every rank calls ``write(staging)``, then seals its own files (checksummed while written or read
-   back, fsynced); the entries and any error are gathered on every rank;
-3. rank 0 seals the rest (its files, the directories), writes the manifest and publishes;
-4. rank 0 broadcasts the outcome; every rank returns or raises the same error.
+:func:`commit_directory` (collective) commits a sharded checkpoint written by every rank, in the phases
+of :class:`_Commit`; :func:`commit_file` (one process) a full checkpoint file. What each step does on
+disk is the backend's: :mod:`~lightning_sharded.checkpoint.backends.local` publishes by rename,
+:mod:`~lightning_sharded.checkpoint.backends.objstore` by writing the manifest last.
 
 Every decision is taken once and shared: a rank never raises alone while the others wait in a
 collective. Guarantees (one save per target at a time): a crash of any rank at any moment, SIGKILL
@@ -94,29 +82,26 @@ def commit_directory(
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
-    Every rank of ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
-    ``None``; no process group at all works as one rank) must call it with the same ``path``; rank 0's
-    ``path`` and ``metadata`` are used.
+    Every rank of ``group`` must call it with the same ``path``; rank 0's ``path`` and ``metadata`` are
+    used.
 
     Args:
         path: The checkpoint directory, local or an fsspec URL. It may exist (a previous checkpoint,
-            directory or full file, replaced only once the new one is complete) or not (parents are
-            created).
+            directory or full file, replaced only once the new one is complete) or not.
         write: Called on every rank with the staging location (an empty, existing directory locally);
-            writes this rank's part of the checkpoint there, for example
-            ``dcp.save(state, checkpoint_id=staging)`` and, on rank 0, ``meta.pt``. Local shard files
-            other than rank 0's must be named ``__<rank>_*`` (as DCP does) to be checksummed by their
-            own rank; any other file is checksummed by rank 0. It may return
-            ``{relative path: (size, crc32 hex)}`` for files it checksummed while writing them; those
-            are only fsynced and their size checked, not read back. On object storage it must.
+            writes this rank's part of the checkpoint there (``dcp.save(state, checkpoint_id=staging)``
+            and, on rank 0, ``meta.pt``). Local shard files other than rank 0's must be named
+            ``__<rank>_*`` (as DCP does) to be checksummed by their own rank; any other file is
+            checksummed by rank 0. It may (on object storage it must) return ``{relative path: (size,
+            crc32 hex)}`` for files it checksummed while writing them: those are not read back.
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``.
-        group: The process group of the ranks that write.
+        group: The process group of the ranks that write (``None``: the :func:`~.collective.scope`'s
+            group, else the default group; no process group at all works as one rank).
         backend: The storage; the one of ``path`` (:func:`~.backends.backend_for`) when ``None``.
         frozen: A trainable-only checkpoint: what it leaves out and where that is (rank 0's value),
             recorded in the manifest.
         needed: This rank's estimate of the bytes it writes (:func:`~.space.sharded_share`), or ``None``
-            (no estimate; then on every rank). The estimates are gathered on rank 0, shown in the error
-            of a full disk, and compared with the free space before anything is written.
+            (no estimate; then on every rank): gathered on rank 0, shown in the error of a full disk.
         check_space: Refuse the save, before anything is written, when the local filesystem has less
             free space than the estimates and their margin (:func:`~.space.required`).
         alone: Write in this process only, whatever process group is up (an offline tool's directory:
@@ -129,10 +114,9 @@ def commit_directory(
             ``CheckpointError`` and an ``OSError``.
         CheckpointError: a rank failed while writing, rank 0 failed to prepare or publish, or a
             collective of the commit failed (a rank died or did not come in time: the message names
-            it). The same error on every rank, raised from this rank's own error where it had one. In
-            every case the staged data is removed (or, when a rank was lost, left for the next save to
-            remove) and the previous checkpoint is unchanged. ``KeyboardInterrupt`` and ``SystemExit``
-            on a rank are re-raised there as they are.
+            it). The same error on every rank, raised from this rank's own error where it had one; the
+            previous checkpoint is unchanged. ``KeyboardInterrupt`` and ``SystemExit`` on a rank are
+            re-raised there as they are.
     """
     target = _target(path)
     run = _Commit(target, backend or backend_for(target), collective.ranks(group, alone=alone))

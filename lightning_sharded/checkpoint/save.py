@@ -1,14 +1,11 @@
 """Writing Lightning checkpoints: the one function per kind, both committed atomically.
 
-- :func:`write_sharded_checkpoint` (collective) writes a sharded directory: DCP shards and index,
-  ``meta.pt`` and the manifest, through :func:`~lightning_sharded.checkpoint.commit.commit_directory`;
-- :func:`write_full_checkpoint` (rank 0) writes one ``torch.save`` file through
-  :func:`~lightning_sharded.checkpoint.commit.commit_file`;
-- :func:`save_in_background` stages a sharded checkpoint on an
-  :class:`~lightning_sharded.checkpoint.async_save.AsyncSaver`, whose background write agrees what the
-  training thread could not and then runs :func:`write_sharded_checkpoint`.
-
-Both work on local paths and fsspec URLs alike: the backend of the path does what differs.
+:func:`write_sharded_checkpoint` (collective) writes a sharded directory through
+:func:`~lightning_sharded.checkpoint.commit.commit_directory`, :func:`write_full_checkpoint` (rank 0)
+one ``torch.save`` file through :func:`~lightning_sharded.checkpoint.commit.commit_file`, and
+:func:`save_in_background` stages a sharded one on an
+:class:`~lightning_sharded.checkpoint.async_save.AsyncSaver`. Local paths and fsspec URLs alike: the
+backend of the path does what differs.
 """
 
 from __future__ import annotations
@@ -100,17 +97,14 @@ def write_sharded_checkpoint(
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
-    Collective over ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
-    ``None``): every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``). ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
-    Everything goes to a staging location, checksummed while it is written, then published with the
-    manifest: a previous checkpoint at ``path`` stays whole until the new one is complete.
-    ``extra_files`` (``{relative path: bytes}``, e.g. this rank's per-rank state file) are written by
-    this rank next to its shards, checksummed and listed in the manifest as its own. With
-    ``check_space``, a local save whose estimated size (:mod:`~lightning_sharded.checkpoint.space`) does
-    not fit in the free space of its filesystem is refused before anything is written. ``frozen``: a
-    trainable-only checkpoint's frozen part (the model keys ``state`` leaves out and where they are),
-    recorded in the manifest.
+    Collective over ``group`` (as for :func:`~.commit.commit_directory`): every rank calls it with its
+    own shards in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``); rank 0 writes
+    ``metadata`` (the rest of the Lightning checkpoint). A previous checkpoint at ``path`` stays whole
+    until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
+    per-rank state file) are written by this rank next to its shards, listed in the manifest as its
+    own. ``check_space``: refuse a local save that does not fit its filesystem's free space
+    (:mod:`~lightning_sharded.checkpoint.space`). ``frozen``: a trainable-only checkpoint's frozen part
+    (the model keys ``state`` leaves out and where they are), recorded in the manifest.
 
     Raises:
         StorageError: the storage failed (a full disk, a quota, a read-only filesystem...: the message
@@ -229,19 +223,16 @@ def save_checkpoint(
 
     Args:
         path: the target directory (``sharded=True``) or file.
-        checkpoint: the dict; its ``"state_dict"`` and ``"optimizer_states"`` come from
-            :func:`~lightning_sharded.checkpoint.state_dicts.model_state_dict` and
-            :func:`~lightning_sharded.checkpoint.state_dicts.optimizer_state_dict` with
-            ``full=not sharded``. It is consumed (those two keys are popped).
+        checkpoint: the dict, its states from :mod:`~lightning_sharded.checkpoint.state_dicts` with
+            ``full=not sharded``; consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped).
         sharded: write a sharded directory, or a full file.
         model_key: top-level key for the model state in a sharded directory (``"model"`` or
             ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
         rank: this process's global rank.
         extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
-        frozen: a trainable-only checkpoint (``checkpoint["state_dict"]`` leaves its keys out): in the
-            manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
-        check_space: refuse a local save that does not fit in its filesystem's free space, before
-            writing (see :mod:`~lightning_sharded.checkpoint.space`).
+        frozen: a trainable-only checkpoint's frozen part: in the manifest of a sharded directory,
+            under :data:`~.names.FROZEN_KEY` in a full file.
+        check_space: refuse a local save that does not fit in its filesystem's free space.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
