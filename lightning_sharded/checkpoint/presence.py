@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -163,19 +164,12 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     state = _group(group)
     state.gave_up = True
     count, step = state.count, state.step
-    deadline = time.monotonic() + GRACE_S
-    while True:
-        marks = _read(state)
-        behind = [
-            r
-            for r in state.members
-            if marks is not None
-            and r != state.me
-            and (r not in marks or (marks[r][0] < count and len(marks[r]) < 3))
-        ]
-        if not behind or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    others = [r for r in state.members if r != state.me]
+
+    def behind(marks: dict[int, list[Any]]) -> list[int]:  # neither at this step nor given up
+        return [r for r in others if r not in marks or (marks[r][0] < count and len(marks[r]) < 3)]
+
+    marks = _poll(state, GRACE_S, lambda marks: not behind(marks))
     cause = _first_line(err)
     timeout = _timeouts.get(state.local)
     within = f" within {timeout:g} s" if timeout is not None else ""
@@ -191,14 +185,16 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
             )
         return RanksLost(f"{message}. Check the log of rank 0 and of the machine it ran on.", names)
     given_up = {r: m for r, m in marks.items() if r != state.me and len(m) >= 3}
-    missing = set(behind)
+    missing = set(behind(marks))
     for mark in given_up.values():
         missing |= {int(r) for r in mark[2] if int(r) != state.me}
     missing -= set(given_up)
     names = sorted(missing)
     _put(_key(state, state.me), [count, step, names])
-    if state.me == 0:
-        _linger(state, set(names))
+    if state.me == 0:  # every other rank that came has given up (read the marks), or LINGER_S passed
+        _poll(
+            state, LINGER_S, lambda marks: all(len(marks.get(r, [])) >= 3 for r in others if r not in names)
+        )
     if not names:
         return RanksLost(
             f"a collective at the checkpoint's step {step!r} failed ({cause}) although every rank had reached"
@@ -217,15 +213,15 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     )
 
 
-def _linger(state: _Group, missing: set[int]) -> None:
-    """On rank 0: wait (at most :data:`LINGER_S`) until every other rank not ``missing`` has given up."""
-    deadline = time.monotonic() + LINGER_S
-    while time.monotonic() < deadline:
+def _poll(
+    state: _Group, seconds: float, done: Callable[[dict[int, list[Any]]], bool]
+) -> dict[int, list[Any]] | None:
+    """The marks, read until ``done(marks)``, the store does not answer, or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while True:
         marks = _read(state)
-        if marks is None or all(
-            len(marks.get(r, [])) >= 3 for r in state.members if r != state.me and r not in missing
-        ):
-            return
+        if marks is None or done(marks) or time.monotonic() >= deadline:
+            return marks
         time.sleep(0.05)
 
 

@@ -1,8 +1,7 @@
 """The checkpoint half both strategies share: gather, save, restore after setup, remove.
 
-It holds no checkpoint logic of its own: it calls :mod:`lightning_sharded.checkpoint.save` and
-:mod:`lightning_sharded.checkpoint.load` only.
-The strategies put it first in their bases, so its overrides replace the parent's.
+It calls :mod:`lightning_sharded.checkpoint.save` and :mod:`~lightning_sharded.checkpoint.load`, which
+hold the checkpoint logic. The strategies put it first in their bases: its overrides replace the parent's.
 """
 
 from __future__ import annotations
@@ -57,11 +56,8 @@ def _key(path: Location) -> str:
 
 
 class ShardedCheckpointing(PartialCheckpoints):
-    """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
-
-    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and apply
-    their :class:`~lightning_sharded.strategies._options.CheckpointOptions`.
-    """
+    """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`,
+    which apply their :class:`~lightning_sharded.strategies._options.CheckpointOptions`."""
 
     #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
     _model_key: str = "model"
@@ -136,13 +132,9 @@ class ShardedCheckpointing(PartialCheckpoints):
         return None if type(plugin) is TorchCheckpointIO else plugin
 
     def _defer_logger_notifications(self) -> None:
-        """Make the loggers' ``after_save_checkpoint`` wait until the save in flight is published.
-
-        ``ModelCheckpoint`` notifies the loggers (W&B/MLflow ``log_model`` upload the file) right after
-        ``save_checkpoint`` returns, which with ``async_save=True`` is before the checkpoint exists; the
-        notification is deferred to the moment it is published (checked at every training batch, and by
-        every wait), and dropped if the save fails.
-        """
+        """Defer the loggers' ``after_save_checkpoint`` (W&B/MLflow ``log_model`` upload the file), which
+        ``ModelCheckpoint`` calls right after ``save_checkpoint`` returns, until the save in flight is
+        published (checked at every training batch and by every wait); a save that fails drops it."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         for logger in trainer.loggers if trainer is not None else []:
             original = logger.after_save_checkpoint
