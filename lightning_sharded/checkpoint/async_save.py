@@ -88,7 +88,7 @@ class AsyncSaver:
         self._name = name
         self._timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
+        self._future: Future[BaseException | None] | None = None
         self._path: Location | None = None
         self._group: ProcessGroup | None = None
         self._group_made = False
@@ -123,11 +123,8 @@ class AsyncSaver:
         return self._path if self._future is not None else None
 
     def on_published(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` (in the calling thread) once the save in flight is published; now if none is.
-
-        Callbacks run from :meth:`wait` or :meth:`poll` after the save succeeded; a failed save drops
-        them (what they would report was never published).
-        """
+        """Run ``callback`` once the save in flight is published (from :meth:`wait` or :meth:`poll`, in
+        their thread), now if none is; a failed save drops it (what it would report was never published)."""
         if self._future is None:
             callback()
         else:
@@ -138,7 +135,7 @@ class AsyncSaver:
         and never raises the save's error (the next :meth:`wait` does)."""
         self._drop_step_hooks(unless_pending=True)
         future = self._future
-        if future is not None and future.done() and future.exception() is None:
+        if future is not None and future.done() and future.result() is None:
             self._run_published()
 
     def _run_published(self) -> None:
@@ -147,12 +144,8 @@ class AsyncSaver:
             callback()
 
     def group(self) -> ProcessGroup | None:
-        """The process group of the background writes: a gloo group of all ranks, made on first use,
-        whose collectives time out after ``timeout_s``.
-
-        Collective the first time (every rank must call it in the same order, as :meth:`save` does);
-        ``None`` without an initialized default group or with one rank.
-        """
+        """The process group of the background writes (:func:`~.collective.bounded_group`, ``timeout_s``),
+        made on first use: collective the first time, as :meth:`save` is."""
         if not self._group_made:
             self._group = collective.bounded_group(self._timeout_s, background=True)
             self._group_made = True
@@ -273,7 +266,8 @@ class AsyncSaver:
     @staticmethod
     def _run(
         write: WriteFn, path: Location, staged: Any, group: ProcessGroup | None, staging: Future[None] | None
-    ) -> None:
+    ) -> BaseException | None:
+        """The background write; its error is returned, for :meth:`wait` to raise in the training thread."""
         start = time.perf_counter()
         try:
             # The deferred copies (made at the training's priority), agreed: a copy that failed on one
@@ -284,9 +278,10 @@ class AsyncSaver:
             )
             _lower_priority()
             write(path, staged, group)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException; keep it for wait()
-            raise _BackgroundError(err) from err
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            return err
         log.info("Background save of %s finished in %.2f s", path, time.perf_counter() - start)
+        return None
 
     def _worker(self) -> ThreadPoolExecutor:
         """The one background thread: saves and the chores queued after them run in order."""
@@ -303,14 +298,13 @@ class AsyncSaver:
         after = self._future  # one worker: done (published or failed) by the time the chore starts
 
         def run() -> None:
-            if after is None or after.exception() is None:
+            if after is None or after.result() is None:
                 chore()
 
         self._chores.append((what, self._worker().submit(run)))
 
     def wait(self) -> None:
-        """Block until the save in flight, if any, is written and published (and the chores queued
-        after it are done).
+        """Block until the save in flight, if any, is published, and the chores queued after it are done.
 
         Raises:
             CheckpointError: the background save failed; the message names the path and the error.
@@ -330,14 +324,12 @@ class AsyncSaver:
             _SAVING.discard(self)
         if future is None:
             return
-        try:
-            future.result()
-        except _BackgroundError as err:
-            self._drop_step_hooks()
+        cause = future.result()
+        self._drop_step_hooks()
+        if cause is not None:
             self._on_published = []  # nothing was published: nobody hears of it
             self.failed = path
-            raise background_failed(path, err.cause, collective.ranks().rank) from err.cause
-        self._drop_step_hooks()
+            raise background_failed(path, cause, collective.ranks().rank) from cause
         self._run_published()
 
     def close(self) -> None:
@@ -400,11 +392,3 @@ def _lower_priority() -> None:
     with contextlib.suppress(OSError):  # not permitted here: the writer runs at the training's priority
         if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-
-
-class _BackgroundError(Exception):
-    """Carries any error of a background write (also a ``BaseException``) to :meth:`AsyncSaver.wait`."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(repr(cause))
-        self.cause = cause

@@ -170,14 +170,23 @@ class _Commit:
     def failed(self, failures: list[Failure], stage: str = "write") -> CheckpointError:
         return save_failed(self.target, failures, stage=stage, space=self.space, place=self.backend.place)
 
+    def shared(
+        self, share: Callable[[Any, collective.Ranks, str], Any], obj: Any, step: str, stage: str
+    ) -> Any:
+        """``share(obj, where, step)`` (a gather or a broadcast), whose failure raises :meth:`lost`: as
+        after a crash, what was staged is left for the next save to remove."""
+        try:
+            return share(obj, self.where, step)
+        except Exception as err:
+            raise self.lost(stage, err) from err
+
     def gather_needs(self, needed: int | None) -> list[int | None] | None:
         """Phase 0: every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)."""
         if needed is None:
             return [needed]
-        try:
-            return collective.gather(needed, self.where, "estimating the size of the save")
-        except Exception as err:
-            raise self.lost("before writing", err) from err
+        step = "estimating the size of the save"
+        needs: list[int | None] | None = self.shared(collective.gather, needed, step, "before writing")
+        return needs
 
     def share_preparation(self, needs: list[int | None] | None, check_space: bool) -> Location:
         """Phase 1: rank 0 recovers, cleans up, checks the space and stages; every rank learns the
@@ -186,12 +195,8 @@ class _Commit:
         if self.where.rank == 0:
             prepared = _prepare(self.backend, self.target, needs, check_space)
         staging: Location | None
-        try:
-            staging, self.previous, error, self.space = collective.broadcast(
-                prepared, self.where, "preparing the save"
-            )
-        except Exception as err:  # a rank died: what was staged is left for the next save to remove
-            raise self.lost("before writing", err) from err
+        shared = self.shared(collective.broadcast, prepared, "preparing the save", "before writing")
+        staging, self.previous, error, self.space = shared
         if staging is None:
             assert error is not None
             raise error
@@ -212,14 +217,12 @@ class _Commit:
             raise self.lost("while writing", self.error) from self.error
         self.near = local_path(staging)
         self.failures = None if self.error is None else failures_of(self.error, rank, self.near)
-        try:
-            # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in
-            # the outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
-            self.reports = collective.gather(
-                (entries, self.failures), self.where, "gathering the written files"
-            )
-        except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
-            raise self.lost("after writing, before publishing", err) from err
+        # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
+        # outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
+        report = (entries, self.failures)
+        self.reports = self.shared(
+            collective.gather, report, "gathering the written files", "after writing, before publishing"
+        )
 
     def publish(
         self, staging: Location, metadata: Mapping[str, Any] | None, frozen: FrozenPart | None

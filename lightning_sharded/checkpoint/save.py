@@ -50,10 +50,9 @@ WRITER_THREADS = 1
 
 
 def _planner() -> Any:
-    """DCP's default save planner that first refuses a key whose tensor has another global shape on
-    another rank: a plain tensor (a per-rank parameter) is written once, one rank's copy, so the other
-    ranks' values would be lost without a word. Checked on the coordinator from the plans it gathers
-    anyway (no collective); the error reaches every rank through DCP."""
+    """DCP's default save planner that first refuses what :func:`check_same_shapes` does (a plain
+    tensor is written once, one rank's copy: another rank's shape would be lost without a word), on
+    the coordinator from the plans it gathers anyway (no collective); DCP sends the error to every rank."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class SameShapes(DefaultSavePlanner):
@@ -183,12 +182,9 @@ def write_full_checkpoint(
     rank: int,
     check_space: bool = True,
 ) -> None:
-    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
-
-    Locally the file is written next to ``path`` and published by rename (a sharded checkpoint
-    directory at ``path`` is replaced by it); on object storage it is written locally, then uploaded.
-    With ``check_space``, a local file whose estimated size does not fit in the free space of its
-    filesystem is refused before anything is written.
+    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return),
+    through :func:`~.commit.commit_file` (a sharded checkpoint directory at ``path`` is replaced by it).
+    With ``check_space``, a local file that does not fit its filesystem's free space is refused.
 
     Raises:
         IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
