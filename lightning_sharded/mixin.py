@@ -104,22 +104,21 @@ class ShardedStateMixin:
         """Lightning's ``load_from_checkpoint``, which also accepts a sharded checkpoint directory.
 
         A directory (written by this library, or by stock ``FSDPStrategy`` or ``ModelParallelStrategy``)
-        is read in this process without any process group (:func:`lightning_sharded.load_checkpoint`),
-        its optimizer states left unread; then Lightning's own path (migration, ``hparams_file`` and
-        ``kwargs``, ``configure_model``, ``load_state_dict`` with ``strict``). A sharded attribute still
-        ``None`` (or not set) after ``configure_model``, as one made only under a process group is,
-        receives the full tensor; strict loading still refuses keys no module has. Meant for inference
-        on one machine: the whole model is loaded into memory. A file is loaded as Lightning does, except
-        that with a device (or device string) as ``map_location`` only the model state goes to that device:
-        the rest, optimizer states included, stays memory-mapped on CPU and is read only if used.
-
-        A trainable-only checkpoint (``save_trainable_only``, a directory or a file) gets its frozen
-        parameters from the source it names (:func:`lightning_sharded.load_checkpoint`).
+        is read in this process without any process group (:func:`lightning_sharded.load_checkpoint`:
+        the whole model in memory, for inference on one machine), its optimizer states left unread; then
+        Lightning's own path (migration, ``hparams_file`` and ``kwargs``, ``configure_model``,
+        ``load_state_dict`` with ``strict``). A sharded attribute still ``None`` (or not set) after
+        ``configure_model``, as one made only under a process group is, receives the full tensor; strict
+        loading still refuses keys no module has. A file is loaded as Lightning does, except that with a
+        device (or device string) as ``map_location`` only the model state goes to that device: the
+        rest, optimizer states included, stays memory-mapped on CPU and is read only if used. A
+        trainable-only checkpoint (a directory or a file) gets its frozen parameters from the source it
+        names.
 
         ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
-        read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
-        see :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code
-        from the checkpoint: only for a checkpoint you trust.
+        read the pickles safely (what Lightning writes is allowed, see
+        :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code from
+        the checkpoint: only for a checkpoint you trust.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint_path``.

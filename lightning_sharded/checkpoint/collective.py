@@ -58,14 +58,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this process stands in a process group.
-
-    Attributes:
-        rank: Its rank in the group.
-        world_size: The group's size (1 without a process group).
-        src: The global rank of the group's rank 0 (what collectives name as source).
-        group: The group (``None``: the default group, or none at all).
-    """
+    """Where this process stands in a process group (``group``; ``None``: the default group, or none):
+    its ``rank`` there, the group's ``world_size`` (1 without a process group) and ``src``, the global
+    rank of the group's rank 0 (what collectives name as source)."""
 
     rank: int
     world_size: int
@@ -247,8 +242,8 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-# Exceptions a check may raise that travel between ranks as themselves; anything else becomes a
-# CheckpointError that names it. A StorageError keeps its cause's errno and file name.
+#: Exceptions a check may raise that travel between ranks as themselves; anything else becomes a
+#: CheckpointError that names it. A StorageError keeps its cause's errno and file name.
 _SHARED_ERRORS: dict[str, type[Exception]] = {
     "CheckpointError": CheckpointError,
     "StorageError": StorageError,
@@ -294,10 +289,9 @@ def _result(outcome: tuple[bool, Any]) -> Any:
 def decide(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "decision") -> T:
     """Run ``check`` on rank 0 and give every rank its result, or raise its error on every rank.
 
-    Collective over ``group``. An ``Exception`` of rank 0 is raised on every rank as the same type
-    (``CheckpointError``, ``StorageError``, ``FileNotFoundError``, ``IsADirectoryError``; any other type
-    as a ``CheckpointError`` naming it) with the same message. The result must be picklable. ``step``
-    names the collective in the error of a rank that did not come (:class:`RanksLost`).
+    Collective over ``group``. An ``Exception`` of rank 0 is raised on every rank as the same type (one
+    of :data:`_SHARED_ERRORS`, else a ``CheckpointError`` naming it) with the same message. The result
+    must be picklable. ``step`` names the collective in the error of a rank that did not come.
     """
     where = ranks(group)
     if where.world_size == 1:

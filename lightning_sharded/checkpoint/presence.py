@@ -51,15 +51,14 @@ class _Group:
     name: str
     members: list[int]  # global ranks, in group order
     me: int  # this process's global rank
-    local: str  # the key of its timeout (see _local_name)
     count: int = 0
     step: str = ""
+    timeout: float | None = None  # what it was made with (set_timeout), for the messages of its failures
     gave_up: bool = False  # a collective on it failed here (see lost): not to be used again
 
 
 _lock = threading.Lock()
 _groups: dict[str, _Group] = {}
-_timeouts: dict[str, float] = {}
 _store_state: dict[int, Any] = {}  # id of the default process group -> its store, or None
 
 
@@ -88,7 +87,7 @@ def _group(group: ProcessGroup | None) -> _Group:
         known = _groups.get(local)
         if known is None:
             members = dist.get_process_group_ranks(pg)
-            known = _groups[local] = _Group(name, list(members), dist.get_rank(), local)
+            known = _groups[local] = _Group(name, list(members), dist.get_rank())
         return known
 
 
@@ -106,7 +105,7 @@ def _key(group: _Group, rank: int) -> str:
 
 def set_timeout(group: ProcessGroup, seconds: float) -> None:
     """Remember the timeout ``group`` was made with, for the messages of its failures."""
-    _timeouts[_local_name(group)] = seconds
+    _group(group).timeout = seconds
 
 
 def _put(key: str, value: list[Any]) -> None:
@@ -171,8 +170,7 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
 
     marks = _poll(state, GRACE_S, lambda marks: not behind(marks))
     cause = _first_line(err)
-    timeout = _timeouts.get(state.local)
-    within = f" within {timeout:g} s" if timeout is not None else ""
+    within = f" within {state.timeout:g} s" if state.timeout is not None else ""
     if marks is None:
         if state.me == 0:
             names: list[int] = []

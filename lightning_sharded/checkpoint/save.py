@@ -164,11 +164,8 @@ def write_sharded_checkpoint(
 def split_sharded_checkpoint(
     checkpoint: dict[str, Any], model_key: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Lightning checkpoint dict as ``(state for DCP, the rest)``; consumes ``checkpoint``.
-
-    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``; the
-    rest (loops, callbacks, epoch, step...) goes to ``meta.pt``.
-    """
+    """A Lightning checkpoint dict as ``(state for DCP, the rest for meta.pt)``; consumes ``checkpoint``.
+    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``."""
     state = {model_key: checkpoint.pop(names.STATE_DICT)}
     for index, optim_state in enumerate(checkpoint.pop(names.OPTIMIZER_STATES, [])):
         state[names.optimizer_key(index)] = optim_state
@@ -214,8 +211,7 @@ def save_checkpoint(
 ) -> None:
     """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
 
-    Collective: a full file is written by rank 0 and its outcome shared, so that every rank returns
-    or raises the same error.
+    Collective: a full file is written by rank 0, every rank returning or raising its outcome.
 
     Args:
         path: the target directory (``sharded=True``) or file.
@@ -260,11 +256,9 @@ def save_in_background(
 
     Not collective in the calling thread: the background write first agrees rank 0's ``path`` and
     whether every rank collected its own state (``rank_files()``, this rank's files for
-    :func:`write_sharded_checkpoint`: its error is raised on every rank alike), then writes. Optimizer
-    state (its "state", not its param_groups, which LR schedulers change in place) and the parameters
-    the ``optimizers`` update change only in ``step()``: their copies are made after this returns, and
-    the next step waits for them (a change in place meanwhile fails the save: each copy's version
-    counter is checked).
+    :func:`write_sharded_checkpoint`: its error is raised on every rank alike), then writes. The
+    optimizers' "state" (not their param_groups, which LR schedulers change in place) and the
+    parameters they update are copied after this returns (``defer`` of :meth:`AsyncSaver.save`).
     """
     collected: Exception | None = None
     try:
