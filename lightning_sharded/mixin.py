@@ -103,66 +103,40 @@ class ShardedStateMixin:
     ) -> Any:
         """Lightning's ``load_from_checkpoint``, which also accepts a sharded checkpoint directory.
 
-        For a directory (written by this library, or by stock ``FSDPStrategy`` or
-        ``ModelParallelStrategy``), the model state and ``meta.pt`` (hyperparameters, loops...) are read
-        in this process, without any process group (:func:`lightning_sharded.load_checkpoint`); the
-        optimizer states are not read at all. Then Lightning's own path: checkpoint migration,
-        ``hparams_file`` and ``kwargs`` overrides, the model built from the saved hyperparameters,
-        ``configure_model``, ``load_state_dict`` with ``strict``. A sharded attribute that is still
-        ``None`` (or not set) after ``configure_model``, as one made only under a process group is,
-        receives the full tensor; strict loading still refuses keys no module has. Meant for inference
-        on one machine: the whole model is loaded into memory. A file is loaded as Lightning does, except
-        that with a device (or device string) as ``map_location`` only the model state goes to that device:
-        the rest, optimizer states included, stays memory-mapped on CPU and is read only if used.
-
-        A trainable-only checkpoint (``save_trainable_only``, a directory or a file) gets its frozen
-        parameters from the source it names (:func:`lightning_sharded.load_checkpoint`).
+        A directory (written by this library, or by stock ``FSDPStrategy`` or ``ModelParallelStrategy``)
+        is read in this process without any process group (:func:`lightning_sharded.load_checkpoint`:
+        the whole model in memory, for inference on one machine), its optimizer states left unread; then
+        Lightning's own path (migration, ``hparams_file`` and ``kwargs``, ``configure_model``,
+        ``load_state_dict`` with ``strict``). A sharded attribute still ``None`` (or not set) after
+        ``configure_model``, as one made only under a process group is, receives the full tensor; strict
+        loading still refuses keys no module has. A file is loaded as Lightning does, except that with a
+        device (or device string) as ``map_location`` only the model state goes to that device: the
+        rest, optimizer states included, stays memory-mapped on CPU and is read only if used. A
+        trainable-only checkpoint (a directory or a file) gets its frozen parameters from the source it
+        names.
 
         ``weights_only`` is passed on as stock Lightning passes it: ``None`` (the default) and ``True``
-        read the directory's pickles safely (``torch.load``'s default; what Lightning writes is allowed,
-        see :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code
-        from the checkpoint: only for a checkpoint you trust.
+        read the pickles safely (what Lightning writes is allowed, see
+        :mod:`lightning_sharded.checkpoint.unpickling`), ``False`` unpickles anything, running code from
+        the checkpoint: only for a checkpoint you trust.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint_path``.
             CheckpointError: the directory is not a checkpoint or is damaged, or its keys or shapes do
                 not fit the model (the message lists them), or it holds a type a safe load refuses.
         """
-        from lightning.pytorch import LightningModule
-
-        parent: Any = super()
-        location = map_location if isinstance(map_location, (str, torch.device)) else None
-        if not isinstance(checkpoint_path, (str, os.PathLike)):
+        device = map_location if isinstance(map_location, (str, torch.device)) else None
+        read = _read(checkpoint_path, device, weights_only)
+        if read is None:
+            parent: Any = super()
             return parent.load_from_checkpoint(
                 checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
             )
-        from lightning_sharded.checkpoint.backends import local_path
-        from lightning_sharded.checkpoint.detect import CheckpointKind, detect
-
-        # What is at the path, by the detector (its errors name one file of a checkpoint directory,
-        # Hugging Face weights, nothing there); a full file on this machine is read memory-mapped below.
-        found = detect(checkpoint_path)
-        if found.kind is not CheckpointKind.SHARDED:
-            file = local_path(found.data)
-            if file is not None and _is_trainable_only(file, weights_only):
-                from lightning_sharded.checkpoint.tools import load_checkpoint
-
-                # Its frozen parameters are read from the source it names: the model gets every key.
-                merged = load_checkpoint(checkpoint_path, location or "cpu", weights_only=weights_only)
-                return load_module_from(cls, merged, checkpoint_path, hparams_file, strict, **kwargs)
-            if location is not None and torch.device(location).type != "cpu" and file is not None:
-                model_only = _model_state_to(checkpoint_path, location, weights_only)
-                return load_module_from(cls, model_only, checkpoint_path, hparams_file, strict, **kwargs)
-            return parent.load_from_checkpoint(
-                checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs
-            )
+        checkpoint, sharded = read
+        if not sharded:
+            return load_module_from(cls, checkpoint, checkpoint_path, hparams_file, strict, **kwargs)
         from lightning_sharded.checkpoint.errors import CheckpointError
-        from lightning_sharded.checkpoint.tools import load_checkpoint
 
-        checkpoint = load_checkpoint(
-            checkpoint_path, location or "cpu", weights_only=weights_only, optimizer_states=False
-        )
-        assert issubclass(cls, LightningModule)
         try:
             with receiving_full_values():
                 return load_module_from(cls, checkpoint, checkpoint_path, hparams_file, strict, **kwargs)
@@ -174,6 +148,33 @@ class ShardedStateMixin:
                 " with the hyperparameters it was trained with (they set the shapes); for missing or"
                 " unexpected keys only, strict=False loads the keys that match."
             ) from err
+
+
+def _read(
+    path: str | os.PathLike[str] | IO[bytes], device: str | torch.device | None, weights_only: bool | None
+) -> tuple[dict[str, Any], bool] | None:
+    """The checkpoint at ``path`` as this library reads it, and whether it is a sharded directory;
+    ``None`` for Lightning's own load (a file object, a file elsewhere than on this machine). A full
+    file is this library's when it is trainable-only (its frozen parameters read from the source it
+    names: the model gets every key) or its model state goes to a device (the rest memory-mapped)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    from lightning_sharded.checkpoint.backends import local_path
+    from lightning_sharded.checkpoint.detect import CheckpointKind, detect
+
+    # What is at the path, by the detector (its errors name one file of a checkpoint directory,
+    # Hugging Face weights, nothing there).
+    found = detect(path)
+    sharded = found.kind is CheckpointKind.SHARDED
+    file = None if sharded else local_path(found.data)
+    if sharded or (file is not None and _is_trainable_only(file, weights_only)):
+        from lightning_sharded.checkpoint.tools import load_checkpoint
+
+        where = device or "cpu"
+        return load_checkpoint(path, where, weights_only=weights_only, optimizer_states=not sharded), sharded
+    if file is not None and device is not None and torch.device(device).type != "cpu":
+        return _model_state_to(path, device, weights_only), False
+    return None
 
 
 def _is_trainable_only(path: str | os.PathLike[str], weights_only: bool | None) -> bool:

@@ -1,35 +1,15 @@
 """Checkpoints written in the background: stage into host memory, return, write and publish later.
 
-:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds. Its :meth:`~AsyncSaver.save`
-(collective, every rank):
-
-1. waits for the previous background save of this saver, raising its error if it failed (one save in
-   flight at a time, so the staging buffers can be reused and saves publish in order), and for those
-   of the process's other savers (an earlier ``Trainer``'s), whose writes share its process group;
-2. copies every tensor of the state (``DTensor`` and ``ShardedTensor`` shards, plain tensors) into
-   CPU staging buffers (pinned for CUDA tensors) kept from the previous save when shapes and dtypes
-   match (so a steady run allocates nothing), and deep-copies the small non-tensor rest; sharded
-   values keep their layout with the CPU copy as their local data, so staging takes no device memory;
-   training may change the model as soon as this returns;
-3. hands the staged state to one background thread that runs the write: for a sharded directory the
-   same atomic commit as a synchronous save (:func:`~lightning_sharded.checkpoint.commit.commit_directory`:
-   staging directory, checksums, manifest, one rename), with its collectives on a gloo group of the
-   background writes (made once per process), so they never interleave with training's.
-
-What happens to a save in flight:
-
-- the next save, a load (:meth:`~AsyncSaver.wait` before reading), the removal of the same path, and
-  the end of training (:meth:`~AsyncSaver.close` from the strategy's ``teardown``) wait for it; a load
-  of its path by another saver's owner in the same process (a new ``Trainer`` reading what the last one
-  saved after ``fit``) waits for it too (:func:`wait_for_saves_to`);
-- an error in the background (disk full, a rank that failed) is kept and raised, as a
-  :class:`~lightning_sharded.CheckpointError` naming the path, by the next of those calls in the
-  training process; it is never lost (:meth:`close` raises it at the end of training at the latest);
-- a crash (SIGKILL) while it is written leaves the previous checkpoint at that path intact and
-  loadable: nothing is published before every rank's files are complete, fsynced and checksummed.
-
-Staging costs one extra copy of the rank's shard in host memory (page-locked on CUDA) while a saver
-lives, and no device memory.
+:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (the behaviour users see is in
+``docs/async-save.md``). Its :meth:`~AsyncSaver.save` (collective, every rank) waits for the previous
+save of this process (one in flight at a time: the staging buffers are reused, saves publish in
+order), stages the state into CPU buffers kept between saves
+(:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`), and hands it to one background thread
+that runs the write, whose collectives use a gloo group of the background writes (made once per
+process), so they never interleave with training's. A background error is kept and raised, as a
+:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`
+(the next save, a load, the removal of the same path, :meth:`~AsyncSaver.close` at the end of
+training): it is never lost.
 """
 
 from __future__ import annotations
@@ -108,7 +88,7 @@ class AsyncSaver:
         self._name = name
         self._timeout_s = timeout_s
         self._executor: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
+        self._future: Future[BaseException | None] | None = None
         self._path: Location | None = None
         self._group: ProcessGroup | None = None
         self._group_made = False
@@ -143,11 +123,8 @@ class AsyncSaver:
         return self._path if self._future is not None else None
 
     def on_published(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` (in the calling thread) once the save in flight is published; now if none is.
-
-        Callbacks run from :meth:`wait` or :meth:`poll` after the save succeeded; a failed save drops
-        them (what they would report was never published).
-        """
+        """Run ``callback`` once the save in flight is published (from :meth:`wait` or :meth:`poll`, in
+        their thread), now if none is; a failed save drops it (what it would report was never published)."""
         if self._future is None:
             callback()
         else:
@@ -158,7 +135,7 @@ class AsyncSaver:
         and never raises the save's error (the next :meth:`wait` does)."""
         self._drop_step_hooks(unless_pending=True)
         future = self._future
-        if future is not None and future.done() and future.exception() is None:
+        if future is not None and future.done() and future.result() is None:
             self._run_published()
 
     def _run_published(self) -> None:
@@ -167,12 +144,8 @@ class AsyncSaver:
             callback()
 
     def group(self) -> ProcessGroup | None:
-        """The process group of the background writes: a gloo group of all ranks, made on first use,
-        whose collectives time out after ``timeout_s``.
-
-        Collective the first time (every rank must call it in the same order, as :meth:`save` does);
-        ``None`` without an initialized default group or with one rank.
-        """
+        """The process group of the background writes (:func:`~.collective.bounded_group`, ``timeout_s``),
+        made on first use: collective the first time, as :meth:`save` is."""
         if not self._group_made:
             self._group = collective.bounded_group(self._timeout_s, background=True)
             self._group_made = True
@@ -215,7 +188,10 @@ class AsyncSaver:
         _wait_for_other_savers(self)
         group = self.group()
         start = time.perf_counter()
-        if not self._may_defer(optimizers):
+        # Deferred only when every optimizer is followed (`follow`) and not inside its step() now: a save
+        # from inside a training step, whose update comes right after, copies everything at once (a
+        # step that raised leaves its count up: that optimizer's state is then always copied at once).
+        if not optimizers or any(self._in_step.get(id(o), 1) for o in optimizers):
             defer = ()
         staged = self.buffers.stage(state, defer=defer)
         staging = self._copy_deferred(optimizers, watch) if self.buffers.deferred else None
@@ -234,13 +210,6 @@ class AsyncSaver:
             self.buffers.allocated_bytes / 1e9,
             self.buffers.deferred_bytes / 1e9,
         )
-
-    def _may_defer(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
-        """Whether the optimizers' state may be copied after :meth:`save` returns: each is followed
-        (:meth:`follow`) and is not inside its ``step()`` now (a save from inside a training step,
-        whose update comes right after, copies everything at once). A step that raised leaves its
-        count up: that optimizer's state is then always copied at once."""
-        return bool(optimizers) and all(not self._in_step.get(id(o), 1) for o in optimizers)
 
     def follow(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Follow these optimizers' ``step()`` calls from now on (step pre- and post-hooks, removed by
@@ -297,7 +266,8 @@ class AsyncSaver:
     @staticmethod
     def _run(
         write: WriteFn, path: Location, staged: Any, group: ProcessGroup | None, staging: Future[None] | None
-    ) -> None:
+    ) -> BaseException | None:
+        """The background write; its error is returned, for :meth:`wait` to raise in the training thread."""
         start = time.perf_counter()
         try:
             # The deferred copies (made at the training's priority), agreed: a copy that failed on one
@@ -308,9 +278,10 @@ class AsyncSaver:
             )
             _lower_priority()
             write(path, staged, group)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException; keep it for wait()
-            raise _BackgroundError(err) from err
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            return err
         log.info("Background save of %s finished in %.2f s", path, time.perf_counter() - start)
+        return None
 
     def _worker(self) -> ThreadPoolExecutor:
         """The one background thread: saves and the chores queued after them run in order."""
@@ -327,14 +298,13 @@ class AsyncSaver:
         after = self._future  # one worker: done (published or failed) by the time the chore starts
 
         def run() -> None:
-            if after is None or after.exception() is None:
+            if after is None or after.result() is None:
                 chore()
 
         self._chores.append((what, self._worker().submit(run)))
 
     def wait(self) -> None:
-        """Block until the save in flight, if any, is written and published (and the chores queued
-        after it are done).
+        """Block until the save in flight, if any, is published, and the chores queued after it are done.
 
         Raises:
             CheckpointError: the background save failed; the message names the path and the error.
@@ -354,14 +324,12 @@ class AsyncSaver:
             _SAVING.discard(self)
         if future is None:
             return
-        try:
-            future.result()
-        except _BackgroundError as err:
-            self._drop_step_hooks()
+        cause = future.result()
+        self._drop_step_hooks()
+        if cause is not None:
             self._on_published = []  # nothing was published: nobody hears of it
             self.failed = path
-            raise background_failed(path, err.cause, collective.ranks().rank) from err.cause
-        self._drop_step_hooks()
+            raise background_failed(path, cause, collective.ranks().rank) from cause
         self._run_published()
 
     def close(self) -> None:
@@ -424,11 +392,3 @@ def _lower_priority() -> None:
     with contextlib.suppress(OSError):  # not permitted here: the writer runs at the training's priority
         if os.getpriority(os.PRIO_PROCESS, tid) < WRITER_NICE:
             os.setpriority(os.PRIO_PROCESS, tid, WRITER_NICE)
-
-
-class _BackgroundError(Exception):
-    """Carries any error of a background write (also a ``BaseException``) to :meth:`AsyncSaver.wait`."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(repr(cause))
-        self.cause = cause

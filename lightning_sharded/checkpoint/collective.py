@@ -3,15 +3,10 @@
 A check that picks a code path (what is at the path, is a file there, is it whole) may see other
 things on other ranks (an NFS attribute cache, a transient read error). Run alone on each rank, one
 rank would raise or branch while the others enter a collective and wait for it until the timeout.
-So a check runs through one of two functions here:
-
-- :func:`decide`: rank 0 runs it; its result, or its error, is broadcast; every rank returns the same
-  value or raises the same error (for what is at a path: every rank then takes the same branch);
-- :func:`agree`: every rank runs it (for what each rank must see itself, such as the files it reads);
-  the outcomes are gathered; if any rank failed, every rank raises the same error, that of the lowest
-  failing rank, naming it.
-
-Without an initialized process group both simply run the function.
+So a check runs through :func:`decide` (rank 0 runs it; every rank returns its result or raises its
+error, so every rank takes the same branch) or :func:`agree` (every rank runs it, for what each rank
+must see itself, such as the files it reads; any failure is raised on every rank); without an
+initialized process group both simply run it.
 
 Time: every collective here (and DCP's, given :func:`ranks`' group) runs on the group it is given, or
 inside :func:`scope` on the scope's group, such as a :func:`bounded_group` whose collectives fail after
@@ -63,14 +58,9 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Ranks:
-    """Where this process stands in a process group.
-
-    Attributes:
-        rank: Its rank in the group.
-        world_size: The group's size (1 without a process group).
-        src: The global rank of the group's rank 0 (what collectives name as source).
-        group: The group (``None``: the default group, or none at all).
-    """
+    """Where this process stands in a process group (``group``; ``None``: the default group, or none):
+    its ``rank`` there, the group's ``world_size`` (1 without a process group) and ``src``, the global
+    rank of the group's rank 0 (what collectives name as source)."""
 
     rank: int
     world_size: int
@@ -252,8 +242,8 @@ def describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-# Exceptions a check may raise that travel between ranks as themselves; anything else becomes a
-# CheckpointError that names it. A StorageError keeps its cause's errno and file name.
+#: Exceptions a check may raise that travel between ranks as themselves; anything else becomes a
+#: CheckpointError that names it. A StorageError keeps its cause's errno and file name.
 _SHARED_ERRORS: dict[str, type[Exception]] = {
     "CheckpointError": CheckpointError,
     "StorageError": StorageError,
@@ -280,27 +270,34 @@ def _unpack(packed: _Packed, suffix: str = "") -> Exception:
     return _SHARED_ERRORS[name](message + suffix)
 
 
+def _run(check: Callable[[], T]) -> tuple[bool, Any]:
+    """``(True, what check returned)``, or ``(False, its error packed)``: what a rank shares."""
+    try:
+        return True, check()
+    except Exception as err:
+        return False, _pack(err)
+
+
+def _result(outcome: tuple[bool, Any]) -> Any:
+    """The value of a shared :func:`_run` outcome, or its error raised."""
+    ok, value = outcome
+    if not ok:
+        raise _unpack(value)
+    return value
+
+
 def decide(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "decision") -> T:
     """Run ``check`` on rank 0 and give every rank its result, or raise its error on every rank.
 
-    Collective over ``group``. An ``Exception`` of rank 0 is raised on every rank as the same type
-    (``CheckpointError``, ``StorageError``, ``FileNotFoundError``, ``IsADirectoryError``; any other type
-    as a ``CheckpointError`` naming it) with the same message. The result must be picklable. ``step``
-    names the collective in the error of a rank that did not come (:class:`RanksLost`).
+    Collective over ``group``. An ``Exception`` of rank 0 is raised on every rank as the same type (one
+    of :data:`_SHARED_ERRORS`, else a ``CheckpointError`` naming it) with the same message. The result
+    must be picklable. ``step`` names the collective in the error of a rank that did not come.
     """
     where = ranks(group)
     if where.world_size == 1:
         return check()
-    outcome: tuple[bool, Any] = (True, None)
-    if where.rank == 0:
-        try:
-            outcome = (True, check())
-        except Exception as err:
-            outcome = (False, _pack(err))
-    ok, value = broadcast(outcome, where, step)
-    if not ok:
-        raise _unpack(value)
-    return value  # type: ignore[no-any-return]
+    outcome = _run(check) if where.rank == 0 else None
+    return _result(broadcast(outcome, where, step))  # type: ignore[no-any-return]
 
 
 def decide_each(
@@ -319,20 +316,14 @@ def decide_each(
 
     outcomes: list[tuple[bool, Any]] | None = None
     if where.rank == 0:
-        try:
-            values = check(where.world_size)
-            if len(values) != where.world_size:
-                raise ValueError(f"{len(values)} values for {where.world_size} ranks")
-            outcomes = [(True, value) for value in values]
-        except Exception as err:
-            outcomes = [(False, _pack(err))] * where.world_size
+        ok, values = _run(lambda: check(where.world_size))
+        if ok and len(values) != where.world_size:
+            ok, values = False, _pack(ValueError(f"{len(values)} values for {where.world_size} ranks"))
+        outcomes = [(True, value) for value in values] if ok else [(False, values)] * where.world_size
     box: list[Any] = [None]
     with watched(where, step):
         dist.scatter_object_list(box, outcomes, src=where.src, group=where.group)
-    ok, value = box[0]
-    if not ok:
-        raise _unpack(value)
-    return value  # type: ignore[no-any-return]
+    return _result(box[0])  # type: ignore[no-any-return]
 
 
 def agree(check: Callable[[], T], group: ProcessGroup | None = None, step: str = "agreement") -> T:
@@ -344,15 +335,10 @@ def agree(check: Callable[[], T], group: ProcessGroup | None = None, step: str =
     where = ranks(group)
     if where.world_size == 1:
         return check()
-    result: Any = None
-    failure: _Packed | None = None
-    try:
-        result = check()
-    except Exception as err:
-        failure = _pack(err)
-    failures = [(r, f) for r, f in enumerate(all_gather(failure, where, step)) if f is not None]
+    ok, value = _run(check)
+    failures = [(r, f) for r, f in enumerate(all_gather(None if ok else value, where, step)) if f is not None]
     if not failures:
-        return result  # type: ignore[no-any-return]
+        return value  # type: ignore[no-any-return]
     first_rank, first = failures[0]
     if len(failures) == where.world_size:
         raise _unpack(first)

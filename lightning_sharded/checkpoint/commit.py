@@ -1,21 +1,9 @@
 """The one commit protocol: write elsewhere, make durable, then publish; over either backend.
 
-Two entry points, one per kind of checkpoint:
-
-- :func:`commit_directory` (collective): a sharded checkpoint written by every rank, for example
-  through ``torch.distributed.checkpoint.save`` plus Lightning's ``meta.pt``;
-- :func:`commit_file` (one process): a full checkpoint file, for example ``torch.save``.
-
-The steps of :func:`commit_directory`, the same for a local path and an fsspec URL (what each step does
-on disk is the backend's: :mod:`~lightning_sharded.checkpoint.backends.local` publishes by rename,
-:mod:`~lightning_sharded.checkpoint.backends.objstore` by writing the manifest last):
-
-1. rank 0 prepares the target (recovery rules, leftovers of crashed saves removed, a refusal of a
-   directory that is not a checkpoint) and stages a fresh location; the outcome is broadcast;
-2. every rank calls ``write(staging)``, then seals its own files (checksummed while written or read
-   back, fsynced); the entries and any error are gathered on every rank;
-3. rank 0 seals the rest (its files, the directories), writes the manifest and publishes;
-4. rank 0 broadcasts the outcome; every rank returns or raises the same error.
+:func:`commit_directory` (collective) commits a sharded checkpoint written by every rank, in the phases
+of :class:`_Commit`; :func:`commit_file` (one process) a full checkpoint file. What each step does on
+disk is the backend's: :mod:`~lightning_sharded.checkpoint.backends.local` publishes by rename,
+:mod:`~lightning_sharded.checkpoint.backends.objstore` by writing the manifest last.
 
 Every decision is taken once and shared: a rank never raises alone while the others wait in a
 collective. Guarantees (one save per target at a time): a crash of any rank at any moment, SIGKILL
@@ -94,29 +82,26 @@ def commit_directory(
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically; collective over ``group``.
 
-    Every rank of ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
-    ``None``; no process group at all works as one rank) must call it with the same ``path``; rank 0's
-    ``path`` and ``metadata`` are used.
+    Every rank of ``group`` must call it with the same ``path``; rank 0's ``path`` and ``metadata`` are
+    used.
 
     Args:
         path: The checkpoint directory, local or an fsspec URL. It may exist (a previous checkpoint,
-            directory or full file, replaced only once the new one is complete) or not (parents are
-            created).
+            directory or full file, replaced only once the new one is complete) or not.
         write: Called on every rank with the staging location (an empty, existing directory locally);
-            writes this rank's part of the checkpoint there, for example
-            ``dcp.save(state, checkpoint_id=staging)`` and, on rank 0, ``meta.pt``. Local shard files
-            other than rank 0's must be named ``__<rank>_*`` (as DCP does) to be checksummed by their
-            own rank; any other file is checksummed by rank 0. It may return
-            ``{relative path: (size, crc32 hex)}`` for files it checksummed while writing them; those
-            are only fsynced and their size checked, not read back. On object storage it must.
+            writes this rank's part of the checkpoint there (``dcp.save(state, checkpoint_id=staging)``
+            and, on rank 0, ``meta.pt``). Local shard files other than rank 0's must be named
+            ``__<rank>_*`` (as DCP does) to be checksummed by their own rank; any other file is
+            checksummed by rank 0. It may (on object storage it must) return ``{relative path: (size,
+            crc32 hex)}`` for files it checksummed while writing them: those are not read back.
         metadata: Recorded in the manifest (rank 0's value), e.g. ``{"epoch": 3, "global_step": 120}``.
-        group: The process group of the ranks that write.
+        group: The process group of the ranks that write (``None``: the :func:`~.collective.scope`'s
+            group, else the default group; no process group at all works as one rank).
         backend: The storage; the one of ``path`` (:func:`~.backends.backend_for`) when ``None``.
         frozen: A trainable-only checkpoint: what it leaves out and where that is (rank 0's value),
             recorded in the manifest.
         needed: This rank's estimate of the bytes it writes (:func:`~.space.sharded_share`), or ``None``
-            (no estimate; then on every rank). The estimates are gathered on rank 0, shown in the error
-            of a full disk, and compared with the free space before anything is written.
+            (no estimate; then on every rank): gathered on rank 0, shown in the error of a full disk.
         check_space: Refuse the save, before anything is written, when the local filesystem has less
             free space than the estimates and their margin (:func:`~.space.required`).
         alone: Write in this process only, whatever process group is up (an offline tool's directory:
@@ -129,10 +114,9 @@ def commit_directory(
             ``CheckpointError`` and an ``OSError``.
         CheckpointError: a rank failed while writing, rank 0 failed to prepare or publish, or a
             collective of the commit failed (a rank died or did not come in time: the message names
-            it). The same error on every rank, raised from this rank's own error where it had one. In
-            every case the staged data is removed (or, when a rank was lost, left for the next save to
-            remove) and the previous checkpoint is unchanged. ``KeyboardInterrupt`` and ``SystemExit``
-            on a rank are re-raised there as they are.
+            it). The same error on every rank, raised from this rank's own error where it had one; the
+            previous checkpoint is unchanged. ``KeyboardInterrupt`` and ``SystemExit`` on a rank are
+            re-raised there as they are.
     """
     target = _target(path)
     run = _Commit(target, backend or backend_for(target), collective.ranks(group, alone=alone))
@@ -186,14 +170,23 @@ class _Commit:
     def failed(self, failures: list[Failure], stage: str = "write") -> CheckpointError:
         return save_failed(self.target, failures, stage=stage, space=self.space, place=self.backend.place)
 
+    def shared(
+        self, share: Callable[[Any, collective.Ranks, str], Any], obj: Any, step: str, stage: str
+    ) -> Any:
+        """``share(obj, where, step)`` (a gather or a broadcast), whose failure raises :meth:`lost`: as
+        after a crash, what was staged is left for the next save to remove."""
+        try:
+            return share(obj, self.where, step)
+        except Exception as err:
+            raise self.lost(stage, err) from err
+
     def gather_needs(self, needed: int | None) -> list[int | None] | None:
         """Phase 0: every rank's estimate, on rank 0 (for the refusal, and the figures of a full disk)."""
         if needed is None:
             return [needed]
-        try:
-            return collective.gather(needed, self.where, "estimating the size of the save")
-        except Exception as err:
-            raise self.lost("before writing", err) from err
+        step = "estimating the size of the save"
+        needs: list[int | None] | None = self.shared(collective.gather, needed, step, "before writing")
+        return needs
 
     def share_preparation(self, needs: list[int | None] | None, check_space: bool) -> Location:
         """Phase 1: rank 0 recovers, cleans up, checks the space and stages; every rank learns the
@@ -202,12 +195,8 @@ class _Commit:
         if self.where.rank == 0:
             prepared = _prepare(self.backend, self.target, needs, check_space)
         staging: Location | None
-        try:
-            staging, self.previous, error, self.space = collective.broadcast(
-                prepared, self.where, "preparing the save"
-            )
-        except Exception as err:  # a rank died: what was staged is left for the next save to remove
-            raise self.lost("before writing", err) from err
+        shared = self.shared(collective.broadcast, prepared, "preparing the save", "before writing")
+        staging, self.previous, error, self.space = shared
         if staging is None:
             assert error is not None
             raise error
@@ -228,14 +217,12 @@ class _Commit:
             raise self.lost("while writing", self.error) from self.error
         self.near = local_path(staging)
         self.failures = None if self.error is None else failures_of(self.error, rank, self.near)
-        try:
-            # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in
-            # the outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
-            self.reports = collective.gather(
-                (entries, self.failures), self.where, "gathering the written files"
-            )
-        except Exception as err:  # a rank died: as after a crash, the next save removes the staged data
-            raise self.lost("after writing, before publishing", err) from err
+        # Gathered on rank 0 only (it alone writes the manifest); whether any rank failed travels in the
+        # outcome rank 0 broadcasts later, so no rank receives N ranks' entries.
+        report = (entries, self.failures)
+        self.reports = self.shared(
+            collective.gather, report, "gathering the written files", "after writing, before publishing"
+        )
 
     def publish(
         self, staging: Location, metadata: Mapping[str, Any] | None, frozen: FrozenPart | None

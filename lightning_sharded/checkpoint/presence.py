@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,15 +51,14 @@ class _Group:
     name: str
     members: list[int]  # global ranks, in group order
     me: int  # this process's global rank
-    local: str  # the key of its timeout (see _local_name)
     count: int = 0
     step: str = ""
+    timeout: float | None = None  # what it was made with (set_timeout), for the messages of its failures
     gave_up: bool = False  # a collective on it failed here (see lost): not to be used again
 
 
 _lock = threading.Lock()
 _groups: dict[str, _Group] = {}
-_timeouts: dict[str, float] = {}
 _store_state: dict[int, Any] = {}  # id of the default process group -> its store, or None
 
 
@@ -87,7 +87,7 @@ def _group(group: ProcessGroup | None) -> _Group:
         known = _groups.get(local)
         if known is None:
             members = dist.get_process_group_ranks(pg)
-            known = _groups[local] = _Group(name, list(members), dist.get_rank(), local)
+            known = _groups[local] = _Group(name, list(members), dist.get_rank())
         return known
 
 
@@ -105,7 +105,7 @@ def _key(group: _Group, rank: int) -> str:
 
 def set_timeout(group: ProcessGroup, seconds: float) -> None:
     """Remember the timeout ``group`` was made with, for the messages of its failures."""
-    _timeouts[_local_name(group)] = seconds
+    _group(group).timeout = seconds
 
 
 def _put(key: str, value: list[Any]) -> None:
@@ -163,22 +163,14 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     state = _group(group)
     state.gave_up = True
     count, step = state.count, state.step
-    deadline = time.monotonic() + GRACE_S
-    while True:
-        marks = _read(state)
-        behind = [
-            r
-            for r in state.members
-            if marks is not None
-            and r != state.me
-            and (r not in marks or (marks[r][0] < count and len(marks[r]) < 3))
-        ]
-        if not behind or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
+    others = [r for r in state.members if r != state.me]
+
+    def behind(marks: dict[int, list[Any]]) -> list[int]:  # neither at this step nor given up
+        return [r for r in others if r not in marks or (marks[r][0] < count and len(marks[r]) < 3)]
+
+    marks = _poll(state, GRACE_S, lambda marks: not behind(marks))
     cause = _first_line(err)
-    timeout = _timeouts.get(state.local)
-    within = f" within {timeout:g} s" if timeout is not None else ""
+    within = f" within {state.timeout:g} s" if state.timeout is not None else ""
     if marks is None:
         if state.me == 0:
             names: list[int] = []
@@ -191,14 +183,16 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
             )
         return RanksLost(f"{message}. Check the log of rank 0 and of the machine it ran on.", names)
     given_up = {r: m for r, m in marks.items() if r != state.me and len(m) >= 3}
-    missing = set(behind)
+    missing = set(behind(marks))
     for mark in given_up.values():
         missing |= {int(r) for r in mark[2] if int(r) != state.me}
     missing -= set(given_up)
     names = sorted(missing)
     _put(_key(state, state.me), [count, step, names])
-    if state.me == 0:
-        _linger(state, set(names))
+    if state.me == 0:  # every other rank that came has given up (read the marks), or LINGER_S passed
+        _poll(
+            state, LINGER_S, lambda marks: all(len(marks.get(r, [])) >= 3 for r in others if r not in names)
+        )
     if not names:
         return RanksLost(
             f"a collective at the checkpoint's step {step!r} failed ({cause}) although every rank had reached"
@@ -217,15 +211,15 @@ def lost(group: ProcessGroup | None, err: BaseException) -> RanksLost:
     )
 
 
-def _linger(state: _Group, missing: set[int]) -> None:
-    """On rank 0: wait (at most :data:`LINGER_S`) until every other rank not ``missing`` has given up."""
-    deadline = time.monotonic() + LINGER_S
-    while time.monotonic() < deadline:
+def _poll(
+    state: _Group, seconds: float, done: Callable[[dict[int, list[Any]]], bool]
+) -> dict[int, list[Any]] | None:
+    """The marks, read until ``done(marks)``, the store does not answer, or ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while True:
         marks = _read(state)
-        if marks is None or all(
-            len(marks.get(r, [])) >= 3 for r in state.members if r != state.me and r not in missing
-        ):
-            return
+        if marks is None or done(marks) or time.monotonic() >= deadline:
+            return marks
         time.sleep(0.05)
 
 

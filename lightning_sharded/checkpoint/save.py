@@ -1,21 +1,18 @@
 """Writing Lightning checkpoints: the one function per kind, both committed atomically.
 
-- :func:`write_sharded_checkpoint` (collective) writes a sharded directory: DCP shards and index,
-  ``meta.pt`` and the manifest, through :func:`~lightning_sharded.checkpoint.commit.commit_directory`;
-- :func:`write_full_checkpoint` (rank 0) writes one ``torch.save`` file through
-  :func:`~lightning_sharded.checkpoint.commit.commit_file`;
-- :func:`save_in_background` stages a sharded checkpoint on an
-  :class:`~lightning_sharded.checkpoint.async_save.AsyncSaver`, whose background write agrees what the
-  training thread could not and then runs :func:`write_sharded_checkpoint`.
-
-Both work on local paths and fsspec URLs alike: the backend of the path does what differs.
+:func:`write_sharded_checkpoint` (collective) writes a sharded directory through
+:func:`~lightning_sharded.checkpoint.commit.commit_directory`, :func:`write_full_checkpoint` (rank 0)
+one ``torch.save`` file through :func:`~lightning_sharded.checkpoint.commit.commit_file`, and
+:func:`save_in_background` stages a sharded one on an
+:class:`~lightning_sharded.checkpoint.async_save.AsyncSaver`. Local paths and fsspec URLs alike: the
+backend of the path does what differs.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,10 +50,9 @@ WRITER_THREADS = 1
 
 
 def _planner() -> Any:
-    """DCP's default save planner that first refuses a key whose tensor has another global shape on
-    another rank: a plain tensor (a per-rank parameter) is written once, one rank's copy, so the other
-    ranks' values would be lost without a word. Checked on the coordinator from the plans it gathers
-    anyway (no collective); the error reaches every rank through DCP."""
+    """DCP's default save planner that first refuses what :func:`check_same_shapes` does (a plain
+    tensor is written once, one rank's copy: another rank's shape would be lost without a word), on
+    the coordinator from the plans it gathers anyway (no collective); DCP sends the error to every rank."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class SameShapes(DefaultSavePlanner):
@@ -100,17 +96,14 @@ def write_sharded_checkpoint(
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
-    Collective over ``group`` (the :func:`~.collective.scope`'s group, else the default group, when
-    ``None``): every rank calls it with its own shards in ``state`` (top-level keys such as ``"model"``
-    and ``"optimizer_0"``). ``metadata`` (the rest of the Lightning checkpoint) is written by rank 0.
-    Everything goes to a staging location, checksummed while it is written, then published with the
-    manifest: a previous checkpoint at ``path`` stays whole until the new one is complete.
-    ``extra_files`` (``{relative path: bytes}``, e.g. this rank's per-rank state file) are written by
-    this rank next to its shards, checksummed and listed in the manifest as its own. With
-    ``check_space``, a local save whose estimated size (:mod:`~lightning_sharded.checkpoint.space`) does
-    not fit in the free space of its filesystem is refused before anything is written. ``frozen``: a
-    trainable-only checkpoint's frozen part (the model keys ``state`` leaves out and where they are),
-    recorded in the manifest.
+    Collective over ``group`` (as for :func:`~.commit.commit_directory`): every rank calls it with its
+    own shards in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``); rank 0 writes
+    ``metadata`` (the rest of the Lightning checkpoint). A previous checkpoint at ``path`` stays whole
+    until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
+    per-rank state file) are written by this rank next to its shards, listed in the manifest as its
+    own. ``check_space``: refuse a local save that does not fit its filesystem's free space
+    (:mod:`~lightning_sharded.checkpoint.space`). ``frozen``: a trainable-only checkpoint's frozen part
+    (the model keys ``state`` leaves out and where they are), recorded in the manifest.
 
     Raises:
         StorageError: the storage failed (a full disk, a quota, a read-only filesystem...: the message
@@ -171,11 +164,8 @@ def write_sharded_checkpoint(
 def split_sharded_checkpoint(
     checkpoint: dict[str, Any], model_key: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Lightning checkpoint dict as ``(state for DCP, the rest)``; consumes ``checkpoint``.
-
-    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``; the
-    rest (loops, callbacks, epoch, step...) goes to ``meta.pt``.
-    """
+    """A Lightning checkpoint dict as ``(state for DCP, the rest for meta.pt)``; consumes ``checkpoint``.
+    The state holds the model under ``model_key`` and each optimizer state under ``optimizer_<i>``."""
     state = {model_key: checkpoint.pop(names.STATE_DICT)}
     for index, optim_state in enumerate(checkpoint.pop(names.OPTIMIZER_STATES, [])):
         state[names.optimizer_key(index)] = optim_state
@@ -189,12 +179,9 @@ def write_full_checkpoint(
     rank: int,
     check_space: bool = True,
 ) -> None:
-    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return).
-
-    Locally the file is written next to ``path`` and published by rename (a sharded checkpoint
-    directory at ``path`` is replaced by it); on object storage it is written locally, then uploaded.
-    With ``check_space``, a local file whose estimated size does not fit in the free space of its
-    filesystem is refused before anything is written.
+    """Write a full checkpoint file at ``path`` atomically with ``torch.save`` (rank 0; others return),
+    through :func:`~.commit.commit_file` (a sharded checkpoint directory at ``path`` is replaced by it).
+    With ``check_space``, a local file that does not fit its filesystem's free space is refused.
 
     Raises:
         IsADirectoryError: ``path`` is a non-empty directory that is not a checkpoint.
@@ -224,24 +211,20 @@ def save_checkpoint(
 ) -> None:
     """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
 
-    Collective: a full file is written by rank 0 and its outcome shared, so that every rank returns
-    or raises the same error.
+    Collective: a full file is written by rank 0, every rank returning or raising its outcome.
 
     Args:
         path: the target directory (``sharded=True``) or file.
-        checkpoint: the dict; its ``"state_dict"`` and ``"optimizer_states"`` come from
-            :func:`~lightning_sharded.checkpoint.state_dicts.model_state_dict` and
-            :func:`~lightning_sharded.checkpoint.state_dicts.optimizer_state_dict` with
-            ``full=not sharded``. It is consumed (those two keys are popped).
+        checkpoint: the dict, its states from :mod:`~lightning_sharded.checkpoint.state_dicts` with
+            ``full=not sharded``; consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped).
         sharded: write a sharded directory, or a full file.
         model_key: top-level key for the model state in a sharded directory (``"model"`` or
             ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
         rank: this process's global rank.
         extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
-        frozen: a trainable-only checkpoint (``checkpoint["state_dict"]`` leaves its keys out): in the
-            manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
-        check_space: refuse a local save that does not fit in its filesystem's free space, before
-            writing (see :mod:`~lightning_sharded.checkpoint.space`).
+        frozen: a trainable-only checkpoint's frozen part: in the manifest of a sharded directory,
+            under :data:`~.names.FROZEN_KEY` in a full file.
+        check_space: refuse a local save that does not fit in its filesystem's free space.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
@@ -265,20 +248,23 @@ def save_in_background(
     model_key: str,
     rank: int,
     optimizers: Sequence[Any],
-    collected: BaseException | None,
-    extra_files: Mapping[str, bytes] | None,
+    rank_files: Callable[[], Mapping[str, bytes] | None],
     frozen: FrozenPart | None,
     check_space: bool,
 ) -> None:
     """Stage a sharded checkpoint on ``saver`` and return; it is written and published in the background.
 
     Not collective in the calling thread: the background write first agrees rank 0's ``path`` and
-    whether every rank collected its own state (``collected``: this rank's error doing so, raised on
-    every rank alike), then runs :func:`write_sharded_checkpoint`. Optimizer state (its "state", not its
-    param_groups, which LR schedulers change in place) and the parameters the ``optimizers`` update
-    change only in ``step()``: their copies are made after this returns, and the next step waits for
-    them (a change in place meanwhile fails the save: each copy's version counter is checked).
+    whether every rank collected its own state (``rank_files()``, this rank's files for
+    :func:`write_sharded_checkpoint`: its error is raised on every rank alike), then writes. The
+    optimizers' "state" (not their param_groups, which LR schedulers change in place) and the
+    parameters they update are copied after this returns (``defer`` of :meth:`AsyncSaver.save`).
     """
+    collected: Exception | None = None
+    try:
+        extra_files = rank_files()
+    except Exception as err:  # raised on every rank alike by the background write
+        extra_files, collected = None, err
     state, metadata = split_sharded_checkpoint(checkpoint, model_key)
 
     def write(target: Location, staged: Any, group: Any) -> None:

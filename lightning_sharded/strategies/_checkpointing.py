@@ -1,8 +1,7 @@
 """The checkpoint half both strategies share: gather, save, restore after setup, remove.
 
-It holds no checkpoint logic of its own: it calls :mod:`lightning_sharded.checkpoint.save` and
-:mod:`lightning_sharded.checkpoint.load` only.
-The strategies put it first in their bases, so its overrides replace the parent's.
+It calls :mod:`lightning_sharded.checkpoint.save` and :mod:`~lightning_sharded.checkpoint.load`, which
+hold the checkpoint logic. The strategies put it first in their bases: its overrides replace the parent's.
 """
 
 from __future__ import annotations
@@ -57,11 +56,8 @@ def _key(path: Location) -> str:
 
 
 class ShardedCheckpointing(PartialCheckpoints):
-    """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`.
-
-    Subclasses set :attr:`_model_key` (the top-level key of the model in a sharded directory) and apply
-    their :class:`~lightning_sharded.strategies._options.CheckpointOptions`.
-    """
+    """Checkpoint overrides shared by :class:`ShardedFSDPStrategy` and :class:`ShardedModelParallelStrategy`,
+    which apply their :class:`~lightning_sharded.strategies._options.CheckpointOptions`."""
 
     #: Where the model state goes in a sharded directory ("model" for FSDP, "state_dict" for ModelParallel).
     _model_key: str = "model"
@@ -105,13 +101,13 @@ class ShardedCheckpointing(PartialCheckpoints):
         """Run ``wait`` (the saver's wait or close); a background save it reports failed is remembered
         by its path, so a later load of that path raises its error instead of reading what is there."""
         saver = self._async_saver
+        assert saver is not None
         try:
             wait()
         except BaseException as err:
-            failed = saver.failed if saver is not None else None
-            if failed is not None:
-                saver.failed = None  # type: ignore[union-attr]
-                self._failed_saves = {**self._failed_saves, _key(failed): err}
+            if saver.failed is not None:
+                self._failed_saves = {**self._failed_saves, _key(saver.failed): err}
+                saver.failed = None
             raise
 
     def _saver(self) -> AsyncSaver:
@@ -136,28 +132,21 @@ class ShardedCheckpointing(PartialCheckpoints):
         return None if type(plugin) is TorchCheckpointIO else plugin
 
     def _defer_logger_notifications(self) -> None:
-        """Make the loggers' ``after_save_checkpoint`` wait until the save in flight is published.
-
-        ``ModelCheckpoint`` notifies the loggers (W&B/MLflow ``log_model`` upload the file) right after
-        ``save_checkpoint`` returns, which with ``async_save=True`` is before the checkpoint exists; the
-        notification is deferred to the moment it is published (checked at every training batch, and by
-        every wait), and dropped if the save fails.
-        """
+        """Defer the loggers' ``after_save_checkpoint`` (W&B/MLflow ``log_model`` upload the file), which
+        ``ModelCheckpoint`` calls right after ``save_checkpoint`` returns, until the save in flight is
+        published (checked at every training batch and by every wait); a save that fails drops it."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        saver = self._async_saver
-        if trainer is None or saver is None:
-            return
-        for logger in trainer.loggers:
-            if getattr(logger.after_save_checkpoint, "_lightning_sharded_deferred", False):
-                continue
+        for logger in trainer.loggers if trainer is not None else []:
             original = logger.after_save_checkpoint
+            if getattr(original, "_lightning_sharded_deferred", False):
+                continue
 
             def deferred(checkpoint_callback: Any, _original: Any = original) -> None:
-                current = self._async_saver
-                if current is None:
+                saver = self._async_saver
+                if saver is None:
                     _original(checkpoint_callback)
                 else:
-                    current.on_published(lambda: _original(checkpoint_callback))
+                    saver.on_published(lambda: _original(checkpoint_callback))
 
             deferred._lightning_sharded_deferred = True  # type: ignore[attr-defined]
             logger.after_save_checkpoint = deferred  # type: ignore[method-assign]
@@ -218,6 +207,49 @@ class ShardedCheckpointing(PartialCheckpoints):
         ``async_save=True``, a SLURM requeue save (``hpc_ckpt_*``) is written synchronously: the job
         is requeued right after it.
         """
+        plugin = self._save_plugin(storage_options)
+        start = time.perf_counter()
+        local = location(filepath)
+        self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
+        hpc = basename(local).startswith(_HPC_PREFIX)
+        if self.async_save and self._saves_sharded and not hpc and plugin is None:
+            self._save_in_background(checkpoint, local)
+            rank_zero_info(
+                f"Staged a sharded checkpoint for {str(local)!r} in {time.perf_counter() - start:.2f} s;"
+                " writing it in the background"
+            )
+            return
+        path = location(self.broadcast(filepath))
+        with self._bounded():
+            rank_files = self._add_rank_state(checkpoint)
+        frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
+        self.wait_for_checkpoint()  # saves publish in order
+        if plugin is not None:
+            if frozen is not None:
+                checkpoint[names.FROZEN_KEY] = frozen.to_dict()
+            if self.is_global_zero:
+                plugin.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            self.barrier("ShardedCheckpointing.save_checkpoint")
+            return
+        with self._bounded():
+            save.save_checkpoint(
+                path,
+                checkpoint,
+                sharded=self._saves_sharded,
+                model_key=self._model_key,
+                rank=self.global_rank,
+                extra_files=rank_files,
+                check_space=self.check_space,
+                frozen=frozen,
+            )
+        rank_zero_info(
+            f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
+            f" {time.perf_counter() - start:.2f} s"
+        )
+
+    def _save_plugin(self, storage_options: Any | None) -> CheckpointIO | None:
+        """The ``CheckpointIO`` plugin a save goes through (``None``: this library's commit), after
+        refusing what neither can do."""
         plugin = self._custom_checkpoint_io()
         if plugin is not None and self._saves_sharded:
             raise TypeError(
@@ -234,68 +266,24 @@ class ShardedCheckpointing(PartialCheckpoints):
                 f" not use the `CheckpointIO`: `{type(self).__name__}` takes `storage_options` only with a"
                 " `CheckpointIO` plugin and `state_dict_type='full'`; the default commit takes no options."
             )
-        start = time.perf_counter()
-        local = location(filepath)
-        self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
-        hpc = basename(local).startswith(_HPC_PREFIX)
-        background = self.async_save and self._saves_sharded and not hpc and plugin is None
-        # An async save takes no collective in the training thread: rank 0's path and whether every rank
-        # collected its own state are agreed by the background write, before anything is written.
-        collected: BaseException | None = None
-        if background:
-            path = local
-            try:
-                rank_files = self._add_rank_state(checkpoint, agree=False)
-            except Exception as err:  # raised on every rank alike by the background write
-                rank_files, collected = None, err
-        else:
-            path = location(self.broadcast(filepath))
-            with self._bounded():
-                rank_files = self._add_rank_state(checkpoint)
-        frozen = self._frozen_part() if names.STATE_DICT in checkpoint else None
-        if plugin is not None:
-            if frozen is not None:
-                checkpoint[names.FROZEN_KEY] = frozen.to_dict()
-            self.wait_for_checkpoint()
-            if self.is_global_zero:
-                plugin.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            self.barrier("ShardedCheckpointing.save_checkpoint")
-            return
-        if background:  # staged here; `save.save_in_background` writes it later
-            save.save_in_background(
-                self._saver(),
-                path,
-                checkpoint,
-                model_key=self._model_key,
-                rank=self.global_rank,
-                optimizers=self.optimizers,
-                collected=collected,
-                extra_files=rank_files,
-                frozen=frozen,
-                check_space=self.check_space,
-            )
-            self._defer_logger_notifications()
-            rank_zero_info(
-                f"Staged a sharded checkpoint for {str(path)!r} in {time.perf_counter() - start:.2f} s;"
-                " writing it in the background"
-            )
-            return
-        self.wait_for_checkpoint()  # saves publish in order
-        with self._bounded():
-            save.save_checkpoint(
-                path,
-                checkpoint,
-                sharded=self._saves_sharded,
-                model_key=self._model_key,
-                rank=self.global_rank,
-                extra_files=rank_files,
-                check_space=self.check_space,
-                frozen=frozen,
-            )
-        rank_zero_info(
-            f"Saved a {self._sharded_state_dict_type} checkpoint to {str(path)!r} in"
-            f" {time.perf_counter() - start:.2f} s"
+        return plugin
+
+    def _save_in_background(self, checkpoint: dict[str, Any], path: Location) -> None:
+        """Stage a sharded save on the async saver and return. It takes no collective in the training
+        thread: rank 0's path and whether every rank collected its own state are agreed by the
+        background write, before anything is written."""
+        save.save_in_background(
+            self._saver(),
+            path,
+            checkpoint,
+            model_key=self._model_key,
+            rank=self.global_rank,
+            optimizers=self.optimizers,
+            rank_files=lambda: self._add_rank_state(checkpoint, agree=False),
+            frozen=self._frozen_part() if names.STATE_DICT in checkpoint else None,
+            check_space=self.check_space,
         )
+        self._defer_logger_notifications()
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -370,13 +358,9 @@ class ShardedCheckpointing(PartialCheckpoints):
         return metadata
 
     def _restore_rank_state(self, restored: load.Restored, weights_only: bool | None, path: str) -> str:
-        """The one entry point of a resume's per-rank state (collective): take it out of the ``metadata``
-        of ``restored``.
-
-        Each rank's RNG, train dataloader, generator and registered states are set later, each at its
-        moment (:mod:`~lightning_sharded.strategies._exact_resume`); ``metadata`` gets this rank's train
-        dataloader state where Lightning loads it. Returns what to add to the load's log line.
-        """
+        """Take a resume's per-rank state out of ``restored.metadata`` (collective); each part is set
+        later, at its moment (:mod:`~lightning_sharded.strategies._exact_resume`), this rank's train
+        dataloader state where Lightning loads it. Returns what to add to the load's log line."""
         metadata, rank, world_size = restored.metadata, self.global_rank, self.world_size
         outcome = rank_state.restore(
             metadata, restored.found, rank=rank, world_size=world_size, weights_only=weights_only, path=path

@@ -1,11 +1,6 @@
-"""Exact resume in the strategies: what each rank saves of its own, and when a resume sets it back.
-
-Saving: :func:`rank_extras` gives the train dataloaders' generator states and the registered objects'
-states to :func:`~lightning_sharded.checkpoint.rank_state.collect`. Restoring: :func:`plan` (in
-``load_checkpoint``) turns what :func:`~.rank_state.restore` decided into an :class:`ExactResume`, which
-sets each state at the moment the unbroken run would go on drawing from it: as the train dataloader is
-set up (:meth:`~ExactResume.on_train_loader`), at ``on_train_start`` once its first iterator exists, or
-after the first batch (``docs/checkpoint-format.md``, "When it is restored";
+"""Exact resume in the strategies: what each rank saves of its own (:func:`rank_extras`), and when a
+resume sets it back (:func:`plan`'s :class:`ExactResume`): at the moment the unbroken run would go on
+drawing from each state (``docs/checkpoint-format.md``, "When it is restored";
 :class:`~.train_loaders.ResumePoint`).
 """
 
@@ -58,7 +53,7 @@ _UNSET = object()
 
 @dataclass
 class ExactResume:
-    """One resume's pending per-rank state, and when each part of it is set (see the module docstring).
+    """One resume's pending per-rank state, and when each part of it is set.
 
     Attributes:
         outcome: What :func:`~.rank_state.restore` decided for this rank.

@@ -131,14 +131,7 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
                 ignored += [m for m in kwargs.pop("ignored_modules", None) or () if m not in ignored]
                 kwargs["ignored_modules"] = ignored
                 rank_zero_info(skipped_log("FSDP (`auto_wrap_policy` and the root wrapper)", foreign))
-            model = FullyShardedDataParallel(
-                module=model,
-                cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy,
-                device_id=self._fsdp_device_id(),
-                **kwargs,
-            )
+            model = FullyShardedDataParallel(module=model, **_wrapping(self), **kwargs)
             # Applied just now: stock would warn that it is ignored on a wrapped model (and delete it).
             policy = self.kwargs.pop("auto_wrap_policy", _UNSET)
             try:
@@ -172,15 +165,18 @@ class ShardedFSDPStrategy(ShardedCheckpointing, FSDPStrategy):
         from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import enable_wrap
 
-        with enable_wrap(
-            wrapper_cls=FullyShardedDataParallel,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self._fsdp_device_id(),
-            **self.kwargs,
-        ):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, **_wrapping(self), **self.kwargs):
             yield
+
+
+def _wrapping(strategy: Any) -> dict[str, Any]:
+    """The arguments of the FSDP1 wrappers ``strategy`` makes itself: stock's, ``device_id`` its own."""
+    return {
+        "cpu_offload": strategy.cpu_offload,
+        "mixed_precision": strategy.mixed_precision_config,
+        "sharding_strategy": strategy.sharding_strategy,
+        "device_id": strategy._fsdp_device_id(),
+    }
 
 
 # `inspect.signature` (IDEs, Lightning's CLI, `save_hyperparameters`) shows the parent's parameters and ours.
