@@ -351,16 +351,11 @@ def test_cli_consolidate(sharded_ckpt: Path, tmp_path: Path, capsys: pytest.Capt
     assert_same(torch.load(tmp_path / "full.ckpt", weights_only=True), lightning_form(1))
 
 
-def test_cli_errors_and_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "verify", str(tmp_path / "nope"))
     assert code == 1 and "There is no checkpoint at" in err
     code, _, err = run_cli(capsys, "bogus")
     assert code == 2 and "invalid choice" in err
-    try:
-        import lightning_sharded.demo  # noqa: F401
-    except ModuleNotFoundError:
-        code, _, err = run_cli(capsys, "demo", "--help")
-        assert code == 2 and "the demo is not part of this installation yet" in err
 
 
 def test_console_script_runs(sharded_ckpt: Path) -> None:
