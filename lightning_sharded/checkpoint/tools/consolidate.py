@@ -80,29 +80,13 @@ def consolidate_checkpoint(
     ``Trainer.fit(ckpt_path=dst)`` resumes from it (optimizer state in ``optimizer_states``) and
     ``LightningModule.load_from_checkpoint(dst)`` loads it, without this library.
 
-    Nothing is destroyed: the destination is checked first (see
-    :mod:`lightning_sharded.checkpoint.destination`): never the source or inside it, an existing file,
-    empty directory or sharded checkpoint only with ``overwrite=True``, never a directory of something
-    else; ``dst`` ending with ``/`` means inside that directory. With ``verify`` (the default), every
-    source file's checksum is compared with the manifest, so a corrupted shard fails, naming the file,
-    instead of being copied into a new file with fresh, matching checksums: the checksums are computed
-    from the bytes as they are read (the source is read once), and compared before the output is
-    published, so a damaged source leaves the destination as it was.
-
-    With ``format="safetensors"`` the source may be any checkpoint (sharded or a full file, local or a
-    URL) and ``dst`` is a local directory in Hugging Face's layout: ``model.safetensors``, or
-    ``model-0000K-of-0000N.safetensors`` files and ``model.safetensors.index.json`` when the weights
-    exceed ``max_shard_size``; only the model's ``state_dict`` (sharded attributes included), keys less
-    ``prefix`` (keys without it are left out), floating tensors cast to ``dtype``; ``config`` copied
-    beside as ``config.json``. ``transformers``' ``from_pretrained(dst)`` loads it. Written tensor by
-    tensor (memory: one batch of 16 MiB or the largest tensor), staged and published atomically, with
-    the same destination and verify-first rules. See ``docs/huggingface.md``.
-
-    Memory stays bounded by the largest tensor (one chunk read at a time) plus buffers: the output
-    is written with every tensor's space reserved but empty, then memory-mapped (shared: the page
-    cache holds it) and filled one chunk at a time, each checksummed while in memory and its write-back
-    started at once; the file is published atomically: a failed or killed consolidation leaves the
-    destination as it was.
+    Nothing is destroyed: the destination is checked first
+    (:mod:`~lightning_sharded.checkpoint.destination`), and with ``verify`` a damaged source fails,
+    naming the file, before anything is published. With ``format="safetensors"`` the source may be any
+    checkpoint and ``dst`` is a local directory in Hugging Face's layout, which ``transformers``'
+    ``from_pretrained(dst)`` loads (``docs/huggingface.md``). Memory stays bounded by about the largest
+    tensor: the output is written with every tensor's space reserved, filled chunk by chunk with its
+    write-back started behind, and published atomically (``docs/cli.md``).
 
     Args:
         src: A sharded checkpoint directory.
