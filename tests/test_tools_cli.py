@@ -157,6 +157,48 @@ def test_consolidate_writes_behind_its_fill(droppable: Path, monkeypatch: pytest
     )
 
 
+def test_consolidate_s_writer_fails_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tensors are written by a thread (pwrite from the read buffers): a write that fails there is
+    # raised in the caller, naming the destination, and nothing is published (the old output stays).
+    import errno
+
+    from lightning_sharded.checkpoint.tools import consolidate
+
+    src, dst = _adam_checkpoint(tmp_path / "ckpt"), tmp_path / "full.ckpt"
+    dst.write_bytes(b"the previous output")
+    writes = 0
+
+    def failing(fd: int, data: Any, offset: int) -> int:
+        nonlocal writes
+        writes += 1
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(consolidate.os, "pwrite", failing)
+    failed = r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
+    with pytest.raises(OSError, match=failed):
+        consolidate_checkpoint(src, dst, overwrite=True, progress=False)
+    assert writes == 1  # the first write's error stops the fill: no later batch is written
+    assert dst.read_bytes() == b"the previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.ckpt"]  # no staged leftover
+
+
+def test_consolidate_without_the_record_layout_fills_through_the_mapping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Where the mapped output's storages cannot be matched to the file's records (another torch's
+    # layout), the writer copies each buffer into its mapped target and the CRCs are read back.
+    from lightning_sharded.checkpoint.tools import consolidate
+
+    monkeypatch.setattr(consolidate._FillChecksums, "offset", lambda self, target: None)
+    monkeypatch.setattr(consolidate.os, "pwrite", None)  # not called on this path
+    src = _adam_checkpoint(tmp_path / "ckpt")
+    out = consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
+    with zipfile.ZipFile(out) as archive:
+        assert archive.testzip() is None
+    assert_same(load_checkpoint(out)["state_dict"], load_checkpoint(src)["state_dict"])
+    assert_same(load_checkpoint(out)["optimizer_states"], load_checkpoint(src)["optimizer_states"])
+
+
 def test_consolidate_s_skeleton_holds_more_tensors_than_the_kernel_maps(tmp_path: Path) -> None:
     # The output's skeleton is saved from tensors that take no memory, a storage each (a record each in
     # the file, which the fill expects), cut from one mapping: a mapping each stopped at the kernel's

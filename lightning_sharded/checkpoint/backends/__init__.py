@@ -156,16 +156,13 @@ class Backend(Protocol):
         data: Location,
         metadata: Any = None,
         checksums: ReadRecorder | None = None,
-        *,
-        prefault: bool = True,
     ) -> Any:
         """A DCP ``StorageReader`` for the sharded checkpoint files under ``data``.
 
         ``metadata``: the checkpoint's DCP ``Metadata`` already read (once, on rank 0, and shared); the
         reader's ``read_metadata`` returns it instead of reading ``.metadata`` again on every rank.
         ``checksums``: where the reader records the CRC-32 of the byte ranges it reads; only where
-        :attr:`reads_checksums` (else ``ValueError``). ``prefault``: ``False`` when the targets map a
-        file (their pages are not faulted in ahead of the reads; where the reader reads into targets).
+        :attr:`reads_checksums` (else ``ValueError``).
         """
 
     # -- the steps of a commit, in order ---------------------------------------------------------

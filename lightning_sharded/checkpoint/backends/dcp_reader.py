@@ -307,17 +307,11 @@ class DirectReader(GivenMetadata, FileSystemReader):
     ``metadata=`` (keyword): the checkpoint's DCP ``Metadata`` already read, see :class:`GivenMetadata`.
     ``checksums=`` (keyword): a :class:`ReadRecorder` that gets the CRC-32 of every range read
     directly, computed as the bytes arrive; ``None`` computes none.
-    ``prefault=`` (keyword): whether a thread makes the targets' pages present ahead of the reads
-    (:func:`_prefault`); ``False`` for targets that map a file, whose pages it would only dirty ahead of
-    the reads (consolidate's output: 0.3 s more of a 2 GB fill here).
     """
 
-    def __init__(
-        self, *args: Any, checksums: ReadRecorder | None = None, prefault: bool = True, **kwargs: Any
-    ) -> None:
+    def __init__(self, *args: Any, checksums: ReadRecorder | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._checksums = checksums
-        self._prefault = prefault
 
     def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
         """On the coordinator, with every rank's plan: mark in each plan the stored items read more than
@@ -392,7 +386,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
             threading.Thread(target=_read_part, args=(part, finished, checksums is not None), daemon=True)
             for part in parts
         ]
-        if self._prefault and libc.populate_write_works():  # the targets' pages in ahead of the readers
+        if libc.populate_write_works():  # the targets' pages in ahead of the readers
             order = [job for row in itertools.zip_longest(*parts) for job in row if job is not None]
             threads.append(threading.Thread(target=_prefault, args=(order,), daemon=True))
         for thread in threads:

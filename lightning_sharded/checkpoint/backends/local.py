@@ -293,12 +293,10 @@ class LocalBackend:
         data: Location,
         metadata: Any = None,
         checksums: ReadRecorder | None = None,
-        *,
-        prefault: bool = True,
     ) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
-        return DirectReader(data, metadata=metadata, checksums=checksums, prefault=prefault)
+        return DirectReader(data, metadata=metadata, checksums=checksums)
 
     # -------------------------------------------------------------------------------------- commit
 

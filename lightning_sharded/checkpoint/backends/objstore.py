@@ -226,8 +226,6 @@ class ObjectStoreBackend:
         data: Location,
         metadata: Any = None,
         checksums: ReadRecorder | None = None,
-        *,
-        prefault: bool = True,
     ) -> Any:
         from lightning_sharded.checkpoint.backends.dcp_reader import fsspec_reader
 

@@ -141,7 +141,6 @@ class OfflineReader:
         state: dict[str, Any],
         on_tensor: Callable[[int], None] | None = None,
         on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
-        prefault: bool = True,
     ) -> None:
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -180,7 +179,7 @@ class OfflineReader:
             what=what,
         )
         # metadata: already read safely
-        reader = self.backend.dcp_reader(self.root, self.metadata, checksums, prefault=prefault)
+        reader = self.backend.dcp_reader(self.root, self.metadata, checksums)
         with self.reading():
             try:
                 dcp_load_state_dict(state, storage_reader=reader, planner=planner)
@@ -256,19 +255,16 @@ class OfflineReader:
         targets: dict[str, torch.Tensor],
         on_tensor: Callable[[int], None] | None,
         on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
-        *,
-        mapped: bool = False,
     ) -> None:
-        """Copy every tensor entry into ``targets[key]`` (full, global shape), chunk by chunk.
+        """Copy the tensor entries named by ``targets`` into them (full, global shape), chunk by chunk.
 
         Args:
             on_tensor: Called with the bytes of each chunk once it is copied (a progress bar).
             on_filled: Called with the region of the target each chunk was copied into (a view) and
                 the CRC-32 of its bytes where the read computed it (a direct read, local files), else
                 ``None``.
-            mapped: The targets map a file (their pages are not faulted in ahead of the reads).
         """
-        self._load(dict(targets), on_tensor, on_filled, prefault=not mapped)
+        self._load(dict(targets), on_tensor, on_filled)
 
 
 def first_line(err: BaseException) -> str:
