@@ -167,17 +167,21 @@ def test_consolidate_s_writer_fails_whole(tmp_path: Path, monkeypatch: pytest.Mo
     src, dst = _adam_checkpoint(tmp_path / "ckpt"), tmp_path / "full.ckpt"
     dst.write_bytes(b"the previous output")
     writes = 0
+    pwrite = consolidate.os.pwrite
 
     def failing(fd: int, data: Any, offset: int) -> int:
         nonlocal writes
         writes += 1
+        if writes < 3:  # mid-write: two of the six 4 MiB tensors are written first
+            return pwrite(fd, data, offset)
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(consolidate.os, "pwrite", failing)
+    monkeypatch.setattr(consolidate, "_BATCH", 4 << 20)  # a batch per tensor: batches follow the failure
     failed = r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
     with pytest.raises(OSError, match=failed):
         consolidate_checkpoint(src, dst, overwrite=True, progress=False)
-    assert writes == 1  # the first write's error stops the fill: no later batch is written
+    assert writes == 3, f"{writes} writes: the fill went on after the failed third one"
     assert dst.read_bytes() == b"the previous output"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.ckpt"]  # no staged leftover
 
