@@ -95,26 +95,13 @@ def resume_extents(recorded: list[Extent], checkpoint: Path, rank: int) -> list[
     return sorted(merged, key=lambda e: (e.path, e.offset))
 
 
-def _parts(extents: list[Extent], streams: int) -> list[list[Extent]]:
-    """``extents`` cut into up to ``streams`` contiguous parts of about equal bytes (whole extents),
-    as our reader cuts its items."""
-    total = sum(e.length for e in extents)
-    parts: list[list[Extent]] = [[]]
-    done = 0
-    for extent in extents:
-        if done >= total * len(parts) / streams and len(parts) < streams:
-            parts.append([])
-        parts[-1].append(extent)
-        done += extent.length
-    return [part for part in parts if part]
-
-
 def read_like(
     checkpoint: Path, extents: list[Extent], *, streams: int = STREAMS, piece: int = READ_PIECE
 ) -> int:
     """Read ``extents`` of ``checkpoint`` as a resume must, at best (see the module doc); returns the
     bytes read. Raises ``OSError`` when a file is shorter than an extent."""
     from lightning_sharded.checkpoint import libc
+    from lightning_sharded.checkpoint.backends.dcp_reader import split_parts  # cut as our reader cuts
 
     errors: list[BaseException] = []
 
@@ -140,7 +127,8 @@ def read_like(
             for fd in files.values():
                 os.close(fd)
 
-    threads = [threading.Thread(target=read, args=(part,)) for part in _parts(extents, streams)]
+    parts = split_parts(extents, lambda e: e.length, streams)
+    threads = [threading.Thread(target=read, args=(part,)) for part in parts]
     for thread in threads:
         thread.start()
     for thread in threads:

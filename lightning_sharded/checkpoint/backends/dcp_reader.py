@@ -37,7 +37,7 @@ import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO, Any, Protocol, cast
+from typing import IO, Any, Protocol, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -56,6 +56,8 @@ __all__ = [
     "SharedReads",
     "fsspec_reader",
 ]
+
+_T = TypeVar("_T")
 
 # Smaller tensors are not worth the zip parsing: torch's path.
 _DIRECT_FROM = 1 << 20
@@ -379,7 +381,7 @@ class DirectReader(GivenMetadata, FileSystemReader):
             if meanwhile is not None:
                 meanwhile()
             return []
-        parts = _parts(jobs)
+        parts = split_parts(jobs, lambda job: job.nbytes)
         finished: _Finished = queue.SimpleQueue()
         checksums = self._checksums
         threads = [
@@ -421,17 +423,18 @@ class DirectReader(GivenMetadata, FileSystemReader):
 _Finished = queue.SimpleQueue[tuple[_Job | None, bool, int, BaseException | None]]
 
 
-def _parts(jobs: list[_Job]) -> list[list[_Job]]:
-    """``jobs`` in at most :data:`_STREAMS` contiguous parts of about the same bytes each."""
-    total = sum(job.nbytes for job in jobs)
-    parts: list[list[_Job]] = [[]]
+def split_parts(items: list[_T], nbytes: Callable[[_T], int], streams: int = _STREAMS) -> list[list[_T]]:
+    """``items`` in at most ``streams`` contiguous parts of about the same bytes each (whole items; no
+    empty part): what each reading thread reads. ``benchmarks/faithful/reads.py`` cuts its reads so."""
+    total = sum(map(nbytes, items))
+    cut: list[list[_T]] = [[]]
     done = 0
-    for job in jobs:
-        if done >= total * len(parts) / _STREAMS and len(parts) < _STREAMS:
-            parts.append([])
-        parts[-1].append(job)
-        done += job.nbytes
-    return parts
+    for item in items:
+        if done >= total * len(cut) / streams and len(cut) < streams:
+            cut.append([])
+        cut[-1].append(item)
+        done += nbytes(item)
+    return [part for part in cut if part]
 
 
 def _read_part(part: list[_Job], finished: _Finished, hashing: bool) -> None:
