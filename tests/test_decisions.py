@@ -159,3 +159,14 @@ def test_the_checkpoint_groups_are_made_once_and_replaced_on_every_rank_after_a_
             "replacement works": True,
             "replacement reused": True,
         }
+
+
+def test_a_per_rank_decision_that_fails_while_its_values_are_taken_fails_every_rank_alike(
+    reports: list[dict],
+) -> None:
+    # decide_each's check is run, and its values taken, inside the guard: an error raised while rank 0
+    # takes them reaches rank 1 too (outside the guard, rank 1 waited in the scatter until the timeout).
+    zero, one = (report["decide-each"] for report in reports)
+    assert zero == one, (zero, one)  # the same error on both ranks, from rank 0
+    assert zero["type"] == "CheckpointError", zero
+    assert zero["message"] == "ValueError: the share of rank 1 could not be computed", zero

@@ -316,10 +316,15 @@ def decide_each(
 
     outcomes: list[tuple[bool, Any]] | None = None
     if where.rank == 0:
-        ok, values = _run(lambda: check(where.world_size))
-        if ok and len(values) != where.world_size:
-            ok, values = False, _pack(ValueError(f"{len(values)} values for {where.world_size} ranks"))
-        outcomes = [(True, value) for value in values] if ok else [(False, values)] * where.world_size
+
+        def each() -> list[tuple[bool, Any]]:  # inside _run: a failure here reaches every rank too
+            values = list(check(where.world_size))
+            if len(values) != where.world_size:
+                raise ValueError(f"{len(values)} values for {where.world_size} ranks")
+            return [(True, value) for value in values]
+
+        ok, result = _run(each)
+        outcomes = result if ok else [(False, result)] * where.world_size
     box: list[Any] = [None]
     with watched(where, step):
         dist.scatter_object_list(box, outcomes, src=where.src, group=where.group)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_sharded.checkpoint import load, names, rank_state, save
+from lightning_sharded.checkpoint import collective, load, names, rank_state, save
 from lightning_sharded.checkpoint.backends import local
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.integrity import check_found
@@ -185,6 +185,20 @@ def missing_file(out: Path, rank: int) -> dict[str, Any]:
     return found
 
 
+def shares_that_fail_midway() -> dict[str, Any]:
+    """``collective.decide_each`` whose check fails while its values are taken (a generator that raises
+    after rank 0's value): every rank raises rank 0's error, none waits in the scatter."""
+
+    def shares(world_size: int) -> Any:
+        yield "rank 0's share"
+        raise ValueError("the share of rank 1 could not be computed")
+
+    try:
+        return {"value": collective.decide_each(shares, step="shares")}
+    except Exception as err:
+        return {"type": type(err).__name__, "message": str(err)}
+
+
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -310,6 +324,7 @@ def main(out: Path) -> None:
     results["full-gather"] = full_gathers()
     results["groups"] = bounded_groups(rank)
     results["verify-missing"] = missing_file(out, rank)
+    results["decide-each"] = shares_that_fail_midway()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
 
