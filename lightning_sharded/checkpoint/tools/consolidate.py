@@ -136,7 +136,16 @@ def consolidate_checkpoint(
         from lightning_sharded.checkpoint.tools.hf_export import export_safetensors
 
         return export_safetensors(
-            src, dst, dtype, prefix, max_shard_size, config, overwrite, verify, progress, weights_only
+            src,
+            dst,
+            dtype=dtype,
+            prefix=prefix,
+            max_shard_size=max_shard_size,
+            config=config,
+            overwrite=overwrite,
+            verify=verify,
+            progress=progress,
+            weights_only=weights_only,
         )
     if dtype is not None or prefix is not None or config is not None:
         raise ValueError(

@@ -129,6 +129,7 @@ def _source(
 def export_safetensors(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
+    *,
     dtype: torch.dtype | str | None,
     prefix: str | None,
     max_shard_size: int | str,

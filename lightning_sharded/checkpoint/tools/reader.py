@@ -85,9 +85,14 @@ class OfflineReader:
     def path_of(self, key: str) -> tuple[Any, ...]:
         return tuple(self.mapping.get(key, (key,)))
 
-    def model_key(self) -> str:
-        """The top-level key of the model state (a ``CheckpointError`` for neither key or both)."""
+    @functools.cached_property
+    def _model_key(self) -> str:
         return model_key(top_level_keys(self.metadata), self.root)
+
+    def model_key(self) -> str:
+        """The top-level key of the model state (a ``CheckpointError`` for neither key or both); found
+        once per reader (every index key is walked)."""
+        return self._model_key
 
     def model_tensors(self) -> Iterator[tuple[str, str, Any]]:
         """``(DCP key, model key, metadata)`` of each tensor entry of the model state."""
