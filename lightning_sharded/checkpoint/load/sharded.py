@@ -24,9 +24,7 @@ from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.faults import FaultPoint, fault
-from lightning_sharded.checkpoint.integrity import (
-    ReadVerification,
-)
+from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.load.checks import (
     KeyReport,
@@ -78,12 +76,11 @@ def restore_sharded(
     leaves the model as it was (the cost: one more copy of the rank's model shard in host memory).
     """
     backend, path = found.backend, found.data
-    reading = verification.reading if verification is not None else contextlib.nullcontext
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
     # same small file once per dcp.load call is a metadata storm on a parallel file system and N GET
     # requests on S3 (see docs/benchmarks.md, "Scale").
     indexed = found.manifest is not None and any(e.path == names.INDEX_LAYOUT for e in found.manifest.files)
-    with reading():
+    with _reading(verification):
         layout = collective.decide(
             lambda: (
                 read_indexed_layout(backend, path)
@@ -101,7 +98,7 @@ def restore_sharded(
     # on rank 0, and shared: every rank gets the same dict or raises the same error.
     metadata: dict[str, Any] = {}
     if read_metadata:
-        with reading():
+        with _reading(verification):
             metadata = collective.decide(
                 lambda: read_meta(backend, join(path, names.LIGHTNING_METADATA), weights_only),
                 step="reading meta.pt",
@@ -135,18 +132,17 @@ def _read(
     weights_only: bool | None,
 ) -> None:
     """DCP reads ``state`` (every rank its pieces), then the checksums are compared (``verification``)."""
-    reading = verification.reading if verification is not None else contextlib.nullcontext
     metadata = layout.metadata
     if layout.index is not None:
         # Each rank reads the index files of the ranks that wrote what it loads, and nothing else. A
         # file that cannot be read fails the load on every rank with the same error.
-        with reading():
+        with _reading(verification):
             metadata = collective.agree(
                 lambda: _rank_metadata(found.backend, found.data, layout, state),
                 step="reading the per-rank index",
             )
     fault(FaultPoint.BEFORE_READ, collective.ranks().rank)
-    with reading():
+    with _reading(verification):
         _dcp_load(found.backend, state, found.data, metadata, verification, weights_only)
     if verification is not None:
         verification.check()
@@ -345,3 +341,8 @@ def _dcp_load(
         dcp_errors(f"Loading the sharded checkpoint {str(path)!r}"),
     ):
         load(state, storage_reader=reader, planner=planner, process_group=where.group)
+
+
+def _reading(verification: ReadVerification | None) -> contextlib.AbstractContextManager[None]:
+    """Around a read: with a verification, a failure is replaced by the damage the checksums show."""
+    return verification.reading() if verification is not None else contextlib.nullcontext()
