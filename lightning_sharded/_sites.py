@@ -2,26 +2,12 @@
 
 A *site* is one sharded attribute: a ``DTensor`` or ``ShardedTensor`` held in a module's ``__dict__``
 (not in ``_parameters``, ``_buffers`` or ``_modules``). The hooks need the sites of the whole tree at
-every ``state_dict()`` and ``load_state_dict()`` call, because attributes may be set at any time (in
-``configure_model``, say).
-
-A plain walk (``named_modules()`` and every value of every ``__dict__``) costs as much as
-``state_dict()`` itself on a model of many small modules. :class:`SiteIndex` instead remembers the
-last walk and proves it still holds with a few C-level passes over the same modules:
-
-- the same modules, each ``__dict__`` of the same length (catches attributes added or deleted), each
-  ``_modules`` of the same length (submodules added or removed) and the same children where there
-  were children (submodules replaced); a module's ``__dict__`` and ``_modules`` dict are assumed to
-  stay the same objects, as ``nn.Module`` keeps them (the check reads the dicts it saw, not the modules);
-- the same *type* for every non-standard ``__dict__`` entry (catches ``self.table = None`` later
-  becoming ``self.table = distribute_tensor(...)``, and the reverse).
-
-Only when one of these differs is the tree walked again. The walk stops at a submodule that carries
-its own registration (:data:`MARKER`): that submodule's hooks report its sites.
-
-Paths go through wrappers by module identity (:mod:`lightning_sharded._fqn`): each site has the raw key
-``state_dict()`` gives a parameter at its place and the clean FQN torch's state-dict helpers give, and
-:meth:`SiteIndex.owner` finds the module a key names under either spelling.
+every call; :class:`SiteIndex` keeps the last walk and proves it still holds with a few C-level passes
+(``docs/hooks.md``, "Finding the attributes cheaply"). A module's ``__dict__`` and ``_modules`` dict
+are assumed to stay the same objects, as ``nn.Module`` keeps them (the check reads the dicts it saw,
+not the modules). The walk stops at a submodule that carries its own registration (:data:`MARKER`):
+that submodule's hooks report its sites. Paths go through wrappers by module identity
+(:mod:`lightning_sharded._fqn`).
 """
 
 from __future__ import annotations

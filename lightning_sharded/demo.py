@@ -1,16 +1,10 @@
 """``lightning-sharded demo``: train sharded on CPU, save, resume in 1 and in N processes, compare.
 
-The demo trains a small LightningModule with FSDP-sharded linear layers and a ``DTensor`` embedding
-table (a sharded attribute, not a parameter) on CPU with ``--processes`` processes, saves a checkpoint,
-then resumes it in 1 process and in ``--processes`` processes. Each run gathers the full values of the
-weights, the table and the Adam state with torch's own helpers; the demo prints whether the restored
-values equal the saved ones, and exits non-zero if any differs.
-
-It starts its rank processes itself (``python -m lightning_sharded.demo --rank-job ...`` with
-``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set, as ``torchrun`` would),
-so it works from a console script without Lightning relaunching ``sys.argv``.
-
-Run it with ``python -m lightning_sharded.demo --help`` (or ``lightning-sharded demo``).
+A small LightningModule with FSDP-sharded linear layers and a ``DTensor`` embedding table (a sharded
+attribute, not a parameter); each run gathers the full weights, table and Adam state with torch's own
+helpers, and the demo exits non-zero if any restored value differs from the saved one
+(``docs/strategies.md``). It starts its rank processes itself, with the environment ``torchrun`` would
+give them, so it works from a console script without Lightning relaunching ``sys.argv``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
-"""State-dict hooks that save and restore the sharded attributes of a module tree.
+"""State-dict hooks that save and restore the sharded attributes of a module tree (``docs/hooks.md``).
 
 ``register_sharded_state_hooks(module)`` registers four hooks on ``module`` (the *root*), through
-``nn.Module``'s public hook APIs:
-
-- a state-dict pre-hook, which only remembers ``keep_vars`` (the post-hook is not given it);
-- a state-dict post-hook, which adds every sharded attribute of the tree under the key ``state_dict()``
-  gives a parameter at that place (``prefix`` + path + name; wrappers spelled as for parameters, see
-  :mod:`lightning_sharded._fqn`), unless the key is already there;
-- a load pre-hook, which pops each sharded attribute's key (either spelling: the raw one, or the clean
-  FQN that ``get_model_state_dict`` gives) and copies the value into the attribute, resharding as
-  needed; errors go to ``error_msgs`` like torch's own, absent keys to ``missing_keys``. Popping means
-  the key can never be reported as unexpected;
-- a load post-hook, which assigns sharded values that torch reported unexpected, only where
-  ``strict=False`` or ``assign=True`` allow it (see :class:`_LoadPostHook`); under ``strict=True``
-  they stay unexpected.
-
-Loading is collective when values are resharded: the ranks holding an attribute agree on each
-attribute's outcome before its copy and after it, so a failure on one rank is an error on all of them
-and no rank goes on to another attribute's collective.
-
-The hooks find the attributes at call time (:class:`~lightning_sharded._sites.SiteIndex`), so
-attributes set after ``__init__`` count, and stop at submodules with their own registration.
+``nn.Module``'s public hook APIs. They find the attributes at call time
+(:class:`~lightning_sharded._sites.SiteIndex`), so attributes set after ``__init__`` count, and stop at
+submodules with their own registration. Loading is collective when values are resharded: the ranks
+holding an attribute agree on each attribute's outcome before its copy and after it, so a failure on
+one rank is an error on all of them and no rank goes on to another attribute's collective.
 """
 
 from __future__ import annotations
@@ -75,6 +60,8 @@ class _Hook:
 
 
 class _StateDictPreHook(_Hook):
+    """Remembers ``keep_vars`` for the post-hook, which torch does not give it."""
+
     def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         attach_fused_state(module)  # TorchRec's fused optimizer state becomes sharded attributes
         stack = self.shared.keep_vars
@@ -214,16 +201,12 @@ def _key_of(state_dict: dict[str, Any], prefix: str, raw: str, clean: str) -> st
 
 
 class _LoadPostHook(_Hook):
-    """Assigns the sharded values torch reported unexpected, where the strictness rule allows.
+    """Assigns the sharded values torch reported unexpected, where the strictness rule allows
+    (``docs/hooks.md``, "What strict loading accepts"; never under ``strict=True`` alone).
 
     It runs after torch and every submodule's hooks (FSDP's included) took their keys, so only keys no
-    one claimed are candidates. A sharded value is assigned to the submodule the key names (found by
-    module identity) when ``assign=True``, or when ``strict=False`` and the submodule already has an
-    attribute of that name (``self.table = None``), as torch's own ShardedTensor hook does; never under
-    ``strict=True``: there it stays an unexpected key. Within :func:`receiving_full_values`, a tensor
-    for an attribute that is ``None`` or not set is assigned, strict or not. Keys of parameters,
-    buffers and submodules are never assigned. Everything it needs comes from the running
-    ``load_state_dict`` call, so nothing is kept between hooks (or after an exception).
+    one claimed are candidates. Everything it needs comes from the running ``load_state_dict`` call, so
+    nothing is kept between hooks (or after an exception).
     """
 
     def __call__(self, module: nn.Module, incompatible_keys: Any) -> None:
