@@ -1,16 +1,10 @@
 """Names through the wrappers torch and Lightning put around modules: raw state-dict keys and clean FQNs.
 
-A wrapper holds the module it wraps as a child (``FullyShardedDataParallel._fsdp_wrapped_module``,
-``CheckpointWrapper._checkpoint_wrapped_module``, ``OptimizedModule._orig_mod``,
-``DistributedDataParallel.module``, Fabric's ``_FabricModule._original_module``). For each such edge,
-recognised by the parent's class and the child's identity (never by the name alone), this module
-knows two spellings of the path part:
-
-- *raw*: how ``nn.Module.state_dict()`` spells a parameter's key through it. FSDP1 and the
-  activation-checkpoint wrapper drop their part (their own hooks strip it), ``_FabricModule``
-  delegates its ``state_dict`` to the original module; ``torch.compile`` and DDP keep theirs;
-- *clean*: the fully-qualified name ``torch.distributed.checkpoint.state_dict`` gives
-  (``get_model_state_dict`` / ``get_optimizer_state_dict``): no wrapper part at all.
+A wrapper holds the module it wraps as a child; each such edge, recognised by the parent's class and
+the child's identity (never by the name alone), has two spellings of its path part: *raw*, as
+``nn.Module.state_dict()`` spells a parameter's key through it, and *clean*, as
+``torch.distributed.checkpoint.state_dict`` names it (no wrapper part). The wrappers and what each
+keeps: ``docs/hooks.md``, "How keys are named through wrappers".
 
 Every class is looked up in ``sys.modules``: an instance cannot exist before its module was imported,
 so nothing is imported here (``torch._dynamo`` and FSDP are slow to import).
@@ -27,7 +21,7 @@ from torch import nn
 
 from lightning_sharded._compat import CHECKPOINT_WRAPPER_MODULE, DYNAMO_EVAL_FRAME_MODULE
 
-__all__ = ["WRAPPER_PARTS", "Edge", "clean_keys", "clean_prefix", "edges", "parameter_names", "walk"]
+__all__ = ["WRAPPER_PARTS", "clean_keys", "clean_prefix", "edges", "parameter_names", "walk"]
 
 
 @dataclass(frozen=True)
@@ -54,16 +48,9 @@ _WRAPPERS = (
 WRAPPER_PARTS = frozenset({w.inner for w in _WRAPPERS} | {part for w in _WRAPPERS for part in w.skip})
 
 
-@dataclass(frozen=True)
-class Edge:
-    """How a child's name appears in the raw and the clean spelling of a path (``"name."`` or ``""``)."""
-
-    raw: str
-    clean: str
-
-
-def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
-    """``(name, child, edge)`` for the children of ``parent`` to walk, in registration order.
+def edges(parent: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """``(raw part, clean part, child)`` for the children of ``parent`` to walk, in registration order
+    (a part is ``"name."`` or ``""``).
 
     A wrapper's wrapped module comes with its part removed from the clean spelling (and from the raw one
     where ``state_dict()`` removes it); other views of the wrapped module (Fabric's ``_forward_module``)
@@ -75,9 +62,9 @@ def edges(parent: nn.Module) -> Iterator[tuple[str, nn.Module, Edge]]:
         if child is None or (wrapper is not None and name in wrapper.skip):
             continue
         if wrapper is not None and name == wrapper.inner:
-            yield name, child, Edge(raw=name + "." if wrapper.keeps_part else "", clean="")
+            yield (name + "." if wrapper.keeps_part else ""), "", child
         else:
-            yield name, child, Edge(raw=name + ".", clean=name + ".")
+            yield name + ".", name + ".", child
 
 
 def walk(
@@ -92,14 +79,13 @@ def walk(
     stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
     while stack:
         raw, clean, module = stack.pop()
-        if once:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
+        if once and id(module) in seen:
+            continue
+        seen.add(id(module))
         yield raw, clean, module
         children = [
-            (raw + edge.raw, clean + edge.clean, child)
-            for _, child, edge in edges(module)
+            (raw + raw_part, clean + clean_part, child)
+            for raw_part, clean_part, child in edges(module)
             if enter is None or enter(child)
         ]
         stack.extend(reversed(children))
