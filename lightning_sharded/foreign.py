@@ -1,27 +1,15 @@
-"""Modules that another library has sharded itself: TorchRec's ``ShardedModule`` s.
+"""Modules that another library has sharded itself: TorchRec's ``ShardedModule`` s (``docs/torchrec.md``).
 
-TorchRec shards embedding tables across ranks (``torchrec.distributed.shard``, ``DistributedModelParallel``)
-and moves their values between ranks itself (all-to-all in forward and backward). Their parameters are
-this rank's shard of each table; a table that lives on another rank is a parameter of shape ``(0,)``
-here. Data-parallel wrappers must leave them alone: ``fully_shard`` and FSDP1 would flatten and shard
-them again (the tables then never train, or the forward fails), and DDP would average gradients that
-belong to different rows on each rank. This module finds them (by class, from
-``torchrec.distributed.types``, looked up only when TorchRec was imported: nothing is imported here) and
-exposes the state a TorchRec fused kernel keeps outside the model, its ``fused_optimizer``, as sharded
-attributes that the state-dict hooks save and restore like any other.
-
-Fused optimizer state: each ``ShardedModule`` with a ``fused_optimizer`` (a ``KeyedOptimizer``) gets one
-attribute per state tensor, named ``fused_optimizer__<table>__<state>`` (for example
-``fused_optimizer__t0__momentum1``), holding the ``ShardedTensor`` that TorchRec made from views of the
-kernel's own state: loading into it writes the kernel's state. A rank that holds no shard of a table
-gets an empty ``ShardedTensor`` with the table's global layout, so every rank has the same keys (the
-layouts are exchanged once per module, collectively, the first time they are needed).
+They move their values between ranks themselves, so data-parallel wrappers must leave them alone; this
+module finds them (by class, from ``torchrec.distributed.types``, looked up only when TorchRec was
+imported: nothing is imported here) and exposes the state a TorchRec fused kernel keeps outside the
+model, its ``fused_optimizer``, as sharded attributes (``fused_optimizer__<table>__<state>``, views of
+the kernel's own state: loading into them writes it) that the state-dict hooks save and restore.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from typing import Any, cast
 
 import torch.distributed as dist
@@ -29,7 +17,6 @@ from torch import nn
 
 from lightning_sharded._compat import sharded_tensor_api
 
-_TORCHREC_TYPES = "torchrec.distributed.types"
 #: Prefix of the attributes that carry a fused optimizer's state.
 FUSED_PREFIX = "fused_optimizer__"
 #: Where a module keeps the exchanged layouts of its fused state (not a tensor: never a site).
@@ -38,7 +25,7 @@ _LAYOUTS = "_lightning_sharded_fused_layouts"
 
 def foreign_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of each outermost module under ``root`` (itself included) that TorchRec sharded."""
-    types = getattr(sys.modules.get(_TORCHREC_TYPES), "ShardedModule", None)  # once TorchRec is imported
+    types = getattr(sys.modules.get("torchrec.distributed.types"), "ShardedModule", None)  # if imported
     if not isinstance(types, type):
         return []
     found: list[tuple[str, nn.Module]] = []
@@ -80,7 +67,14 @@ def attach_fused_state(root: nn.Module) -> None:
         optimizer = getattr(module, "fused_optimizer", None)
         if optimizer is None or not hasattr(optimizer, "state_dict"):
             continue
-        local = dict(_local_fused_state(optimizer))
+        ShardedTensor = sharded_tensor_api()[0]
+        state = optimizer.state_dict().get("state", {})
+        local = {
+            FUSED_PREFIX + state_key.replace(".", "__"): value
+            for param_key in sorted(state)
+            for state_key, value in sorted(state[param_key].items())
+            if isinstance(value, ShardedTensor)
+        }
         cached = module.__dict__.get(_LAYOUTS)
         # Exchanged again only for another optimizer object (the module was sharded anew), which every
         # rank sees alike: a decision one rank took alone would leave the others out of the collective.
@@ -90,20 +84,13 @@ def attach_fused_state(root: nn.Module) -> None:
         layouts = cached[1]
         for name in sorted(layouts):
             value = local.get(name)
-            if value is None:
-                value = _empty_like_layout(*layouts[name])
+            if value is None:  # no shard here: an empty ShardedTensor with the table's global layout
+                metadata, group = layouts[name]
+                value = ShardedTensor._init_from_local_shards_and_global_metadata(
+                    [], metadata, process_group=group
+                )
             if module.__dict__.get(name) is not value:
                 object.__setattr__(module, name, value)
-
-
-def _local_fused_state(optimizer: Any) -> Iterator[tuple[str, Any]]:
-    ShardedTensor = sharded_tensor_api()[0]
-
-    state = optimizer.state_dict().get("state", {})
-    for param_key in sorted(state):
-        for state_key, value in sorted(state[param_key].items()):
-            if isinstance(value, ShardedTensor):
-                yield FUSED_PREFIX + state_key.replace(".", "__"), value
 
 
 def _exchange_layouts(local: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -119,13 +106,6 @@ def _exchange_layouts(local: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         for name, meta in metadata.items():
             merged.setdefault(name, meta)
     return {name: (merged[name], groups.get(name, dist.group.WORLD)) for name in sorted(merged)}
-
-
-def _empty_like_layout(metadata: Any, group: Any) -> Any:
-    """A ``ShardedTensor`` with ``metadata``'s global layout and no shard on this rank."""
-    ShardedTensor = sharded_tensor_api()[0]
-
-    return ShardedTensor._init_from_local_shards_and_global_metadata([], metadata, process_group=group)
 
 
 def skipped_log(what: str, modules: list[tuple[str, nn.Module]]) -> str:
