@@ -17,34 +17,6 @@ import importlib
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-__all__ = [
-    "CHECKPOINT_WRAPPER_MODULE",
-    "DYNAMO_EVAL_FRAME_MODULE",
-    "LOAD_INNER_LOCALS",
-    "LOAD_LOCALS",
-    "SHARDED_TENSOR_MODULE",
-    "create_chunk_list",
-    "create_file_view",
-    "dcp_load_state_dict",
-    "default_store",
-    "flatten_sharded_tensors",
-    "flatten_state_dict",
-    "fsdp1_names",
-    "fsdp1_state_dict_utils",
-    "fsspec_filesystem",
-    "gather_state_dict",
-    "load_call",
-    "load_frames",
-    "load_module_from",
-    "materialize_distributed_module",
-    "object_collective_device",
-    "optimizers_to_device",
-    "running_load",
-    "sharded_tensor_api",
-    "storage_info",
-    "strided_shard",
-]
-
 # -- module paths looked up (never imported) by the package -------------------------------------------
 
 #: ShardedTensor's module (``torch.distributed._shard``): no public home; DTensor replaces the type.
