@@ -19,7 +19,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from importlib.abc import Loader
@@ -30,34 +30,24 @@ __all__ = ["STRATEGIES", "install", "register"]
 #: The module whose ``StrategyRegistry`` the Trainer reads.
 REGISTRY_MODULE = "lightning.pytorch.strategies"
 
-
-class Registration(NamedTuple):
-    """One registered name: the class (module and name) it makes, with these init arguments."""
-
-    module: str
-    cls: str
-    description: str
-    init_params: dict[str, Any]
-
-
 _FSDP = "lightning_sharded.strategies.fsdp"
 _MP = "lightning_sharded.strategies.model_parallel"
 
-#: Every name this library registers.
-STRATEGIES: dict[str, Registration] = {
-    "sharded_fsdp": Registration(
+#: Every name this library registers: its strategy's module and class, description and init arguments.
+STRATEGIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
+    "sharded_fsdp": (
         _FSDP,
         "ShardedFSDPStrategy",
         "FSDP1 with sharded attributes and sharded checkpoints (lightning_sharded)",
         {},
     ),
-    "sharded_fsdp_cpu_offload": Registration(
+    "sharded_fsdp_cpu_offload": (
         _FSDP,
         "ShardedFSDPStrategy",
         "FSDP1 with CPU offloading, sharded attributes and sharded checkpoints (lightning_sharded)",
         {"cpu_offload": True},
     ),
-    "sharded_model_parallel": Registration(
+    "sharded_model_parallel": (
         _MP,
         "ShardedModelParallelStrategy",
         "FSDP2 / tensor parallelism with sharded attributes and sharded checkpoints (lightning_sharded)",
@@ -84,13 +74,13 @@ def register(registry: Any, names: Sequence[str] | None = None, strategy: Any = 
     factory that imports the class on first use. A name already registered is replaced.
     """
     for name in names if names is not None else sorted(STRATEGIES):
-        entry = STRATEGIES[name]
+        module, cls, description, init_params = STRATEGIES[name]
         registry.register(
             name,
-            strategy if strategy is not None else _factory(entry.module, entry.cls),
-            description=entry.description,
+            strategy if strategy is not None else _factory(module, cls),
+            description=description,
             override=True,
-            **entry.init_params,
+            **init_params,
         )
 
 
@@ -139,12 +129,8 @@ class _Registering:
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)  # an error leaves the hook in place: the next import tries again
-        _uninstall()
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
         _register_into(module)
-
-
-def _uninstall() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RegisterAfterImport)]
 
 
 def install() -> None:
