@@ -33,15 +33,8 @@ from lightning_sharded.strategies._partial import PartialCheckpoints
 
 #: What Lightning types a checkpoint path as (its `_PATH`, spelled here without the private name).
 PathLike = str | os.PathLike[str]
-#: Lightning's SLURM requeue save (``_SignalConnector``) names its checkpoint ``hpc_ckpt_<n>.ckpt``.
-_HPC_PREFIX = "hpc_ckpt_"
 #: Where the Lightning strategies ours extend live (their names lead stock's words in our errors).
 _STOCK = "lightning.pytorch.strategies"
-#: The barrier ``Trainer.save_checkpoint`` passes after every ``strategy.save_checkpoint``.
-_AFTER_SAVE = "Trainer.save_checkpoint"
-#: The barrier Lightning's checkpoint connector passes once the restore step of a run is over
-#: (``_CheckpointConnector.resume_end``): a pending warm start runs there, on every rank.
-_RESUME_END = "_CheckpointConnector.resume_end"
 
 
 def _remove(path: Location) -> None:
@@ -114,17 +107,6 @@ class ShardedCheckpointing(PartialCheckpoints):
         if self._async_saver is None:
             self._async_saver = AsyncSaver(type(self).__name__, timeout_s=self.checkpoint_timeout)
         return self._async_saver
-
-    def _check_not_failed(self, path: Location) -> None:
-        """Raise the error of the background save to ``path`` that failed, if one did (and no save to
-        ``path`` was started since): loading ``path`` would read the previous checkpoint there."""
-        err = self._failed_saves.get(_key(path))
-        if err is not None:
-            raise CheckpointError(
-                f"The checkpoint {str(path)!r} was not saved: its background save (`async_save=True`)"
-                f" failed: {err} What is at that path is an older checkpoint, or nothing. Load another"
-                " checkpoint (`ckpt_path=`), or save this one again."
-            ) from err
 
     def _custom_checkpoint_io(self) -> CheckpointIO | None:
         """The ``CheckpointIO`` plugin given to the Trainer, or ``None`` for the default one."""
@@ -211,7 +193,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         start = time.perf_counter()
         local = location(filepath)
         self._failed_saves = {k: v for k, v in self._failed_saves.items() if k != _key(local)}
-        hpc = basename(local).startswith(_HPC_PREFIX)
+        hpc = basename(local).startswith("hpc_ckpt_")  # Lightning's `_SignalConnector` names it so
         if self.async_save and self._saves_sharded and not hpc and plugin is None:
             self._save_in_background(checkpoint, local)
             rank_zero_info(
@@ -292,10 +274,10 @@ class ShardedCheckpointing(PartialCheckpoints):
         file rank 0's decision), and an async save has nothing to wait for; that barrier only made the
         training thread wait for the slowest rank (3-5 ms of a 50 MB async save's 8-27 ms here). A pending
         warm start runs at the one Lightning's checkpoint connector passes once the restore step is over."""
-        if name == _AFTER_SAVE:
+        if name == "Trainer.save_checkpoint":
             return
         super().barrier(name)  # type: ignore[safe-super]  # the parent strategy's
-        if name == _RESUME_END and self._warm_start_pending:
+        if name == "_CheckpointConnector.resume_end" and self._warm_start_pending:
             self._run_warm_start()
 
     def _add_rank_state(self, checkpoint: dict[str, Any], *, agree: bool = True) -> dict[str, bytes] | None:
@@ -335,7 +317,13 @@ class ShardedCheckpointing(PartialCheckpoints):
         """
         path = location(self.broadcast(checkpoint_path))
         self.wait_for_checkpoint()  # it may be the very checkpoint being written
-        self._check_not_failed(path)
+        err = self._failed_saves.get(_key(path))
+        if err is not None:  # its background save failed (and none was started since): it is not there
+            raise CheckpointError(
+                f"The checkpoint {str(path)!r} was not saved: its background save (`async_save=True`)"
+                f" failed: {err} What is at that path is an older checkpoint, or nothing. Load another"
+                " checkpoint (`ckpt_path=`), or save this one again."
+            ) from err
         self._cancel_warm_start(path)
         module = self.lightning_module
         assert module is not None
