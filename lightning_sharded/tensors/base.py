@@ -18,19 +18,15 @@ class ShardedAdapter(Protocol):
 
     def is_sharded(self, value: Any) -> bool:
         """Whether ``value`` is of this kind."""
-        ...
 
     def global_shape(self, value: Any) -> torch.Size:
         """The shape of the whole (unsharded) tensor."""
-        ...
 
     def dtype(self, value: Any) -> torch.dtype:
         """The element type."""
-        ...
 
     def detach(self, value: Any) -> Any:
         """``value`` without autograd history, as ``state_dict(keep_vars=False)`` returns tensors."""
-        ...
 
     def copy_into(self, target: Any, source: Any) -> None:
         """Copy ``source`` into ``target`` in place, resharding as needed.
@@ -40,28 +36,23 @@ class ShardedAdapter(Protocol):
         Collective when ``source`` is sharded with another layout: every rank of ``target``'s group
         must call it, in the same order.
         """
-        ...
 
     def to_full(self, value: Any) -> torch.Tensor:
         """Gather the whole tensor on every rank (collective for distributed values)."""
-        ...
 
     def local_tensors(self, value: Any) -> list[torch.Tensor]:
         """The tensors holding this rank's part of ``value`` (its memory; not copies)."""
-        ...
 
     def views_like(self, value: Any, pieces: list[torch.Tensor], dtype: torch.dtype) -> Any:
         """A value of this kind laid out like ``value`` (global shape, shards, ranks) whose local tensors
         are ``pieces`` (one per :meth:`local_tensors` of ``value``, of the same shapes) of ``dtype``,
         which may differ from ``value``'s. No communication."""
-        ...
 
     def groups(self, value: Any) -> list[Any]:
         """Process groups whose all-reduces, one after the other, reach every rank that holds ``value``.
 
         Empty when ``value`` lives on one rank only (or no process group exists): nothing to agree with.
         """
-        ...
 
 
 #: The adapters of every kind, in the order they are asked: the one registry. The package fills it

@@ -29,14 +29,6 @@ class DTensorAdapter:
         # Without grad there is no history to drop, and DTensor.detach() costs a dispatch (~15 us).
         return value.detach() if value.requires_grad else value
 
-    def same_layout(self, target: Any, source: Any) -> bool:
-        return (
-            isinstance(source, DTensor)
-            and source.device_mesh == target.device_mesh
-            and tuple(source.placements) == tuple(target.placements)
-            and source.to_local().shape == target.to_local().shape
-        )
-
     def copy_into(self, target: Any, source: Any) -> None:
         if any(isinstance(p, Partial) for p in target.placements):
             raise ValueError(
@@ -45,12 +37,12 @@ class DTensorAdapter:
             )
         local = target.to_local()
         with torch.no_grad():
-            if self.same_layout(target, source):
-                local.copy_(source.to_local())
-                return
             if isinstance(source, DTensor) and source.device_mesh == target.device_mesh:
-                # Same ranks, another placement: let DTensor move only what each rank needs.
-                local.copy_(source.redistribute(target.device_mesh, target.placements).to_local())
+                same = tuple(source.placements) == tuple(target.placements)
+                if same and source.to_local().shape == local.shape:
+                    local.copy_(source.to_local())
+                else:  # same ranks, another placement: let DTensor move only what each rank needs
+                    local.copy_(source.redistribute(target.device_mesh, target.placements).to_local())
                 return
             # Every rank holds the same global value: cut this rank's part where the value is (a
             # full file's tensors are on CPU), then copy only that part to the device.

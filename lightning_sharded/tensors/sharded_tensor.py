@@ -35,12 +35,9 @@ class ShardedTensorAdapter:
         # state-dict hook stores it as it is.
         return value
 
-    def same_layout(self, target: Any, source: Any) -> bool:
-        return self.is_sharded(source) and _layout(target) == _layout(source)
-
     def copy_into(self, target: Any, source: Any) -> None:
         with torch.no_grad():
-            if self.same_layout(target, source):
+            if self.is_sharded(source) and _layout(target) == _layout(source):
                 for dst, src in zip(target.local_shards(), source.local_shards(), strict=True):
                     dst.tensor.copy_(src.tensor)
                 return
