@@ -19,9 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-#: ``prctl(PR_SET_PDEATHSIG, ...)``: Linux sends the rank this signal when its launcher dies.
-_PR_SET_PDEATHSIG = 1
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bound to port 0, then released)."""
@@ -55,19 +52,14 @@ def rank_env(rank: int, world_size: int, port: int, pythonpath: Path) -> dict[st
 def _die_with_launcher() -> None:  # pragma: no cover - runs in the child, between fork and exec
     # Not Linux: no prctl, and a rank outlives a launcher that was killed, as before.
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        # prctl(PR_SET_PDEATHSIG = 1, ...): Linux sends the rank this signal when its launcher dies.
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
 
 
 @dataclass
 class Outcome:
-    """How the ranks of one launch ended.
-
-    Attributes:
-        outputs: Each rank's combined stdout and stderr.
-        returncodes: Each rank's exit status (``-9`` for a rank killed because another failed).
-        first_failed: The rank that failed first (``None`` when none did).
-        timed_out: The ranks were killed at the deadline.
-    """
+    """How the ranks of one launch ended: each one's combined stdout and stderr, and exit status (``-9``
+    for a rank killed because another failed or at the deadline)."""
 
     outputs: list[str]
     returncodes: list[int]

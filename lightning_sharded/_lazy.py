@@ -12,13 +12,8 @@ __all__ = ["lazy_attributes"]
 def lazy_attributes(
     package: str, sources: Mapping[str, str], namespace: dict[str, Any]
 ) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that imports ``name`` from the module ``sources[name]`` on first access.
-
-    Args:
-        package: the package's ``__name__`` (for the error message).
-        sources: public name to the dotted module it comes from.
-        namespace: the package's ``globals()``; a loaded value is cached there.
-    """
+    """A module ``__getattr__`` for ``package`` that imports ``name`` from the module ``sources[name]`` on
+    first access, and caches it in ``namespace`` (the package's ``globals()``)."""
 
     def __getattr__(name: str) -> Any:
         if name not in sources:
