@@ -1,16 +1,11 @@
 """This library's strategy names in Lightning's ``StrategyRegistry``, without importing Lightning.
 
-``Trainer(strategy="sharded_fsdp")`` (and ``trainer.strategy: sharded_fsdp`` in a LightningCLI config)
-looks the name up in ``lightning.pytorch.strategies.StrategyRegistry``, a dict filled when that module
-is imported. Importing it imports all of ``lightning.pytorch`` (about 2 s), which ``import
-lightning_sharded`` does not do. So :func:`install` registers the names at once when the module is
-already imported, and otherwise installs a finder on ``sys.meta_path`` that registers them right
-after the module has executed (as wrapt's post-import hooks do), then removes itself.
-
-Each entry holds a factory that imports the strategy class when ``StrategyRegistry.get`` calls it (at
-``Trainer(...)``), so a registration imports nothing. The names are deliberately not added to
-``FSDPStrategy.get_registered_strategies()``: that list is what the Trainer refuses on CPU, and these
-strategies run on CPU.
+Importing ``lightning.pytorch.strategies`` (whose ``StrategyRegistry`` the Trainer reads) imports all
+of ``lightning.pytorch``, about 2 s: :func:`install` registers the names at once when it is already
+imported, else right after it is, through a ``sys.meta_path`` finder (as wrapt's post-import hooks
+do; ``docs/architecture.md``). Each entry is a factory that imports the strategy class at
+``Trainer(...)``. The names stay out of ``FSDPStrategy.get_registered_strategies()``: that list is what
+the Trainer refuses on CPU, and these strategies run on CPU.
 """
 
 from __future__ import annotations

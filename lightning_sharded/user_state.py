@@ -1,11 +1,7 @@
-"""Per-rank state of the user's own objects: registered on the module, saved and restored on each rank.
-
-``register_rank_state(module, "mixing", schedule)`` keeps ``{name: obj.state_dict()}`` in every rank's
-own state (``docs/checkpoint-format.md#per-rank-state-exact-resume``); a resume gives each rank its own
-back before the first resumed batch. :func:`stateful` takes ``torch.Generator``, ``random.Random`` and
-NumPy's ``Generator`` and ``RandomState`` as they are (their states kept as tensors and plain data, which
-a ``weights_only`` load reads), also for the process-wide ``random`` and ``np.random`` in the per-rank
-state. This module imports torch only (NumPy when an object of it is registered).
+"""Per-rank state of the user's own objects: registered on the module, saved and restored on each rank
+(``docs/checkpoint-format.md#per-rank-state-exact-resume``). :func:`stateful` keeps generators' states
+(also the process-wide ``random`` and ``np.random``) as tensors and plain data, which a ``weights_only``
+load reads. This module imports torch only (NumPy when an object of it is registered).
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""A model object that meets a second Trainer (``fit`` then ``validate``/``test``/``predict``, a second
-``fit``): FSDP1 keeps the wrapper of its first setup; sharding it with the other FSDP is refused.
-
-FSDP1 (``FullyShardedDataParallel``) wraps the LightningModule from outside and turns its parameters into
-views of flat shards. Lightning's ``FSDPStrategy`` forgets the wrapper once the Trainer is done, so the
-next setup wraps the already flattened module again and every shape is the flat one (Lightning issue
-#20373). The strategy here remembers the wrapper on the module (:func:`remember_fsdp1_root`) and sets it up
-again (:func:`fsdp1_root`), as FSDP2's ``fully_shard``, which changes the module in place, does by itself.
+"""A model object that meets a second Trainer: FSDP1 keeps the wrapper of its first setup (Lightning
+#20373: stock wraps the flattened module again); sharding it with the other FSDP is refused. The why and
+the rules: ``docs/strategies.md``, "FSDP1 keeps its wrapper".
 """
 
 from __future__ import annotations
