@@ -370,7 +370,7 @@ class ShardedCheckpointing(PartialCheckpoints):
         ``on_train_start`` of callbacks and the LightningModule (see
         :mod:`~lightning_sharded.strategies._exact_resume` for what is set earlier or later).
         """
-        if self._warm_start_pending:  # Lightning did not pass `_RESUME_END`: the latest moment
+        if self._warm_start_pending:  # Lightning passed no `resume_end` barrier: the latest moment
             self._run_warm_start()
         super().on_train_start()
         # Before the first step, whether async_save is on yet or not (it may be switched on later):
