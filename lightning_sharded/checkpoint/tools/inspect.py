@@ -223,9 +223,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
     backend, file = found.backend, found.data
     refused = False
     try:  # memory-mapped: the tensors are not read (an object is read whole)
-        checkpoint = safe_torch_load(
-            backend, file, "The checkpoint file", weights_only, map_location="cpu", mmap=True
-        )
+        checkpoint = safe_torch_load(backend, file, weights_only, map_location="cpu", mmap=True)
     except unpickling.RefusedPickleError:
         refused = True
         checkpoint = unpickling.inert_load(file, load=backend.torch_load, map_location="cpu", mmap=True)
