@@ -55,8 +55,7 @@ def read_frozen(
     frozen: FrozenPart, listing: Listing, targets: dict[str, torch.Tensor], weights_only: bool | None
 ) -> None:
     """Fill ``targets`` (model key -> a tensor of the source's shape) from the frozen source, in place."""
-    prefix = frozen.prefix
-    read_weights(listing, {key[len(prefix) :]: value for key, value in targets.items()}, weights_only)
+    read_weights(listing, {key[len(frozen.prefix) :]: value for key, value in targets.items()}, weights_only)
 
 
 def load_checkpoint(

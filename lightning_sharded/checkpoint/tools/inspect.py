@@ -190,11 +190,8 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     manifest = found.manifest
     if manifest is not None:
         info.frozen = manifest.frozen.to_dict() if manifest.frozen is not None else None
-        info.world_size, info.epoch, info.global_step = (
-            manifest.world_size,
-            manifest.epoch,
-            manifest.global_step,
-        )
+        info.world_size = manifest.world_size
+        info.epoch, info.global_step = manifest.epoch, manifest.global_step
     else:
         ranks = {r for name in files if (r := names.shard_rank(name)) is not None}
         info.world_size = max(ranks) + 1 if ranks else None

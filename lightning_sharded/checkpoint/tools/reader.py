@@ -143,14 +143,13 @@ class OfflineReader:
         from lightning_sharded._compat import dcp_load_state_dict
 
         refusals: list[CheckpointError] = []
-        outer = self
         checksums = self.verification.checksums if self.verification is not None else None
         if checksums is None and on_filled is not None and self.backend.reads_checksums:
             checksums = ReadChecksums()  # each direct read's CRC-32 for on_filled, computed as it is read
 
         def what(read_item: Any) -> str:
-            info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
-            return outer.what(read_item.dest_index.fqn, str(info.relative_path) if info is not None else None)
+            info = (self.metadata.storage_data or {}).get(read_item.storage_index)
+            return self.what(read_item.dest_index.fqn, str(info.relative_path) if info is not None else None)
 
         class Planner(SafeBytesPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
