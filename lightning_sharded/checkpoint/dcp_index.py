@@ -1,11 +1,6 @@
-"""What a sharded checkpoint's DCP index (``.metadata``) says, read without a process group.
-
-:func:`read_index` reads the index once; :func:`index_problems` is the one check of the shard files
-against it (each file it names present and long enough for the pieces it holds), used by loads of
-checkpoints without a manifest and by ``verify``; :func:`model_key` is the one answer to where the
-model state is (for loads, the tools, the Hugging Face export and ``load_pretrained``'s sources);
-:func:`read_sharded_layout` finds it and the optimizers for a load (:func:`read_indexed_layout` from the
-per-rank index's layout, for checkpoints that have one).
+"""What a sharded checkpoint's DCP index (``.metadata``) says, read without a process group:
+:func:`index_problems` is the one check of the shard files against it (for loads without a manifest,
+and ``verify``), :func:`model_key` the one answer to where the model state is (loads, tools, exports).
 """
 
 from __future__ import annotations
@@ -36,21 +31,13 @@ __all__ = [
 
 
 def read_index(backend: Backend, data: Location, *, weights_only: bool | None = False) -> Any:
-    """The DCP ``Metadata`` of the sharded checkpoint under ``data``.
+    """The DCP ``Metadata`` of the sharded checkpoint under ``data``; a ``CheckpointError`` when it is
+    missing, damaged or not DCP's ``Metadata``.
 
-    Args:
-        backend: Its storage.
-        data: Where its files are.
-        weights_only: ``False`` (the default): read by DCP's own reader, with plain ``pickle`` (a
-            resume with ``weights_only=False``). ``True`` or ``None`` (the offline tools, a resume by
-            default): read with the restricted unpickler of
-            :func:`~lightning_sharded.checkpoint.unpickling.load_pickle`, which builds
-            DCP's metadata classes only, so no code from the file runs.
-
-    Raises:
-        CheckpointError: ``.metadata`` is missing, truncated or corrupt, or holds something that is not
-            DCP's ``Metadata``; with ``weights_only``, a :class:`~.unpickling.RefusedPickleError` for a
-            type that is not allowed.
+    ``weights_only=False`` (a resume with ``weights_only=False``) reads it by DCP's own reader, with plain
+    ``pickle``; ``True`` or ``None`` (the offline tools, a resume by default) with the restricted
+    unpickler of :func:`~.unpickling.load_pickle`, which builds DCP's metadata classes only, so no code
+    from the file runs (a :class:`~.unpickling.RefusedPickleError` for any other type).
     """
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -111,18 +98,11 @@ def _tops(keys: Iterable[str], planner_data: Mapping[str, Sequence[Any]]) -> set
 
 
 def model_key(tops: Iterable[str], data: Location) -> str:
-    """The top-level key under which the sharded checkpoint at ``data`` keeps its model state.
+    """The top-level key (of ``tops``) under which the sharded checkpoint at ``data`` keeps its model state.
 
     The one rule, for every load, tool and export: the model state is under :data:`~.names.MODEL`
-    (``FSDPStrategy``'s key) or :data:`~.names.STATE_DICT` (``ModelParallelStrategy``'s), never both.
-
-    Args:
-        tops: The checkpoint's top-level keys (:func:`top_level_keys`).
-        data: Where its files are, for messages.
-
-    Raises:
-        CheckpointError: it has neither key, or both (no Lightning strategy writes both, so which one is
-            the model's is not known).
+    (``FSDPStrategy``'s key) or :data:`~.names.STATE_DICT` (``ModelParallelStrategy``'s); neither, or
+    both (no Lightning strategy writes both), is a ``CheckpointError``.
     """
     tops = set(tops)
     found = sorted(k for k in names.MODEL_KEYS if k in tops)
@@ -147,17 +127,12 @@ class ShardedLayout:
     """What a sharded directory's DCP index says it holds.
 
     Attributes:
-        path: the directory.
-        model_key: ``"model"`` or ``"state_dict"``, whichever the writer used.
-        model_entries: model state key (relative, e.g. ``"layer.weight"``) to its global shape, or
-            ``None`` for an entry stored as bytes (a non-tensor value).
+        model_entries: model state key (relative, ``"layer.weight"``) to its global shape, or ``None``
+            for an entry stored as bytes; ``entries`` the same for every flattened DCP key.
         optimizer_count: how many ``optimizer_N`` keys there are (``0..N-1`` without gaps).
-        entries: every flattened DCP key to its global shape, or ``None`` for bytes entries.
-        dtypes: every flattened DCP key of a tensor to its element type.
-        metadata: the DCP ``Metadata`` itself (read once, shared with every rank by a load, and given
-            to the DCP readers so that they do not read ``.metadata`` again); ``None`` when read from
-            the per-rank index's layout.
-        index: the per-rank index's layout (:func:`read_indexed_layout`), else ``None``.
+        metadata: the DCP ``Metadata`` (read once, shared with every rank by a load, and given to the DCP
+            readers so that they do not read ``.metadata`` again); ``None`` when read from the per-rank
+            index's layout (``index``).
     """
 
     path: Location
@@ -173,17 +148,9 @@ class ShardedLayout:
 def read_sharded_layout(
     path: Any, backend: Backend | None = None, *, weights_only: bool | None = False
 ) -> ShardedLayout:
-    """Read the DCP index of a sharded directory, check its shard files, find the model key and optimizers.
-
-    Args:
-        path: the directory (where its files are).
-        backend: its storage; ``None``: ``path`` is found by the detector (its backend, where its files are).
-        weights_only: how ``.metadata`` is unpickled, as :func:`read_index` says (a resume passes its own).
-
-    Raises:
-        CheckpointError: the index cannot be read, a shard file it names is missing or short, it holds
-            no model state under ``"model"`` or ``"state_dict"``, or its optimizer keys have gaps.
-    """
+    """Read the DCP index of a sharded directory (found by the detector without a ``backend``), check its
+    shard files, find the model key and optimizers; a ``CheckpointError`` for the index unread, a shard
+    file missing or short, no model state, or optimizer keys with gaps."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if backend is None:
@@ -214,16 +181,9 @@ def read_sharded_layout(
 
 
 def read_indexed_layout(backend: Backend, data: Location) -> ShardedLayout:
-    """What a sharded checkpoint with a per-rank index holds, from its layout file alone (no ``.metadata``).
-
-    The layout's :attr:`ShardedLayout.index` is what each loading rank then reads its part of the index
-    with (:func:`~.rank_index.ranks_to_read`); :attr:`ShardedLayout.metadata` is ``None``. The shard
-    files are checked against the manifest, not here.
-
-    Raises:
-        CheckpointError: the layout cannot be read, it holds no model state under ``"model"`` or
-            ``"state_dict"``, or its optimizer keys have gaps.
-    """
+    """What a sharded checkpoint with a per-rank index holds, from its layout file alone (no ``.metadata``):
+    each loading rank then reads its part of the index (:func:`~.rank_index.ranks_to_read`). The shard
+    files are checked against the manifest, not here."""
     file = join(data, names.INDEX_LAYOUT)
     try:
         raw = backend.read_bytes(file)

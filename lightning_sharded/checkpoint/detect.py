@@ -42,10 +42,6 @@ _WHAT_A_CHECKPOINT_IS = (
 )
 
 
-#: The first bytes of a ``torch.save`` file: a zip archive (torch >= 1.6), or the legacy pickle format.
-_ZIP_MAGIC = b"PK\x03\x04"
-
-
 def not_a_checkpoint(path: str | os.PathLike[str], what: str, why: str) -> CheckpointError:
     """The one error every command and function gives for a path (as the user gave it; ``what``:
     ``"file"``, ``"directory"``...) that holds something else: ``why``, in words, no final period."""
@@ -57,7 +53,8 @@ def _file_kind(backend: Backend, file: Location, shown: str) -> CheckpointKind:
     file is told the same way. Anything else is refused."""
     with backend.open_file(file) as f:
         head = f.read(9)
-    if head.startswith(_ZIP_MAGIC) or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+    # A torch.save file starts as a zip archive (torch >= 1.6), or as the legacy format's pickle.
+    if head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
         return CheckpointKind.FULL
     if hf_layout.is_safetensors_head(head):
         return CheckpointKind.SAFETENSORS

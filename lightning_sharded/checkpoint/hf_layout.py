@@ -1,11 +1,7 @@
 """Hugging Face weights (a ``save_pretrained`` directory, ``consolidate --format safetensors``, one
-``.safetensors`` file): recognised, listed and checked from names and headers only (standard library).
-
-The file format and the directory's layout are described in
-:mod:`~lightning_sharded.checkpoint.tools.safetensors_format`, which writes them. The detector tells such
-weights from a checkpoint here; ``verify`` checks what can be checked without reading a tensor (every
-header reads, every file is as long as its header says, the index names files that are there and keys
-that they hold); ``inspect`` and ``load_pretrained`` list the tensors.
+``.safetensors`` file): recognised, listed and checked from names and headers only (standard library),
+for the detector, ``verify``, ``inspect`` and ``load_pretrained``; the format is described in
+:mod:`~lightning_sharded.checkpoint.tools.safetensors_format`, which writes it.
 """
 
 from __future__ import annotations
@@ -81,11 +77,8 @@ def is_weights_listing(files: Iterable[str]) -> bool:
 
 
 def parse_header(f: IO[bytes], shown: str) -> Header:
-    """The header of the safetensors file open in ``f`` (reads the header only).
-
-    Raises:
-        ValueError: it is not a safetensors file, or its header is not one (the message names ``shown``).
-    """
+    """The header of the safetensors file open in ``f`` (reads the header only); a ``ValueError`` that
+    names ``shown`` when it is not one."""
     head = f.read(8)
     length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
     if not 2 <= length <= HEADER_LIMIT:

@@ -1,11 +1,9 @@
 """Every pickle of a checkpoint, read without unpickling it: what a safe load would refuse.
 
-``verify`` never runs code from a checkpoint, with or without ``--unsafe-unpickle``:
-:func:`refused_pickles` reads the globals of each ``torch.save`` archive statically (a full file,
-``meta.pt``, the per-rank state files, DCP's non-tensor entries inside the shard files; only their
-``data.pkl``) and DCP's
-``.metadata`` with the restricted unpickler, which refuses before building anything else.
-:func:`check_pickles` turns the findings into the one refusal, or into notes for a file the user trusts.
+``verify`` never runs code from a checkpoint, with or without ``--unsafe-unpickle``: the globals of
+each ``torch.save`` archive (a full file, ``meta.pt``, the per-rank state files, DCP's non-tensor
+entries inside the shard files; only their ``data.pkl``) are read statically, and DCP's ``.metadata``
+with the restricted unpickler, which refuses before building anything else.
 """
 
 from __future__ import annotations
@@ -65,19 +63,18 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
                 if found:
                     what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
                     refused.append((what, ", ".join(found)))
-    for rel, rank in _rank_state_files(backend, root):
-        what = f"The per-rank state {rel!r} of the sharded checkpoint {str(root)!r} (rank {rank})"
-        refused += whole(join(root, *rel.split("/")), rel, what, rank)
+    state_files = (
+        f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR))
+    )
+    for rel in sorted(state_files):
+        if (m := names.RANK_STATE_FILE.match(rel)) is not None:
+            rank = int(m.group(1))
+            what = f"The per-rank state {rel!r} of the sharded checkpoint {str(root)!r} (rank {rank})"
+            refused += whole(join(root, *rel.split("/")), rel, what, rank)
     meta = join(root, names.LIGHTNING_METADATA)
     if backend.exists(meta):
         refused += whole(meta, names.LIGHTNING_METADATA, f"The Lightning metadata {str(meta)!r}")
     return refused
-
-
-def _rank_state_files(backend: Backend, root: Location) -> list[tuple[str, int]]:
-    """The per-rank state files of a sharded checkpoint, relative to it, with their ranks (sorted)."""
-    listed = (f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR)))
-    return sorted((rel, int(m.group(1))) for rel in listed if (m := names.RANK_STATE_FILE.match(rel)))
 
 
 def _globals_or_raise(root: Location, source: Any, rel: str, part: str, rank: int | None = None) -> list[str]:
@@ -95,23 +92,10 @@ def _globals_or_raise(root: Location, source: Any, rel: str, part: str, rank: in
 def check_pickles(
     backend: Backend, root: Location, kind: CheckpointKind, weights_only: bool | None
 ) -> list[str]:
-    """Check every pickle of a checkpoint without unpickling it.
-
-    Args:
-        backend: Its storage.
-        root: Where its files are.
-        kind: Sharded directory or full file.
-        weights_only: ``True`` or ``None``: a pickle a safe load would refuse is an error. ``False``
-            (for a file the user trusts): each is described in a note instead.
-
-    Returns:
-        The notes (empty when every pickle opens safely, or with ``weights_only``).
-
-    Raises:
-        CheckpointError: with ``weights_only``, the first refused pickle
-            (:class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`); or a pickle that
-            cannot be read at all.
-    """
+    """Check every pickle of a checkpoint without unpickling it: with ``weights_only`` (``True`` or
+    ``None``) the first that a safe load would refuse is raised (a ``RefusedPickleError``); with ``False``
+    (a file the user trusts) each is described in the notes returned. A pickle that cannot be read at
+    all is damage (a ``CheckpointError``)."""
     found = refused_pickles(backend, root, kind)
     if found and unpickling.resolve_weights_only(weights_only):
         raise unpickling.RefusedPickleError(*found[0])

@@ -34,13 +34,8 @@ def format_files(files: Mapping[str, int]) -> str:
 
 @contextlib.contextmanager
 def progress_bar(total: int, progress: bool | None, desc: str) -> Iterator[Callable[[int], None]]:
-    """A callable that advances a bar by a number of bytes; a no-op when no bar is shown.
-
-    Args:
-        total: Bytes that will be read.
-        progress: Show the bar; ``None`` shows it when ``total`` is at least :data:`PROGRESS_MIN_BYTES`.
-        desc: What is done, e.g. ``"verifying last.ckpt"``.
-    """
+    """A callable that advances a bar of ``total`` bytes by a number of bytes; a no-op when no bar is
+    shown (``progress`` ``False``, or ``None`` and ``total`` under :data:`PROGRESS_MIN_BYTES`)."""
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
     if not show:
         yield lambda n: None

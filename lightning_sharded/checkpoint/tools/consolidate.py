@@ -346,8 +346,8 @@ def _copy_entries(
 def _placed(
     sums: _FillChecksums, base: int, places: list[int], targets: list[torch.Tensor]
 ) -> Callable[[torch.Tensor, int | None], None]:
-    """``sums.filled`` for regions of the buffer at address ``base``, whose views start at ``places``
-    (bytes), each region recorded at its place in the output: its target's, plus its place in its view."""
+    """``sums.filled`` for regions of the buffer at address ``base`` (views at byte ``places``), each
+    recorded at its target's place in the output."""
 
     def filled(region: torch.Tensor, crc: int | None) -> None:
         at = region.data_ptr() - base
@@ -394,7 +394,7 @@ class _Writer:
             raise self._error
 
     def buffer(self) -> torch.Tensor:
-        """A free buffer, once the writer is done with it; raises what the writer met."""
+        """A free buffer; raises what the writer met."""
         buffer = self._free.get()
         if self._error is not None:
             raise self._error
@@ -492,17 +492,12 @@ def _data_start(f: Any, info: Any) -> int:
 
 
 class _FillChecksums:
-    """The CRC-32s of a consolidated file's storage records, from its chunks as they are filled.
+    """The CRC-32s of a consolidated file's storage records, from its regions as they are filled.
 
-    ``loaded`` is the output file memory-mapped (``torch.load(mmap=True)``): every storage is a slice
-    of one mapping, in the order of the archive's records. The mapping's base address is found by
-    matching the storages to the records (sizes in order); then each filled region (a contiguous view,
-    or a buffer's bytes bound for one, :class:`_Writer`) is a file range: :meth:`filled` checksums it
-    while it is in memory (a mapped one's write-back started, ``sync_file_range``; Linux), and
-    :meth:`crcs` joins each record's pieces
-    (:func:`~lightning_sharded.checkpoint.checksum.crc32_combine`). A record whose pieces do not cover
-    it exactly once, or a file whose storages do not match its records, is left to
-    :func:`_fix_zip_crcs` to read back.
+    ``loaded`` is the output memory-mapped: its storages are slices of one mapping, in the order of the
+    archive's records, so matching their sizes gives the mapping's base, and each filled region a file
+    range. A record its pieces do not cover exactly once, or a file whose storages do not match its
+    records, is left to :func:`_fix_zip_crcs` to read back.
     """
 
     def __init__(self, file: Path, loaded: Any) -> None:
@@ -538,9 +533,8 @@ class _FillChecksums:
         return None if self._base is None else target.data_ptr() - self._base
 
     def filled(self, region: torch.Tensor, crc: int | None = None, *, at: int | None = None) -> None:
-        """Checksum a region just filled (``crc``: its CRC-32, computed by the read) and start writing it
-        back: a view of a mapped storage, or, with ``at`` (the address in the mapping it will be written
-        at, by :class:`_Writer`), a buffer's, whose write-back is the writer's."""
+        """Checksum a region just filled (``crc``: its CRC-32, if the read computed it): a view of the
+        mapping, its write-back started here, or a buffer's bound for address ``at`` (the writer's)."""
         if self._base is None or not region.is_contiguous() or not region.numel():
             return
         start = (region.data_ptr() if at is None else at) - self._base
@@ -588,16 +582,14 @@ class _FillChecksums:
         os.close(self._fd)
 
 
-def _fix_zip_crcs(file: Path, known: dict[int, int] | None = None) -> None:
+def _fix_zip_crcs(file: Path, known: dict[int, int]) -> None:
     """Set the CRC-32 of every record of a zip archive written by ``torch.save`` and filled later.
 
-    torch.save computes the CRCs while writing (with ``skip_data``, of the empty space); the data
-    descriptors and central directory are patched in place. ``known`` gives the CRC-32 of records by
-    where their bytes start (:class:`_FillChecksums`); the others are read back, in 8 MiB chunks.
+    torch.save computed them of the empty space (``skip_data``); each is patched in place, the ones
+    ``known`` lacks (by where a record's bytes start) read back in 8 MiB chunks.
     """
     import zipfile
 
-    known = known or {}
     with zipfile.ZipFile(file) as archive:
         infos = archive.infolist()
         start_dir = archive.start_dir  # type: ignore[attr-defined]

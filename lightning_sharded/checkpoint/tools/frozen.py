@@ -1,10 +1,7 @@
 """Trainable-only checkpoints, offline: what one leaves out, reading it back, and ``load_checkpoint``.
 
-A trainable-only checkpoint (``save_trainable_only=True``) holds every model key but its frozen
-parameters, and names where those come from (:class:`~lightning_sharded.checkpoint.manifest.FrozenPart`:
-a sharded directory's manifest, a full file's :data:`~lightning_sharded.checkpoint.names.FROZEN_KEY`).
-The offline tools make it whole again from that source: :func:`load_checkpoint` returns the complete
-checkpoint dict (unless ``merge_frozen=False``), ``consolidate_checkpoint`` writes a complete file.
+A trainable-only checkpoint (``save_trainable_only=True``) names where its frozen parameters come from
+(:class:`~lightning_sharded.checkpoint.manifest.FrozenPart`); the offline tools read them from there.
 """
 
 from __future__ import annotations
@@ -34,12 +31,7 @@ def frozen_listing(
     frozen: FrozenPart, path: str, weights_only: bool | None, fix: str = OFFLINE_FIX
 ) -> Listing:
     """What the frozen source of the checkpoint at ``path`` holds, checked to have every frozen key (less
-    the prefix); ``fix``: what the messages tell to do besides restoring the source.
-
-    Raises:
-        FileNotFoundError: nothing at the source.
-        CheckpointError: the source lacks a frozen key.
-    """
+    the prefix); ``fix``: what the messages tell to do besides restoring the source."""
     try:
         listing = list_source(frozen.source, weights_only)
     except FileNotFoundError as err:
@@ -63,8 +55,7 @@ def read_frozen(
     frozen: FrozenPart, listing: Listing, targets: dict[str, torch.Tensor], weights_only: bool | None
 ) -> None:
     """Fill ``targets`` (model key -> a tensor of the source's shape) from the frozen source, in place."""
-    prefix = frozen.prefix
-    read_weights(listing, {key[len(prefix) :]: value for key, value in targets.items()}, weights_only)
+    read_weights(listing, {key[len(frozen.prefix) :]: value for key, value in targets.items()}, weights_only)
 
 
 def load_checkpoint(

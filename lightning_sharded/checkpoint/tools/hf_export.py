@@ -1,13 +1,7 @@
 """``consolidate_checkpoint(format="safetensors")``: a checkpoint's weights as a Hugging Face directory.
 
-Every shape and dtype is known from the source's index first, so each file's header goes down before
-its data; the data is then read (a batch of tensors of at most :data:`BATCH_BYTES`, or one larger
-tensor), cast and appended: memory holds one batch, never a file or the model.
-
-The destination follows the tools' rules (:mod:`~lightning_sharded.checkpoint.destination`); the
-directory is staged beside it, its files checksummed while written and fsynced, a manifest added
-(so a later export may replace it with ``overwrite=True``, and ``lightning-sharded verify`` finds
-damage), then published by one rename.
+Each file's header goes down first (every shape and dtype is known from the source's index), then its
+tensors, a batch at a time, so memory holds one batch; the rules are in ``docs/huggingface.md``.
 """
 
 from __future__ import annotations

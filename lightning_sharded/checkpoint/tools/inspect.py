@@ -190,11 +190,8 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     manifest = found.manifest
     if manifest is not None:
         info.frozen = manifest.frozen.to_dict() if manifest.frozen is not None else None
-        info.world_size, info.epoch, info.global_step = (
-            manifest.world_size,
-            manifest.epoch,
-            manifest.global_step,
-        )
+        info.world_size = manifest.world_size
+        info.epoch, info.global_step = manifest.epoch, manifest.global_step
     else:
         ranks = {r for name in files if (r := names.shard_rank(name)) is not None}
         info.world_size = max(ranks) + 1 if ranks else None
@@ -223,9 +220,7 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
     backend, file = found.backend, found.data
     refused = False
     try:  # memory-mapped: the tensors are not read (an object is read whole)
-        checkpoint = safe_torch_load(
-            backend, file, "The checkpoint file", weights_only, map_location="cpu", mmap=True
-        )
+        checkpoint = safe_torch_load(backend, file, weights_only, map_location="cpu", mmap=True)
     except unpickling.RefusedPickleError:
         refused = True
         checkpoint = unpickling.inert_load(file, load=backend.torch_load, map_location="cpu", mmap=True)

@@ -1,12 +1,8 @@
-"""``load_pretrained``: weights into a model that is already sharded, each rank reading only its slices.
+"""``load_pretrained``: weights into a model that is already sharded, each rank reading only its slices
+(``docs/huggingface.md``; the sources are :mod:`~lightning_sharded.checkpoint.tools.weight_sources`').
 
-The sources, and how each is read, are :mod:`~lightning_sharded.checkpoint.tools.weight_sources`'.
-The targets are the model's own sharded state dict (``get_model_state_dict``: ``DTensor`` parameters
-of FSDP2 and tensor parallelism, FSDP1's sharded ``ShardedTensor`` views, plain tensors, sharded
-attributes under their keys). One ``torch.distributed.checkpoint.load`` plans, on every rank, the reads
-its local pieces need, so a rank reads the rows and columns it holds and nothing else, cast to their
-dtype. What the source holds is listed once, on rank 0, and shared; keys and shapes are then compared
-the same way on every rank, so every rank loads, or raises the same error, before anything is read.
+What the source holds is listed once, on rank 0, and shared; keys and shapes are then compared the same
+way on every rank, so every rank loads, or raises the same error, before anything is read.
 """
 
 from __future__ import annotations
@@ -111,18 +107,11 @@ def load_pretrained(
 def load_frozen(
     module: nn.Module, frozen: FrozenPart, *, checkpoint: str, weights_only: bool | None = True
 ) -> None:
-    """Load the frozen part of a trainable-only checkpoint (``frozen.keys``) from ``frozen.source``.
+    """Load the frozen part of the trainable-only ``checkpoint`` (``frozen.keys``) from ``frozen.source``.
 
-    Collective, like :func:`load_pretrained`: each rank reads only the slices it holds. The module key
-    ``frozen.prefix + key`` is read from the source's ``key``; every one of ``frozen.keys`` must be in
-    the source with the module's shape.
-
-    ``checkpoint``: the trainable-only checkpoint, for messages.
-
-    Raises:
-        FileNotFoundError: nothing at the source.
-        CheckpointError: the source lacks a key or holds another shape (the same error on every rank,
-            before anything of the module changed).
+    Collective, like :func:`load_pretrained`: the module key ``frozen.prefix + key`` is read from the
+    source's ``key``, which must be there with the module's shape (else the same error on every rank,
+    before anything of the module changed).
     """
     if not frozen.keys:
         return

@@ -1,15 +1,10 @@
 """Reading checkpoints in one process, without any process group: the offline reader and ``load_checkpoint``.
 
-Sharded directories written by this library, by stock Lightning's ``FSDPStrategy`` (DCP keys
-``model``, ``optimizer_N``) and by stock ``ModelParallelStrategy`` (``state_dict``, ``optimizer_N``),
-plus ``meta.pt``; and full ``torch.save`` files. A sharded checkpoint becomes the dict a full
-Lightning checkpoint is: ``state_dict`` with full tensors, ``optimizer_states`` in torch's form
-(``{"state": {index: ...}, "param_groups": [{"params": [index, ...]}]}``, indices in the order of the
-parameter groups, as ``Optimizer.state_dict()`` numbers them), and everything Lightning kept in
-``meta.pt`` (epoch, global step, loops, callbacks, hyperparameters...).
-
-Every pickle (``.metadata``, ``meta.pt``, DCP's non-tensor entries, a full file) is read safely
-unless the caller passes ``weights_only=False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
+A sharded directory (this library's, stock ``FSDPStrategy``'s DCP keys ``model``, ``optimizer_N``, or
+stock ``ModelParallelStrategy``'s ``state_dict``, ``optimizer_N``; and ``meta.pt``) becomes the dict a full
+Lightning checkpoint is, ``optimizer_states`` indexed in the order of the parameter groups, as
+``Optimizer.state_dict()`` numbers them. Every pickle is read safely unless the caller passes
+``weights_only=False`` (:mod:`~lightning_sharded.checkpoint.unpickling`).
 """
 
 from __future__ import annotations
@@ -55,12 +50,8 @@ __all__ = [
 
 
 class OfflineReader:
-    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets.
-
-    Every pickle (``.metadata``, the non-tensor entries) is read safely unless ``weights_only`` is
-    ``False`` (:mod:`~lightning_sharded.checkpoint.unpickling`). With a ``verification``, the reads
-    record the CRC-32 of the bytes they read, and :meth:`check` completes and compares them.
-    """
+    """Reads a DCP directory in this process (``no_dist``), tensor entries into given targets; with a
+    ``verification``, the reads record the CRC-32 of the bytes they read, for :meth:`check`."""
 
     def __init__(
         self,
@@ -152,14 +143,13 @@ class OfflineReader:
         from lightning_sharded._compat import dcp_load_state_dict
 
         refusals: list[CheckpointError] = []
-        outer = self
         checksums = self.verification.checksums if self.verification is not None else None
         if checksums is None and on_filled is not None and self.backend.reads_checksums:
             checksums = ReadChecksums()  # each direct read's CRC-32 for on_filled, computed as it is read
 
         def what(read_item: Any) -> str:
-            info = (outer.metadata.storage_data or {}).get(read_item.storage_index)
-            return outer.what(read_item.dest_index.fqn, str(info.relative_path) if info is not None else None)
+            info = (self.metadata.storage_data or {}).get(read_item.storage_index)
+            return self.what(read_item.dest_index.fqn, str(info.relative_path) if info is not None else None)
 
         class Planner(SafeBytesPlanner):
             def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
@@ -206,11 +196,7 @@ class OfflineReader:
 
     def check(self) -> None:
         """With a ``verification``: every file's checksum (completed from the bytes the reads did not
-        cover) compared with the manifest; call it after the last read, before what was read is used.
-
-        Raises:
-            CheckpointError: a file's bytes differ from what was written; names the file and its rank.
-        """
+        cover) compared with the manifest; call it after the last read, before what was read is used."""
         if self.verification is not None:
             self.verification.check()
 
@@ -261,14 +247,9 @@ class OfflineReader:
         on_tensor: Callable[[int], None] | None,
         on_filled: Callable[[torch.Tensor, int | None], None] | None = None,
     ) -> None:
-        """Copy the tensor entries named by ``targets`` into them (full, global shape), chunk by chunk.
-
-        Args:
-            on_tensor: Called with the bytes of each chunk once it is copied (a progress bar).
-            on_filled: Called with the region of the target each chunk was copied into (a view) and
-                the CRC-32 of its bytes where the read computed it (a direct read, local files), else
-                ``None``.
-        """
+        """Copy the tensor entries named by ``targets`` into them (full, global shape), chunk by chunk;
+        ``on_tensor`` gets each chunk's bytes (a progress bar), ``on_filled`` its region of the target and
+        the CRC-32 of its bytes where the read computed it (a direct read, local files), else ``None``."""
         self._load(dict(targets), on_tensor, on_filled)
 
 
@@ -279,32 +260,25 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {last[-1] if last else ''}"
 
 
-def safe_torch_load(
-    backend: Backend, file: Location, what: str, weights_only: bool | None, **kwargs: Any
-) -> Any:
-    """``backend.torch_load`` of ``file`` through :func:`unpickling.safe_load` (``what``: the file's
-    kind in words, for a refusal: ``"The checkpoint file"``); ``kwargs`` go to ``torch.load``."""
-    return unpickling.safe_load(
-        file, what=f"{what} {str(file)!r}", weights_only=weights_only, load=backend.torch_load, **kwargs
-    )
+def safe_torch_load(backend: Backend, file: Location, weights_only: bool | None, **kwargs: Any) -> Any:
+    """A full checkpoint file through :func:`unpickling.safe_load`; ``kwargs`` go to ``torch.load``."""
+    what = f"The checkpoint file {str(file)!r}"
+    return unpickling.safe_load(file, what=what, weights_only=weights_only, load=backend.torch_load, **kwargs)
 
 
 def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     node: Any = root
     for key, nxt in itertools.pairwise(path):
         if isinstance(node, list):
-            while len(node) <= key:
-                node.append(None)
+            node.extend([None] * (key + 1 - len(node)))
             if node[key] is None:
                 node[key] = [] if isinstance(nxt, int) else {}
             node = node[key]
         else:
             node = node.setdefault(key, [] if isinstance(nxt, int) else {})
-    last = path[-1]
     if isinstance(node, list):
-        while len(node) <= last:
-            node.append(None)
-    node[last] = value
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
 
 
 def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
@@ -399,7 +373,7 @@ def read_full(backend: Backend, file: Location, weights_only: bool | None, fix: 
     """:func:`safe_torch_load` of a full checkpoint file; an error reading it as a ``CheckpointError``
     (``fix``: what its message then tells to do, from a space, or nothing)."""
     try:
-        return safe_torch_load(backend, file, "The checkpoint file", weights_only, **kwargs)
+        return safe_torch_load(backend, file, weights_only, **kwargs)
     except CheckpointError:
         raise
     except Exception as err:

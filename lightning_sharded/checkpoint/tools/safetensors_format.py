@@ -1,16 +1,11 @@
-"""The safetensors file format and Hugging Face's layout of a weights directory, read and written here.
+"""The safetensors file format and Hugging Face's layout of a weights directory, as written here.
 
 A ``.safetensors`` file is an 8-byte little-endian header length ``N``, a JSON header of ``N`` bytes
 (``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
 offsets relative to the end of the header) and the tensors' raw bytes, in that order
-(https://huggingface.co/docs/safetensors/index#format). Knowing every shape and dtype first, a
-writer can put the header down, then stream the tensors one by one: memory holds one tensor, never a
-file. A directory holds ``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` files and
-``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
-
-Standard library and torch only: what is written. A directory's index and headers are read by
-:mod:`~lightning_sharded.checkpoint.hf_layout` (``list_weights``), for the detector, ``verify``,
-``inspect`` and ``load_pretrained`` alike.
+(https://huggingface.co/docs/safetensors/index#format); the directory's layout is in
+``docs/huggingface.md``. Standard library and torch only; :mod:`~lightning_sharded.checkpoint.hf_layout`
+reads them.
 """
 
 from __future__ import annotations
@@ -70,11 +65,7 @@ _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
 
 
 def parse_size(value: int | str) -> int:
-    """A size in bytes from ``5000000``, ``"5GB"`` (10**9, as Hugging Face counts), ``"500MB"``, ``"2GiB"``.
-
-    Raises:
-        ValueError: not a positive size.
-    """
+    """A size in bytes from ``5000000``, ``"5GB"`` (10**9 bytes, as HF counts), ``"500MB"``, ``"2GiB"``."""
     if isinstance(value, bool):
         raise ValueError(
             f"max_shard_size must be a size such as '5GB', '500MB' or a number of bytes, not {value!r}."
@@ -96,11 +87,7 @@ def parse_size(value: int | str) -> int:
 
 
 def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``None``, a floating torch dtype, or its name (``"bfloat16"``, ``"float16"``, ``"float32"``).
-
-    Raises:
-        ValueError: another value.
-    """
+    """``None``, a floating torch dtype, or its name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -136,10 +123,8 @@ def file_name(index: int, count: int) -> str:
 
 
 def plan_files(entries: Sequence[Entry], max_bytes: int) -> list[list[Entry]]:
-    """Entries split into files of at most ``max_bytes`` each, in order, as ``save_pretrained`` does.
-
-    A tensor larger than ``max_bytes`` gets a file of its own.
-    """
+    """Entries split into files of at most ``max_bytes`` each (a larger tensor alone), in order, as
+    ``save_pretrained`` does."""
     files: list[list[Entry]] = [[]]
     size = 0
     for entry in entries:

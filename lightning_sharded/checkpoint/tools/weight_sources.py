@@ -1,12 +1,8 @@
 """Where ``load_pretrained`` reads weights from: what a source holds, and a DCP reader of its slices.
 
-:func:`list_source` (rank 0) tells a Hugging Face directory or ``.safetensors`` file, a full checkpoint
-file and a sharded checkpoint directory apart and lists their tensors (:class:`Listing`, sent to every
-rank). :func:`read_weights` then loads targets through one ``torch.distributed.checkpoint.load``: a
-sharded checkpoint through its own DCP reader (resharding), the other sources through
-:class:`SliceReader`, which answers each read item (a box of a whole stored tensor) with that slice
-only: ``safetensors``' ``get_slice`` for safetensors files, a view of the memory-mapped tensor for a
-full file.
+:func:`read_weights` loads through one ``torch.distributed.checkpoint.load``: a sharded checkpoint by
+its own DCP reader (resharding), a safetensors or full file by :class:`SliceReader`, which reads each
+item's slice only (``safetensors``' ``get_slice``, a view of the memory-mapped tensor).
 """
 
 from __future__ import annotations
@@ -117,12 +113,8 @@ def full_weights(
     backend: Backend, file: Location, weights_only: bool | None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A full checkpoint file's dict and its model weights: its ``state_dict``, or the file's own dict of
-    tensors (a saved ``state_dict``). Memory-mapped where the backend can (local files), so a tensor is
-    read when it is copied out.
-
-    Raises:
-        CheckpointError: the file does not read, or holds no tensors.
-    """
+    tensors (a saved ``state_dict``); a ``CheckpointError`` when it does not read or holds no tensors.
+    Memory-mapped where the backend can (local files), so a tensor is read when it is copied out."""
     checkpoint = read_full(backend, file, weights_only, "", map_location="cpu", mmap=True)
     checkpoint = checkpoint if isinstance(checkpoint, dict) else {}
     state = checkpoint.get(names.STATE_DICT, checkpoint)
