@@ -93,8 +93,8 @@ def fit_loop(checkpoint: Mapping[str, Any], key: str) -> Mapping[str, Any] | Non
     return loop if isinstance(loop, Mapping) else None
 
 
-def _counts(progress: Mapping[str, Any], which: str) -> tuple[int, int, int, int]:
-    counts = progress.get(which) or {}
+def _counts(progress: Mapping[str, Any] | None, which: str) -> tuple[int, int, int, int]:
+    counts = (progress or {}).get(which) or {}
     return tuple(int(counts.get(k, 0)) for k in ("ready", "started", "processed", "completed"))  # type: ignore[return-value]
 
 
@@ -131,14 +131,12 @@ def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
 
 def epoch_of(checkpoint: Mapping[str, Any]) -> int:
     """The epoch a resume of ``checkpoint`` runs first (``trainer.current_epoch``: the completed epochs)."""
-    epochs = fit_loop(checkpoint, _EPOCH_PROGRESS)
-    return _counts(epochs, "current")[3] if epochs is not None else 0
+    return _counts(fit_loop(checkpoint, _EPOCH_PROGRESS), "current")[3]
 
 
 def batches_done(checkpoint: Mapping[str, Any]) -> int:
     """The batches of the current epoch fetched before the checkpoint (its fit loop's progress)."""
-    batches = fit_loop(checkpoint, _BATCH_PROGRESS)
-    return _counts(batches, "current")[0] if batches is not None else 0
+    return _counts(fit_loop(checkpoint, _BATCH_PROGRESS), "current")[0]
 
 
 class _SkipOnce(torch.utils.data.Sampler[Any]):

@@ -152,10 +152,10 @@ def _restore_full_optimizer(
             f" configured now has {len(optimizer.param_groups)}. Resume with the same parameter groups."
         )
     try:
-        names = [name for name, _ in named_optimizer_params(model, optimizer)]
+        named = named_optimizer_params(model, optimizer)
     except KeyError:  # FSDP1 without use_orig_params: the optimizer holds flat parameters
-        names = []
-    source_state = _name_keyed(where, source, names) if names else {}
+        named = []
+    source_state = _name_keyed(where, source, [name for name, _ in named]) if named else {}
     stored: Stored = {
         name: {
             entry: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (None, None)
@@ -171,9 +171,8 @@ def _restore_full_optimizer(
     if not from_index:  # torch's template, keyed by the names of the flat parameters
         source_state = _name_keyed(where, source, param_names(template))
         missing = [f"{n}.{e}" for n in sorted(state) for e in state[n] if e not in source_state.get(n, {})]
-    elif source_state:
-        trainable = [n for n, p in named_optimizer_params(model, optimizer) if p.requires_grad]
-        missing = [n for n in trainable if n not in state]
+    elif source_state:  # `named` then holds every parameter
+        missing = [n for n, p in named if p.requires_grad and n not in state]
     if missing and strict:
         raise CheckpointError(
             f"The optimizer state {where} does not fit the optimizer (strict loading). Missing key(s) in"

@@ -170,10 +170,13 @@ def _prepare_optimizer(
     """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
     it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
-    stored = _stored_optimizer_entries(layout, key)
-    template, from_index, load = make_template(
-        model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path))
-    )
+    where = f"{key}.{STATE}."
+    stored: Stored = {}  # parameter name -> entry -> (global shape, dtype)
+    for flat_key in sorted(layout.entries):
+        if flat_key.startswith(where):
+            name, _, entry = flat_key[len(where) :].rpartition(".")
+            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
+    template, from_index, load = make_template(model, optimizer, stored, model_state, where, repr(str(path)))
     groups: list[dict[str, Any]] = template[PARAM_GROUPS]
     prefix = f"{key}.{PARAM_GROUPS}."
     groups_in_checkpoint = {int(k.split(".")[2]) for k in layout.entries if k.startswith(prefix)}
@@ -282,17 +285,6 @@ def make_template(
             set_optimizer_state(model, optimizer, template)
 
     return template, from_index, load
-
-
-def _stored_optimizer_entries(layout: ShardedLayout, key: str) -> Stored:
-    """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
-    prefix = f"{key}.{STATE}."
-    stored: Stored = {}
-    for flat_key in sorted(layout.entries):
-        if flat_key.startswith(prefix):
-            name, _, entry = flat_key[len(prefix) :].rpartition(".")
-            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
-    return stored
 
 
 def _rank_metadata(backend: Backend, path: Location, layout: ShardedLayout, state: dict[str, Any]) -> Any:
