@@ -63,20 +63,12 @@ def set_generator_states(loader: Any, states: Mapping[str, torch.Tensor]) -> lis
 
 
 class ResumePoint(enum.Enum):
-    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells (the table of
-    ``docs/checkpoint-format.md``, "When it is restored", says what a resume does at each).
-
-    - ``MID_EPOCH``: the epoch goes on from a batch; the loader's position is restored, the generators
-      are set once its resumed iterator exists.
-    - ``LAST_BATCH`` (the last batch's ``on_train_batch_end``): Lightning starts the next epoch with the
-      iterator it creates at the loader's setup; the saved position (the done epoch's end) is dropped and
-      the generators are set before that iterator exists.
-    - ``EPOCH_END`` (``on_train_epoch_end``, or after): by epochs, as ``LAST_BATCH``; by steps Lightning
-      would process the done epoch again, so the progress is read as ``AFTER_LAST_BATCH``'s
-      (:func:`to_after_last_batch`).
-    - ``AFTER_LAST_BATCH`` (a validation after the last batch): Lightning finishes the epoch without a
-      batch (when a fetch is due, the loader's first iterator must be empty: :func:`skip_epoch`), then
-      creates the next epoch's iterator; the generators are set before that.
+    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells. What a resume
+    does at each is a row of the table of ``docs/checkpoint-format.md``, "When it is restored":
+    ``MID_EPOCH`` (within an epoch), ``LAST_BATCH`` (on the last batch), ``EPOCH_END`` (at the epoch's
+    end; by steps read as ``AFTER_LAST_BATCH``, :func:`to_after_last_batch`) and ``AFTER_LAST_BATCH``
+    (after the last batch's validation; a plain loader's first iterator then yields nothing,
+    :func:`skip_epoch`).
     """
 
     MID_EPOCH = "mid-epoch"
