@@ -213,12 +213,8 @@ def _full_pieces(
 
 
 def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step).
-
-    For models whose optimizer state cannot be described from a checkpoint's index (FSDP1 outside
-    :func:`lightning_sharded.checkpoint.fsdp1.supported`): never the views of the current state,
-    which are empty before the first step.
-    """
+    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step): for
+    FSDP1 outside :func:`~.fsdp1.supported`, whose state is empty before the first step."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=_options(False))

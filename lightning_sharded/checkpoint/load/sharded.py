@@ -64,16 +64,13 @@ def restore_sharded(
     keep_model: bool = False,
     read_metadata: bool = True,
 ) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
-    """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
-    ``optimizers``.
+    """Load the sharded checkpoint ``found`` into ``model`` and ``optimizers``; collective.
 
-    Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
-    comparison of model keys, and a trainable-only checkpoint's frozen part limited to the keys the
-    model has (not read here). With a ``verification``, the checksums of the files are computed from the
-    reads and compared before the model's remaining state and the optimizers are set; a read that fails
-    names a damaged file. With ``keep_model`` too, the model's tensors are read into CPU buffers laid out
-    as its shards and copied into the model only once the checksums matched, so a damaged checkpoint
-    leaves the model as it was (the cost: one more copy of the rank's model shard in host memory).
+    Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the comparison of
+    model keys, and a trainable-only checkpoint's frozen part limited to the model's keys (not read
+    here). ``verification`` checks the checksums from the reads before the model's remaining state and
+    the optimizers are set (``verify="during"``); with ``keep_model`` too, the model is read into CPU
+    buffers and copied in once they matched (``verify="before"``, :func:`~.load.restore_checkpoint`).
     """
     backend, path = found.backend, found.data
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
