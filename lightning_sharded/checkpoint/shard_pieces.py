@@ -166,14 +166,13 @@ def wrap_state(state: dict[str, Any], pieces: Mapping[str, Piece]) -> dict[int, 
     return backing
 
 
-def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """The name-keyed optimizer state dict ``state`` with each sharded view of ``backing`` (from
-    :func:`wrap_state` or a load's template) replaced by the plain tensor it views, in place."""
+def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> None:
+    """Replace, in the name-keyed optimizer state dict ``state``, each sharded view of ``backing`` (from
+    :func:`wrap_state` or a load's template) by the plain tensor it views."""
     if backing:
         for entries in state.get(STATE, {}).values():
             for entry, value in list(entries.items()):
                 entries[entry] = backing.get(id(value), value)
-    return state
 
 
 Described = dict[str, dict[str, Any]]

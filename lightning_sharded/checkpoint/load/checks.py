@@ -182,7 +182,6 @@ def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     from lightning_sharded.checkpoint import fsdp1
 
     # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
-    # FSDP1: parameters go into the flat shards without gathers.
     with fsdp1.views() if fsdp1.supported(model) else contextlib.nullcontext():
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 

@@ -265,7 +265,6 @@ def make_template(
         step="checking the optimizer state",
     )
     if template is None:
-        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
         template = fsdp1.optimizer_template(model, optimizer, stored, backing)
     from_index = template is not None
     if template is None:

@@ -113,9 +113,6 @@ def allowed_objects(names: Iterable[str]) -> dict[str, Any]:
     return allowed
 
 
-# ------------------------------------------------------------------------- the list, made active
-
-
 class _AttributeDictStub:
     """Stands for ``AttributeDict`` during a safe load.
 
