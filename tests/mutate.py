@@ -87,10 +87,7 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["tests/test_atomic_faults.py", "tests/test_storage_faults.py", "tests/test_full_disk.py"],
     ),
     "load": (
-        [
-            f"checkpoint/load/{name}.py"
-            for name in ("__init__", "checks", "full", "pages", "parts", "sharded")
-        ],
+        [f"checkpoint/load/{name}.py" for name in ("__init__", "checks", "full", "parts", "sharded")],
         [
             "tests/test_core_contracts.py",
             "tests/checkpoint/test_partial_reads.py",

@@ -24,14 +24,9 @@ def read_meta(
 ) -> dict[str, Any]:
     """The Lightning metadata dict in ``meta.pt`` at ``file``, read through ``backend``.
 
-    Args:
-        backend: The checkpoint's storage.
-        file: Its ``meta.pt``.
-        weights_only: ``torch.load``'s, as ``fit()`` was given it; with ``safe``, ``True`` (or ``None``)
-            reads with :func:`~lightning_sharded.checkpoint.unpickling.safe_load` (what Lightning writes
-            allowed) and ``False`` unpickles anything.
-        safe: The offline tools' rule (a refused type raises
-            :class:`~lightning_sharded.checkpoint.unpickling.RefusedPickleError`, naming it); else a resume's.
+    ``weights_only``: ``torch.load``'s, as ``fit()`` was given it (a resume's rule). With ``safe`` (the
+    offline tools' rule), ``True`` or ``None`` reads with :func:`~.unpickling.safe_load` (a refused type
+    raises :class:`~.unpickling.RefusedPickleError`, naming it), ``False`` unpickles anything.
 
     Raises:
         StorageError: the storage failed the read (permissions, an I/O error...).

@@ -1,17 +1,14 @@
 """The per-rank index of a sharded checkpoint: each loading rank reads only the part it needs.
 
-DCP's ``.metadata`` lists every piece of every tensor, so at N ranks it grows with N, and a load gives
-all of it to every rank (3.7 MB, 0.45 s of CPU to unpickle, per rank at 4,096 ranks). Beside it, a save
-of this library writes :data:`~.names.INDEX_LAYOUT` (rank 0, from the global ``Metadata``: per key its
-dtype, global shape and *grid*, which says which rank wrote which piece, three or four numbers for the
-common cuts: :data:`EVEN`, :data:`WHOLE`, :data:`FLAT`, else :data:`CHUNKS`) and
-:func:`~.names.rank_index_file` ``(k)`` (rank k, no collective: where each piece it wrote is). A loading
-rank finds from the grids the ranks whose pieces its tensors overlap (:func:`ranks_to_read`), reads
-only their files, and plans its reads with a DCP ``Metadata`` of every key but only those pieces
-(:func:`partial_metadata`): the same reads as with the whole index. The files, the grids and the
-compatibility rules: ``docs/checkpoint-format.md``, "The per-rank index". A save the grids cannot
-describe (:func:`layout_bytes` returns ``None``: a writer that names its files otherwise, storage
-transforms) has no layout, and loads from ``.metadata``.
+DCP's ``.metadata`` grows with the number of ranks and a load gives all of it to every rank (3.7 MB,
+0.45 s of CPU to unpickle, per rank at 4,096 ranks). A save of this library writes beside it
+:data:`~.names.INDEX_LAYOUT` (rank 0: per key its dtype, global shape and *grid*, :data:`EVEN`,
+:data:`WHOLE`, :data:`FLAT` or :data:`CHUNKS`) and :func:`~.names.rank_index_file` ``(k)`` (rank k,
+no collective); a loading rank reads the files of the ranks whose pieces its tensors overlap
+(:func:`ranks_to_read`) and plans with a DCP ``Metadata`` of only those pieces (:func:`partial_metadata`).
+The files, the grids, the compatibility rules: ``docs/checkpoint-format.md``, "The per-rank index". A
+save the grids cannot describe (:func:`layout_bytes` returns ``None``) has no layout and loads from
+``.metadata``.
 """
 
 from __future__ import annotations

@@ -268,7 +268,9 @@ def restore(
     weights_only: bool | None,
     path: str,
 ) -> RankRestore:
-    """Take the per-rank state out of a loaded checkpoint's ``metadata`` and decide what to restore.
+    """Take the per-rank state out of a loaded checkpoint's ``metadata`` (``Restored.metadata``; its
+    ``found`` reads a directory's rank files, with ``weights_only`` as ``fit()`` was given it) and
+    decide what to restore; ``path`` as the user gave it, for messages.
 
     Collective: what the entry is (its saved world size, a full file's or a directory's) is decided on
     rank 0, so every rank takes the same branch. ``metadata`` loses :data:`~.names.RANK_STATE_KEY`; at the
@@ -276,14 +278,6 @@ def restore(
     rank's. At another world size the RNG states are not restored, nor the dataloader state (with its
     generators) or a registered state unless every saved rank had the same one (then every rank gets it);
     :attr:`RankRestore.warning` says which and why.
-
-    Args:
-        metadata: The Lightning checkpoint without model and optimizer states (``Restored.metadata``).
-        found: The checkpoint loaded (``Restored.found``), whose backend reads a directory's rank files.
-        rank: This process's global rank.
-        world_size: The number of ranks now.
-        weights_only: ``torch.load``'s, as ``fit()`` was given it, for the per-rank files.
-        path: The checkpoint path as the user gave it, for messages.
 
     Raises:
         CheckpointError: a per-rank file cannot be read, or holds another rank's state; on every rank.

@@ -26,7 +26,7 @@ import torch
 
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.tensors import adapter_for
+from lightning_sharded.tensors import ShardedAdapter, adapter_for
 
 __all__ = [
     "PARAMS",
@@ -56,17 +56,17 @@ class Piece:
         layout: The model's sharded state value the parameter holds a piece of.
         offsets: For each local tensor of ``layout`` (in the adapter's order), its storage offset
             relative to the parameter's first element.
+        adapter: The adapter of ``layout``'s kind.
     """
 
     param: torch.Tensor
     layout: Any
     offsets: tuple[int, ...]
+    adapter: ShardedAdapter
 
     @property
     def global_shape(self) -> tuple[int, ...]:
-        adapter = adapter_for(self.layout)
-        assert adapter is not None
-        return tuple(adapter.global_shape(self.layout))
+        return tuple(self.adapter.global_shape(self.layout))
 
     def fits(self, value: Any) -> bool:
         """Whether ``value`` is a plain state tensor laid out like the parameter (its views are valid)."""
@@ -79,15 +79,13 @@ class Piece:
 
     def views(self, value: torch.Tensor) -> Any:
         """The sharded value laid out like :attr:`layout` whose local tensors are views of ``value``."""
-        adapter = adapter_for(self.layout)
-        assert adapter is not None
-        locals_ = adapter.local_tensors(self.layout)
+        locals_ = self.adapter.local_tensors(self.layout)
         base = value.detach()
         pieces = [
             base.as_strided(local.shape, local.stride(), base.storage_offset() + offset)
             for local, offset in zip(locals_, self.offsets, strict=True)
         ]
-        return adapter.views_like(self.layout, pieces, value.dtype)
+        return self.adapter.views_like(self.layout, pieces, value.dtype)
 
 
 def _offsets(param: torch.Tensor, locals_: list[torch.Tensor]) -> tuple[int, ...] | None:
@@ -139,7 +137,7 @@ def find_pieces(
         over_plain.append(name)
         offsets = _offsets(param, adapter.local_tensors(value))
         if offsets is not None:
-            pieces[name] = Piece(param, value, offsets)
+            pieces[name] = Piece(param, value, offsets, adapter)
     return pieces, over_plain
 
 
@@ -168,14 +166,13 @@ def wrap_state(state: dict[str, Any], pieces: Mapping[str, Piece]) -> dict[int, 
     return backing
 
 
-def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> dict[str, Any]:
-    """The name-keyed optimizer state dict ``state`` with each sharded view of ``backing`` (from
-    :func:`wrap_state` or a load's template) replaced by the plain tensor it views, in place."""
+def unwrap_state(state: dict[str, Any], backing: Mapping[int, torch.Tensor]) -> None:
+    """Replace, in the name-keyed optimizer state dict ``state``, each sharded view of ``backing`` (from
+    :func:`wrap_state` or a load's template) by the plain tensor it views."""
     if backing:
         for entries in state.get(STATE, {}).values():
             for entry, value in list(entries.items()):
                 entries[entry] = backing.get(id(value), value)
-    return state
 
 
 Described = dict[str, dict[str, Any]]
@@ -189,9 +186,7 @@ def _describe(state: dict[str, Any], pieces: Mapping[str, Piece]) -> tuple[Descr
     holds: dict[str, bool] = {}
     for name in sorted(pieces):
         piece = pieces[name]
-        adapter = adapter_for(piece.layout)
-        assert adapter is not None
-        holds[name] = any(t.numel() > 0 for t in adapter.local_tensors(piece.layout))
+        holds[name] = any(t.numel() > 0 for t in piece.adapter.local_tensors(piece.layout))
         for entry, value in sorted((state.get(STATE, {}).get(name) or {}).items()):
             of = adapter_for(value)
             info = ("sharded", tuple(of.global_shape(value)), of.dtype(value)) if of else ("value", value)

@@ -77,13 +77,11 @@ def model_state_dict(model: nn.Module, *, full: bool) -> dict[str, Any]:
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: Optimizer, *, full: bool) -> dict[str, Any]:
-    """An optimizer's state keyed by parameter name, sharded like the parameters; or full.
-
-    With ``full=True`` the state is gathered (on rank 0 only, as for the model) and keyed by parameter
-    index, the form ``torch.optim.Optimizer.state_dict()`` and stock Lightning use, so a plain
-    single-device Trainer can resume from it. The state of a parameter that is this rank's piece of a
-    sharded model value (TorchRec's tables, :mod:`~lightning_sharded.checkpoint.shard_pieces`) is laid
-    out like that value: every rank's piece is saved, or gathered for a full state (collective).
+    """An optimizer's state keyed by parameter name, sharded like the parameters; or full: gathered (on
+    rank 0 only, as for the model) and keyed by parameter index, the form of ``Optimizer.state_dict()``
+    and stock Lightning, so a plain single-device Trainer can resume from it. The state of a piece of a
+    sharded model value (TorchRec's tables, :mod:`~.shard_pieces`) is laid out like that value: every
+    rank's piece is saved, or gathered for a full state (collective).
     """
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -213,12 +211,8 @@ def _full_pieces(
 
 
 def torch_optimizer_template(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step).
-
-    For models whose optimizer state cannot be described from a checkpoint's index (FSDP1 outside
-    :func:`lightning_sharded.checkpoint.fsdp1.supported`): never the views of the current state,
-    which are empty before the first step.
-    """
+    """torch's sharded optimizer state dict to load into, its state created first (one zero-lr step): for
+    FSDP1 outside :func:`~.fsdp1.supported`, whose state is empty before the first step."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, optimizer, options=_options(False))

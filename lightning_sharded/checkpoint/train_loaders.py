@@ -63,20 +63,12 @@ def set_generator_states(loader: Any, states: Mapping[str, torch.Tensor]) -> lis
 
 
 class ResumePoint(enum.Enum):
-    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells (the table of
-    ``docs/checkpoint-format.md``, "When it is restored", says what a resume does at each).
-
-    - ``MID_EPOCH``: the epoch goes on from a batch; the loader's position is restored, the generators
-      are set once its resumed iterator exists.
-    - ``LAST_BATCH`` (the last batch's ``on_train_batch_end``): Lightning starts the next epoch with the
-      iterator it creates at the loader's setup; the saved position (the done epoch's end) is dropped and
-      the generators are set before that iterator exists.
-    - ``EPOCH_END`` (``on_train_epoch_end``, or after): by epochs, as ``LAST_BATCH``; by steps Lightning
-      would process the done epoch again, so the progress is read as ``AFTER_LAST_BATCH``'s
-      (:func:`to_after_last_batch`).
-    - ``AFTER_LAST_BATCH`` (a validation after the last batch): Lightning finishes the epoch without a
-      batch (when a fetch is due, the loader's first iterator must be empty: :func:`skip_epoch`), then
-      creates the next epoch's iterator; the generators are set before that.
+    """Where in its epoch a checkpoint was saved, as the fit loop's progress in it tells. What a resume
+    does at each is a row of the table of ``docs/checkpoint-format.md``, "When it is restored":
+    ``MID_EPOCH`` (within an epoch), ``LAST_BATCH`` (on the last batch), ``EPOCH_END`` (at the epoch's
+    end; by steps read as ``AFTER_LAST_BATCH``, :func:`to_after_last_batch`) and ``AFTER_LAST_BATCH``
+    (after the last batch's validation; a plain loader's first iterator then yields nothing,
+    :func:`skip_epoch`).
     """
 
     MID_EPOCH = "mid-epoch"
@@ -93,8 +85,8 @@ def fit_loop(checkpoint: Mapping[str, Any], key: str) -> Mapping[str, Any] | Non
     return loop if isinstance(loop, Mapping) else None
 
 
-def _counts(progress: Mapping[str, Any], which: str) -> tuple[int, int, int, int]:
-    counts = progress.get(which) or {}
+def _counts(progress: Mapping[str, Any] | None, which: str) -> tuple[int, int, int, int]:
+    counts = (progress or {}).get(which) or {}
     return tuple(int(counts.get(k, 0)) for k in ("ready", "started", "processed", "completed"))  # type: ignore[return-value]
 
 
@@ -131,14 +123,12 @@ def batches_stepped(checkpoint: Mapping[str, Any]) -> int | None:
 
 def epoch_of(checkpoint: Mapping[str, Any]) -> int:
     """The epoch a resume of ``checkpoint`` runs first (``trainer.current_epoch``: the completed epochs)."""
-    epochs = fit_loop(checkpoint, _EPOCH_PROGRESS)
-    return _counts(epochs, "current")[3] if epochs is not None else 0
+    return _counts(fit_loop(checkpoint, _EPOCH_PROGRESS), "current")[3]
 
 
 def batches_done(checkpoint: Mapping[str, Any]) -> int:
     """The batches of the current epoch fetched before the checkpoint (its fit loop's progress)."""
-    batches = fit_loop(checkpoint, _BATCH_PROGRESS)
-    return _counts(batches, "current")[0] if batches is not None else 0
+    return _counts(fit_loop(checkpoint, _BATCH_PROGRESS), "current")[0]
 
 
 class _SkipOnce(torch.utils.data.Sampler[Any]):

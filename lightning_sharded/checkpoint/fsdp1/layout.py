@@ -91,10 +91,8 @@ TORCH_NAMES = (
 
 
 def supported(model: nn.Module) -> bool:
-    """Whether every FSDP1 unit of ``model`` can use the views (see the module docstring).
-
-    Depends on the model's configuration only, the same on every rank.
-    """
+    """Whether every FSDP1 unit of ``model`` can use the views (:mod:`~lightning_sharded.checkpoint.fsdp1`);
+    depends on the model's configuration only, the same on every rank."""
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     from lightning_sharded._compat import fsdp1_state_dict_utils
@@ -148,10 +146,8 @@ def _own_storage(flat: torch.Tensor, start: int, numel: int) -> torch.Tensor:
 
 
 def sharded_tensor(local: torch.Tensor, layout: ParamLayout, group: Any, rank: int) -> Any:
-    """A ``ShardedTensor`` of the parameter's global shape whose local shards are views of ``local``.
-
-    ``local`` is the rank's flat piece of the parameter (or of a state of the same shape).
-    """
+    """A ``ShardedTensor`` of the parameter's global shape whose local shards are views of ``local``, the
+    rank's flat piece of the parameter (or of a state of the same shape)."""
     from lightning_sharded._compat import sharded_tensor_api
 
     _, Shard, ShardMetadata, _, _ = sharded_tensor_api()

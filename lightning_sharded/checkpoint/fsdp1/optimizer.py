@@ -95,14 +95,11 @@ def optimizer_template(
     stored: dict[str, dict[str, tuple[tuple[int, ...] | None, torch.dtype | None]]],
     backing: dict[int, torch.Tensor],
 ) -> dict[str, Any] | None:
-    """What to load an FSDP1 optimizer's state into, from the checkpoint's index; or ``None``.
-
-    The name-keyed template DCP loads into: a state with the parameter's global shape is a
-    ``ShardedTensor`` over a new local flat tensor (recorded in ``backing``: ``id(sharded) -> tensor``,
-    what the optimizer then holds, :func:`~lightning_sharded.checkpoint.shard_pieces.unwrap_state`),
-    other tensors plain, non-tensors ``None``. ``stored`` is as for
-    :func:`~lightning_sharded.checkpoint.load.checks.template_like`. Depends on the model and the
-    checkpoint only: every rank takes the same branch.
+    """The name-keyed template to load an FSDP1 optimizer's state into, from the checkpoint's index
+    (``stored``, as for :func:`~.load.checks.template_like`); or ``None``. A state of the parameter's
+    global shape is a ``ShardedTensor`` over a new local flat tensor (``backing``: ``id(sharded) ->
+    tensor``, what the optimizer then holds), other tensors plain, non-tensors ``None``. Depends on the
+    model and the checkpoint only: every rank takes the same branch.
     """
     found = _pieces(model, optimizer)
     if found is None:

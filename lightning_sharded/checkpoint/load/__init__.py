@@ -90,8 +90,7 @@ def restore_checkpoint(
             load of the model only (the returned metadata is then empty for a sharded checkpoint).
 
     Returns:
-        The rest of the Lightning checkpoint (loops, callbacks, ...) without ``state_dict`` and
-        ``optimizer_states``, and the comparison of model keys (what a non-strict load skipped).
+        The rest of the Lightning checkpoint, the comparison of keys, where it was found: :class:`Restored`.
 
     Raises:
         ValueError: ``verify`` is none of the values above.

@@ -182,7 +182,6 @@ def set_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     from lightning_sharded.checkpoint import fsdp1
 
     # Keys were checked against the checkpoint already; `state` holds exactly the keys to load.
-    # FSDP1: parameters go into the flat shards without gathers.
     with fsdp1.views() if fsdp1.supported(model) else contextlib.nullcontext():
         set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
@@ -212,23 +211,20 @@ def template_like(
     where: str,
     source: str,
 ) -> dict[str, Any] | None:
-    """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; or ``None``.
+    """An empty, name-keyed optimizer state with the entries ``stored`` describes, to load into; ``None``
+    for FSDP1 (flat parameters) or a parameter the model does not name. Runs no optimizer step (unlike
+    ``get_optimizer_state_dict``).
 
-    ``stored``: the checkpoint's entries (:data:`Stored`). Each state tensor with its parameter's global
-    shape is made like the parameter (a ``DTensor`` stays sharded the same way, so each rank holds only
-    its piece). A parameter in ``pieces`` (this rank's piece of a sharded model value,
-    :mod:`~lightning_sharded.checkpoint.shard_pieces`) gets, for a state of the value's global shape, a
-    sharded value of its layout over a new tensor of the parameter's shape (recorded in ``backing``:
-    ``id(sharded) -> tensor``, what the optimizer then holds). A zero-dimensional state (``step``) is a
-    plain tensor; so is any other state of a plain parameter (the model's own shape check vouches for
-    the parameter). Unlike ``get_optimizer_state_dict`` this runs no optimizer step. Only for models
-    whose parameters are the optimizer's parameters (plain, FSDP2, tensor parallel); ``None`` for FSDP1
-    (flat parameters) or a parameter the model does not name.
+    A state tensor of its parameter's global shape is made like the parameter (a ``DTensor`` stays
+    sharded alike: each rank holds its piece). For a parameter in ``pieces`` (:mod:`~.shard_pieces`), a
+    state of the value's global shape is a sharded value of its layout over a new tensor of the
+    parameter's shape (``backing``: ``id(sharded) -> tensor``, what the optimizer then holds). A
+    zero-dimensional state (``step``) is a plain tensor; so is any other state of a plain parameter (the
+    model's own shape check vouches for the parameter).
 
     Raises:
         CheckpointError: a state tensor that fits neither its parameter nor the sharded value it is a
-            piece of (a piece's state of another shape, a sharded parameter's state of another
-            non-scalar shape), naming each key (``where`` + name + entry), both shapes and ``source``.
+            piece of, naming each key (``where`` + name + entry), both shapes and ``source``.
     """
     if has_fsdp1(model):
         return None

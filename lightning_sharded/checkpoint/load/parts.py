@@ -1,21 +1,8 @@
 """The parts of a Lightning checkpoint a resume can leave out (``exclude_from_loading``).
 
 A part is named by the key Lightning keeps it under in the checkpoint dict, so the names read the
-same in a config and in ``torch.load(path).keys()``:
-
-==============================  ====================================================================
-part                            what is not loaded (it starts as in a fresh run)
-==============================  ====================================================================
-``optimizer_states``            every optimizer's state (Adam's moments and step); none of its bytes
-                                is read
-``lr_schedulers``               every LR scheduler's state (its step count, last learning rate)
-``loops``                       the loops' progress: epoch, global step, batch position and the train
-                                dataloader's position (Lightning keeps it in the fit loop)
-``callbacks``                   every callback's state (``ModelCheckpoint``'s best score...)
-``callbacks.<Name>``            one callback's state: its ``state_key``, or the class name it starts
-                                with (``callbacks.EarlyStopping``)
-``rank_state``                  this library's per-rank RNG and train dataloader states
-==============================  ====================================================================
+same in a config and in ``torch.load(path).keys()``; the table of parts: ``docs/strategies.md``,
+"Partial loads".
 
 Everything here works on the dict the strategies' ``load_checkpoint`` returns to the Trainer (what is
 left once the model and optimizer states are in place): dropping a part there is what keeps Lightning
@@ -89,24 +76,21 @@ def drop_parts(checkpoint: MutableMapping[str, Any], parts: tuple[str, ...], pat
             message lists those it has).
     """
     dropped = []
-    states = checkpoint.get(CALLBACKS)
+    states = checkpoint.get(CALLBACKS) or {}
     for part in parts:
         name = _callback_name(part)
         if name:
             if CALLBACKS in parts:
                 continue  # all of them go anyway
-            keys = [
-                k for k in (states or {}) if isinstance(k, str) and (k == name or k.startswith(name + "{"))
-            ]
+            keys = [k for k in states if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
             if not keys:
-                have = sorted(map(str, states or {}))
+                have = sorted(map(str, states))
                 raise CheckpointError(
                     f"`exclude_from_loading` names the callback {name!r}, but the checkpoint {path!r} holds"
                     f" no state of it (callback states: {have or 'none'}). Name one of those (its class name"
                     f" is enough), or remove {part!r}."
                 )
             for key in keys:
-                assert states is not None
                 del states[key]
             dropped.append(f"the state of {', '.join(keys)}")
             continue

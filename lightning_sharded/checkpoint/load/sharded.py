@@ -64,16 +64,13 @@ def restore_sharded(
     keep_model: bool = False,
     read_metadata: bool = True,
 ) -> tuple[dict[str, Any], KeyReport, FrozenPart | None]:
-    """Load the sharded checkpoint ``found`` (its files read through its backend) into ``model`` and
-    ``optimizers``.
+    """Load the sharded checkpoint ``found`` into ``model`` and ``optimizers``; collective.
 
-    Collective. Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the
-    comparison of model keys, and a trainable-only checkpoint's frozen part limited to the keys the
-    model has (not read here). With a ``verification``, the checksums of the files are computed from the
-    reads and compared before the model's remaining state and the optimizers are set; a read that fails
-    names a damaged file. With ``keep_model`` too, the model's tensors are read into CPU buffers laid out
-    as its shards and copied into the model only once the checksums matched, so a damaged checkpoint
-    leaves the model as it was (the cost: one more copy of the rank's model shard in host memory).
+    Returns the Lightning metadata (``meta.pt``; ``{}`` without ``read_metadata``), the comparison of
+    model keys, and a trainable-only checkpoint's frozen part limited to the model's keys (not read
+    here). ``verification`` checks the checksums from the reads before the model's remaining state and
+    the optimizers are set (``verify="during"``); with ``keep_model`` too, the model is read into CPU
+    buffers and copied in once they matched (``verify="before"``, :func:`~.load.restore_checkpoint`).
     """
     backend, path = found.backend, found.data
     # The DCP index is read once, on rank 0, and shared (with the DCP readers too): N ranks reading the
@@ -170,10 +167,13 @@ def _prepare_optimizer(
     """Put what DCP reads for this optimizer into ``into`` (the state of the load); returns what loads
     it into the optimizer once read. Checks first."""
     key = names.optimizer_key(index)
-    stored = _stored_optimizer_entries(layout, key)
-    template, from_index, load = make_template(
-        model, optimizer, stored, model_state, f"{key}.{STATE}.", repr(str(path))
-    )
+    where = f"{key}.{STATE}."
+    stored: Stored = {}  # parameter name -> entry -> (global shape, dtype)
+    for flat_key in sorted(layout.entries):
+        if flat_key.startswith(where):
+            name, _, entry = flat_key[len(where) :].rpartition(".")
+            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
+    template, from_index, load = make_template(model, optimizer, stored, model_state, where, repr(str(path)))
     groups: list[dict[str, Any]] = template[PARAM_GROUPS]
     prefix = f"{key}.{PARAM_GROUPS}."
     groups_in_checkpoint = {int(k.split(".")[2]) for k in layout.entries if k.startswith(prefix)}
@@ -265,7 +265,6 @@ def make_template(
         step="checking the optimizer state",
     )
     if template is None:
-        # FSDP1: the local pieces of the flat parameters, with no communication (when it applies).
         template = fsdp1.optimizer_template(model, optimizer, stored, backing)
     from_index = template is not None
     if template is None:
@@ -282,17 +281,6 @@ def make_template(
             set_optimizer_state(model, optimizer, template)
 
     return template, from_index, load
-
-
-def _stored_optimizer_entries(layout: ShardedLayout, key: str) -> Stored:
-    """The checkpoint's optimizer ``key`` as parameter name -> entry -> (global shape, dtype)."""
-    prefix = f"{key}.{STATE}."
-    stored: Stored = {}
-    for flat_key in sorted(layout.entries):
-        if flat_key.startswith(prefix):
-            name, _, entry = flat_key[len(prefix) :].rpartition(".")
-            stored.setdefault(name, {})[entry] = (layout.entries[flat_key], layout.dtypes.get(flat_key))
-    return stored
 
 
 def _rank_metadata(backend: Backend, path: Location, layout: ShardedLayout, state: dict[str, Any]) -> Any:

@@ -1,13 +1,7 @@
 """What a checkpoint's pickles may hold: the allow-lists, and torch's ``weights_only`` list made to hold them.
 
-Lightning's own list of what it writes, checked against Lightning 2.6 (``ModelCheckpoint``,
-``EarlyStopping``, ``LearningRateMonitor``, ``Timer``, ``StochasticWeightAveraging``, loop and
-``StatefulDataLoader`` states, every ``torch.optim.lr_scheduler``, ``torch.optim`` parameter groups,
-``save_hyperparameters()``): all of it is plain data that torch already allows, except
-``AttributeDict`` (hyperparameters nested in hyperparameters, and checkpoints of Lightning 1.x) and
-the ``argparse.Namespace`` and ``pathlib`` paths that ``save_hyperparameters()`` keeps as given.
-
-Standard library and torch only: nothing here reads a file.
+Which of Lightning's types are on the list, and why (checked against Lightning 2.6):
+``docs/checkpoint-format.md``, "Security". Standard library and torch only: nothing here reads a file.
 """
 
 from __future__ import annotations
@@ -117,9 +111,6 @@ def allowed_objects(names: Iterable[str]) -> dict[str, Any]:
         obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
         allowed[name] = obj
     return allowed
-
-
-# ------------------------------------------------------------------------- the list, made active
 
 
 class _AttributeDictStub:

@@ -99,12 +99,7 @@ def inert_load(source: Any, *, load: Callable[..., Any] = torch.load, **kwargs: 
 
     Tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual; every other
     global is never looked up: the objects made from it are :class:`NotUnpickled` placeholders that
-    keep its name. Only for describing a file (``inspect``); the result is not the checkpoint.
-
-    Args:
-        source: A path or file object, or what ``load`` takes.
-        load: The loader (``torch.load`` or a wrapper of it), called with ``weights_only=False`` and
-            this restricted ``pickle_module``.
-        **kwargs: Passed to ``load`` (``map_location``, ``mmap``).
+    keep its name. Only for describing a file (``inspect``); the result is not the checkpoint. ``load``
+    (``torch.load`` or a wrapper of it) gets ``weights_only=False`` and this restricted ``pickle_module``.
     """
     return load(source, weights_only=False, pickle_module=_InertPickleModule, **kwargs)

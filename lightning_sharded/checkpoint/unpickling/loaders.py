@@ -77,22 +77,13 @@ def safe_load(
     load: Callable[..., Any] = torch.load,
     **kwargs: Any,
 ) -> Any:
-    """``torch.load`` of one checkpoint pickle, safe unless ``weights_only`` is ``False``.
-
-    Args:
-        source: A path, a file object, or what ``load`` takes.
-        what: The pickle in words, with its file, for the error message.
-        weights_only: ``True`` (or ``None``, torch's default): tensors, plain data and
-            :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` only. ``False``: anything, running the file's code.
-        load: The loader, called as ``load(source, weights_only=..., **kwargs)``; ``torch.load`` or a
-            wrapper of it (a backend's ``torch_load`` for URLs).
-        **kwargs: Passed to ``load`` (``map_location``, ``mmap``).
-
-    Returns:
-        The unpickled object.
+    """``load(source, weights_only=..., **kwargs)`` of one checkpoint pickle (``what``: it in words, with
+    its file), safe unless ``weights_only`` is ``False``: ``True`` or ``None`` (torch's default) build
+    tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` only. ``load``: ``torch.load`` or a
+    wrapper of it (a backend's ``torch_load`` for URLs).
 
     Raises:
-        CheckpointError: the pickle holds a type that is not allowed (:class:`RefusedPickleError`).
+        RefusedPickleError: the pickle holds a type that is not allowed.
     """
     if not resolve_weights_only(weights_only):
         return load(source, weights_only=False, **kwargs)
@@ -129,18 +120,13 @@ def load_pickle(
     weights_only: bool | None = True,
     allowed: Iterable[str] = DCP_METADATA_GLOBALS,
 ) -> Any:
-    """Unpickle a plain pickle (not a ``torch.save`` archive), building only ``allowed`` globals.
-
-    Args:
-        file: The open pickle.
-        what: The pickle in words, with its file, for the error message.
-        weights_only: ``False`` unpickles anything (``pickle.load``).
-        allowed: Full names of the classes and functions it may hold; torch dtypes, layouts and
-            memory formats, and what ``torch.serialization.add_safe_globals`` allowed, always are.
+    """Unpickle a plain pickle (not a ``torch.save`` archive), building only the globals named in
+    ``allowed``, torch's dtypes, layouts and memory formats, and what ``add_safe_globals`` allowed
+    (``weights_only=False``: anything). ``what``: the pickle in words, with its file.
 
     Raises:
-        CheckpointError: it holds anything else (:class:`RefusedPickleError`). A truncated or corrupt pickle
-            raises what ``pickle`` raises (``UnpicklingError``, ``EOFError``...), for the caller to report.
+        RefusedPickleError: it holds anything else. A truncated or corrupt pickle raises what ``pickle``
+            raises (``UnpicklingError``, ``EOFError``...), for the caller to report.
     """
     if not resolve_weights_only(weights_only):
         return pickle.load(file)  # the caller asked for it
