@@ -1,15 +1,11 @@
 """Checkpoints written in the background: stage into host memory, return, write and publish later.
 
-:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (the behaviour users see is in
-``docs/async-save.md``). Its :meth:`~AsyncSaver.save` (collective, every rank) waits for the previous
-save of this process (one in flight at a time: the staging buffers are reused, saves publish in
-order), stages the state into CPU buffers kept between saves
-(:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`), and hands it to one background thread
-that runs the write, whose collectives use a gloo group of the background writes (made once per
-process), so they never interleave with training's. A background error is kept and raised, as a
-:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`
-(the next save, a load, the removal of the same path, :meth:`~AsyncSaver.close` at the end of
-training): it is never lost.
+:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (what users see:
+``docs/async-save.md``): one save in flight per process (the staging buffers,
+:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`, are reused; saves publish in order),
+written by one background thread whose collectives use a gloo group of the background writes, so they
+never interleave with training's. A background error is raised, as a
+:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`.
 """
 
 from __future__ import annotations

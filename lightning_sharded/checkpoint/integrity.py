@@ -4,18 +4,8 @@
   and size, every other rank those of the files it wrote; ``verify=True`` adds every checksum, each
   file read by one rank (:func:`split_by_size`). Without a manifest: the shard files against the DCP
   index (rank 0). Every rank raises the same error (:func:`raise_agreed`), or none does.
-- :class:`ReadVerification`: a sharded load's checksums from the bytes it reads. The backend's DCP
-  reader (local files) records the CRC-32 of each range it reads straight into a tensor
-  (:class:`ReadChecksums`); after the read each file is completed by the rank that read most of it
-  and compared with the manifest; files no rank read this way are split by size and read whole. On
-  object storage both modes check before the first read instead.
-
-``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model and copies
-them in once :meth:`ReadVerification.check` passed, so a damaged checkpoint leaves the model as it was
-(the tools, ``alone=True``, publish or return nothing before). ``"during"`` reads into the model: a
-damaged file is found once its bytes are in the model's tensors, before the optimizers and the rest are
-set (:data:`AFTER_READ` says so). A read that fails is explained the same way: every file is then
-checksummed, and a damaged one named, in a :class:`~lightning_sharded.CheckpointError`.
+- :class:`ReadVerification`: a sharded load's checksums from the bytes it reads, for ``verify=True``
+  (``"before"``) and ``"during"``: ``docs/checkpoint-format.md``, "Checksums on a load".
 """
 
 from __future__ import annotations

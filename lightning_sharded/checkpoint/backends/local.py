@@ -1,12 +1,8 @@
-"""Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename.
-
-A save writes ``.<name>.staging-<token>`` next to the target, fsyncs every file and directory (the
-manifest last), then publishes: ``rename`` onto a free path; over an existing checkpoint (directory or
-file), ``renameat2(RENAME_EXCHANGE)`` where Linux and the filesystem support it, else two renames
-through ``.<name>.old-<token>``; the previous version then goes through ``.<name>.trash-<token>``.
-:func:`resolve` applies the recovery rules (read-only for loads, for real by the next save). A save
-never replaces a non-empty directory of something else: ``IsADirectoryError``, nothing changed. The
-steps and the rules: ``docs/checkpoint-format.md``, "How a save commits" and "Recovery rules".
+"""Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename
+(over an existing checkpoint, ``renameat2(RENAME_EXCHANGE)`` where Linux and the filesystem support
+it, else two renames through ``.<name>.old-<token>``). A save never replaces a non-empty directory of
+something else. The steps and the recovery rules (:func:`resolve`): ``docs/checkpoint-format.md``,
+"How a save commits" and "Recovery rules".
 """
 
 from __future__ import annotations

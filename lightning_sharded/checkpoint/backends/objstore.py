@@ -1,14 +1,7 @@
-"""Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename.
-
-A sharded checkpoint at ``URL`` keeps each version under ``URL/data-<token>`` and one manifest,
-``URL/lightning_sharded.json``, that names the published one (``data_dir``): the only object a save
-overwrites, in one ``PUT`` (atomic on S3). A save stages a fresh version, checks that every file is
-stored with the size written, publishes with the manifest's ``PUT``, and only then deletes the previous
-version; a load reads only the version the manifest names. A full checkpoint file is one object, written
-locally and uploaded whole. The layout, the steps and what they assume of the store (an atomic
-single-object ``PUT``, strong read-after-write consistency): ``docs/cluster.md``, "How a save is
-published where there is no rename". Credentials and endpoints are the fsspec filesystem's (for S3 the
-``AWS_*`` variables, ``~/.aws``).
+"""Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename: each
+version under ``URL/data-<token>``, published by one ``PUT`` of the manifest ``URL/lightning_sharded.json``
+that names it (``data_dir``), the previous version deleted only then. The layout, the steps and what
+they assume of the store: ``docs/cluster.md``, "How a save is published where there is no rename".
 """
 
 from __future__ import annotations
