@@ -60,17 +60,6 @@ def wait_for_saves_to(path: Location) -> None:
             saver.wait()
 
 
-def _wait_for_other_savers(saver: AsyncSaver) -> None:
-    """Wait (without raising their errors: their own :meth:`AsyncSaver.wait` does) until the saves in
-    flight of this process's other savers are done: the background writes of all of them run on one
-    process group (:func:`collective.bounded_group`), so one at a time, in the order every rank started
-    them (an earlier Trainer's ``save_checkpoint`` after ``fit`` may still be writing)."""
-    for other in list(_SAVING):
-        future = other._future
-        if other is not saver and future is not None:
-            concurrent.futures.wait([future])
-
-
 class AsyncSaver:
     """Background checkpoint writes with one save in flight at a time; see the module docstring.
 
@@ -181,7 +170,13 @@ class AsyncSaver:
             CheckpointError: the previous background save failed (this save is then not started).
         """
         self.wait()
-        _wait_for_other_savers(self)
+        # The other savers' saves in flight too (their errors are their own wait's): the background
+        # writes of all of them run on one process group (collective.bounded_group), so one at a time, in
+        # the order every rank started them (an earlier Trainer's save_checkpoint may still be writing).
+        for other in list(_SAVING):
+            future = other._future
+            if other is not self and future is not None:
+                concurrent.futures.wait([future])
         group = self.group()
         start = time.perf_counter()
         # Deferred only when every optimizer is followed (`follow`) and not inside its step() now: a save

@@ -209,22 +209,14 @@ def save_checkpoint(
     frozen: FrozenPart | None = None,
     check_space: bool = True,
 ) -> None:
-    """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
+    """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``) at
+    ``path``: a sharded directory (:func:`write_sharded_checkpoint`), or a full file written by rank 0,
+    every rank returning or raising its outcome. Collective.
 
-    Collective: a full file is written by rank 0, every rank returning or raising its outcome.
-
-    Args:
-        path: the target directory (``sharded=True``) or file.
-        checkpoint: the dict, its states from :mod:`~lightning_sharded.checkpoint.state_dicts` with
-            ``full=not sharded``; consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped).
-        sharded: write a sharded directory, or a full file.
-        model_key: top-level key for the model state in a sharded directory (``"model"`` or
-            ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
-        rank: this process's global rank.
-        extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
-        frozen: a trainable-only checkpoint's frozen part: in the manifest of a sharded directory,
-            under :data:`~.names.FROZEN_KEY` in a full file.
-        check_space: refuse a local save that does not fit in its filesystem's free space.
+    ``checkpoint``'s states come from :mod:`~lightning_sharded.checkpoint.state_dicts` with ``full=not
+    sharded``; it is consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped). ``model_key``:
+    the model state's top-level key in a sharded directory (``"model"`` or ``"state_dict"``). ``frozen``:
+    in the manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)
