@@ -4,24 +4,18 @@ torch's ``FileSystemReader`` loads every stored tensor with ``torch.load`` (a ne
 faulted in, the bytes copied from the page cache) and then copies it into the target: two copies and
 a fresh allocation per tensor, which caps a resume at about half the disk's read bandwidth here.
 DCP stores each tensor as a small ``torch.save`` zip archive whose storage record is kept
-uncompressed; :class:`DirectReader` reads the tensor's metadata only (``map_location="meta"``),
-finds the storage record, and ``readinto``-s its bytes into the target's memory: one copy, no
-allocation. Items it cannot do exactly that way (byte items, tensors that are views, narrowed
-reads, dtype or layout differences, extensions) go through torch's own path, item by item.
+uncompressed; :class:`DirectReader` finds the storage record and ``readinto``-s its bytes into the
+target's memory: one copy, no allocation. Items it cannot do exactly that way (byte items, views,
+narrowed reads, dtype or layout differences, extensions) go through torch's own path, item by item.
 
-A resume reads each byte once and never again, so a direct read drops the page cache's pages of what
-it read behind it (``POSIX_FADV_DONTNEED``, piece by piece): the reads then recycle a few MiB of page
-cache instead of taking a shard's worth of fresh memory, which on a VM that gives free memory back to
-its host (free page reporting) is a host fault per page, and the shard's memory is left to the
-tensors being made. Bytes that more than one rank reads (a replicated tensor saved once, an HSDP
-shard) keep their pages, so the other ranks of the machine find them cached: the coordinator counts
-the readers of every stored item across all ranks' plans (:meth:`DirectReader.prepare_global_plan`)
-and DCP scatters the count with the plans. Measured on the project's machine (2 ranks, 2 GB of model
-and Adam, interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 1.26 GB/s without it,
-1.49 and 1.44 GB/s with it.
-
-Both readers here (:class:`DirectReader` locally, :func:`fsspec_reader` for URLs) can be given the
-checkpoint's DCP ``Metadata`` already read (:class:`GivenMetadata`).
+A resume reads each byte once, so a direct read drops the page cache's pages of what it read behind
+it (``POSIX_FADV_DONTNEED``, piece by piece): the reads recycle a few MiB of page cache instead of
+taking a shard's worth of fresh memory (on a VM that gives free memory back to its host, a host fault
+per page). Bytes that more than one rank reads (a replicated tensor saved once, an HSDP shard) keep
+their pages for the other ranks of the machine: :meth:`DirectReader.prepare_global_plan` counts the
+readers of every stored item across all ranks' plans. Measured here (2 ranks, 2 GB of model and Adam,
+interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 1.26 GB/s without it, 1.49 and
+1.44 GB/s with it.
 """
 
 from __future__ import annotations
