@@ -74,18 +74,13 @@ def _is_source(out: str, source: str, overwrite: bool) -> ValueError:
     )
 
 
-def _same_or_nested(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` are the same path, or one is inside the other, symlinks resolved."""
-    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
-    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
-
-
 def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> None:
     """``out``, ``src`` as the user spelled them (relative paths too); messages use those spellings."""
     real = local_path(real_src)
     sources = {src, real} if real is not None else {src}
     for source in sorted(sources, key=str):
-        if _same_or_nested(out, source):
+        a, b = Path(os.path.realpath(out)), Path(os.path.realpath(source))  # symlinks resolved
+        if a == b or a.is_relative_to(b) or b.is_relative_to(a):
             raise _is_source(str(out), str(source), overwrite)
     parent = Path(os.path.abspath(out)).parent
     while not parent.exists() and parent != parent.parent:

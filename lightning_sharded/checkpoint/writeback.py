@@ -32,12 +32,8 @@ WINDOW = 32 << 20
 
 
 class WriteBehind:
-    """The write-behind of one file written sequentially through ``fd``; see the module docstring.
-
-    Args:
-        fd: the file's descriptor (open for writing; this object does not close it).
-        window: bytes of the file kept in the page cache while it is written.
-    """
+    """The write-behind of one file written sequentially through ``fd`` (which it does not close),
+    keeping about ``window`` bytes of it in the page cache; see the module docstring."""
 
     def __init__(self, fd: int, *, window: int = WINDOW) -> None:
         self._on = hasattr(os, "posix_fadvise")

@@ -216,10 +216,8 @@ class Backend(Protocol):
 
 
 def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:
-    """The backend of a location: object storage for an fsspec URL, the local filesystem otherwise.
-
-    The only place that branches on path versus URL.
-    """
+    """The backend of a location: object storage for an fsspec URL, the local filesystem otherwise (the
+    only place that branches on path versus URL)."""
     if isinstance(loc, str) and is_url(loc):
         return ObjectStoreBackend()
     return LocalBackend()

@@ -436,10 +436,8 @@ _fsspec_reader_class: Any = None
 
 
 def fsspec_reader(url: str, metadata: Any = None) -> Any:
-    """torch's ``FsspecReader`` for ``url``, returning ``metadata`` (when given) from ``read_metadata``.
-
-    Made on first use: importing torch's fsspec reader imports fsspec.
-    """
+    """torch's ``FsspecReader`` for ``url``, returning ``metadata`` (when given) from ``read_metadata``;
+    its class made on first use (importing torch's fsspec reader imports fsspec)."""
     global _fsspec_reader_class
     if _fsspec_reader_class is None:
         reader = fsspec_filesystem().FsspecReader

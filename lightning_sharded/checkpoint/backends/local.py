@@ -34,12 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def leftovers(path: str | os.PathLike[str], kind: str | None = None) -> list[Path]:
-    """The staging, old and trash siblings of a checkpoint path left by saves, oldest first.
-
-    Args:
-        path: The checkpoint path (file or directory).
-        kind: ``"staging"``, ``"old"`` or ``"trash"``; ``None`` for all three.
-    """
+    """The staging, old and trash siblings of checkpoint ``path`` (file or directory) left by saves,
+    oldest first; only those of ``kind`` (``"staging"``, ``"old"`` or ``"trash"``) unless ``None``."""
     target = Path(path)
     pattern = names.sibling_pattern(target.name, names.SIBLING_KINDS if kind is None else (kind,))
     try:

@@ -40,11 +40,8 @@ _NO_CHECKSUMS = "torch's fsspec reader records no checksums (reads_checksums is 
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path in it (no protocol): ``(S3FileSystem, "b/k")``.
-
-    Its requests are retried when the store throttles them or drops the connection
-    (:class:`~lightning_sharded.checkpoint.backends.retry.Retrying`).
-    """
+    """The fsspec filesystem of ``url``, its requests :class:`~.retry.Retrying`, and the path in it (no
+    protocol): ``(S3FileSystem, "b/k")``."""
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url)
