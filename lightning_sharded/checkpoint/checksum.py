@@ -200,14 +200,10 @@ def _range_crc(path: str | os.PathLike[str], start: int, end: int) -> tuple[int,
 
 
 class HashingStream(io.RawIOBase):
-    """A write-only binary stream that passes every write on to ``raw`` and keeps its size and CRC-32.
-
-    Args:
-        raw: The file (or fsspec file) to write to, in :data:`CHUNK_SIZE` pieces for a large write; it is
-            not closed by this stream.
-        write_behind: told the file's size after every large piece (a local file's
-            :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`), or ``None``.
-    """
+    """A write-only binary stream that passes every write on to ``raw`` (a file or an fsspec file, which
+    it does not close; a large write in :data:`CHUNK_SIZE` pieces) and keeps its size and CRC-32.
+    ``write_behind``, a local file's :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`, is
+    told the file's size after every large piece."""
 
     def __init__(self, raw: IO[bytes], *, write_behind: WriteBehind | None = None) -> None:
         super().__init__()

@@ -36,16 +36,10 @@ def _force_ignored(overwrite: bool, why: str) -> str:
 def output_file(
     src: str | os.PathLike[str], real_src: Location, dst: str | os.PathLike[str], *, overwrite: bool
 ) -> Location:
-    """The file to write for destination ``dst``, after the rules above; changes nothing on disk.
-
-    Args:
-        src: The source checkpoint as the user gave it.
-        real_src: What is read for it (``src`` itself, or the version an interrupted save left).
-        dst: The destination as the user gave it; a trailing ``/`` means inside that directory.
-        overwrite: Replace a file, an empty directory or a sharded checkpoint already at the output.
-
-    Returns:
-        The output file.
+    """The file to write for destination ``dst`` (as the user gave it; a trailing ``/`` means inside that
+    directory), after the rules above; changes nothing on disk. ``src``: the source checkpoint as the
+    user gave it; ``real_src``: what is read for it (``src`` itself, or the version an interrupted save
+    left); ``overwrite``: replace a file, an empty directory or a sharded checkpoint at the output.
 
     Raises:
         ValueError: the output is the source, inside it, or holds it.

@@ -102,11 +102,9 @@ class Backend(Protocol):
 
     # -- what is there ---------------------------------------------------------------------------
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
-        """Where the files of the checkpoint published at ``target`` are, and its manifest (read-only).
-
-        Applies the recovery rules of an interrupted save. Raises ``CheckpointError`` for a manifest
-        that cannot be parsed.
-        """
+        """Where the files of the checkpoint published at ``target`` are, after the recovery rules of an
+        interrupted save, and its manifest (read-only); ``CheckpointError`` for a manifest that cannot
+        be parsed."""
 
     def manifest_at(self, data: Location) -> Manifest | None:
         """The manifest that describes the files under ``data``, or ``None`` (a stock checkpoint)."""

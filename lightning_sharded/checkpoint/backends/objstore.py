@@ -104,23 +104,20 @@ class ObjectStoreBackend:
             return None
         return Manifest.from_json(text, source=key)
 
-    def _data(self, url: str, manifest: Manifest) -> str:
-        data_dir = manifest.data_dir
-        if not data_dir:  # a manifest of a local checkpoint copied to object storage: files next to it
-            return url
-        if "/" in data_dir or not names.DATA_DIR.match(data_dir):
-            raise CheckpointError(
-                f"The manifest of {url!r} names the data directory {data_dir!r}, which is not one this"
-                " library writes. The manifest is damaged: restore the checkpoint from a copy."
-            )
-        return _url(join(url, data_dir))
-
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
         url = _url(target).rstrip("/")
         if names.DATA_DIR.match(basename(url)):  # a version itself: only if its checkpoint publishes it
             return url, self.manifest_at(url)
         manifest = self._manifest(url)
-        return (self._data(url, manifest), manifest) if manifest is not None else (url, None)
+        # No data_dir: a manifest of a local checkpoint copied to object storage, its files next to it.
+        if manifest is None or not manifest.data_dir:
+            return url, manifest
+        if "/" in manifest.data_dir or not names.DATA_DIR.match(manifest.data_dir):
+            raise CheckpointError(
+                f"The manifest of {url!r} names the data directory {manifest.data_dir!r}, which is not one"
+                " this library writes. The manifest is damaged: restore the checkpoint from a copy."
+            )
+        return join(url, manifest.data_dir), manifest
 
     def manifest_at(self, data: Location) -> Manifest | None:
         url = _url(data).rstrip("/")
