@@ -152,9 +152,6 @@ class AsyncSaver:
         is copied (but see ``defer``); the model and optimizer may change right after.
 
         Args:
-            path: where the checkpoint goes.
-            state: what to save; staged as :meth:`StagingBuffers.stage` does.
-            write: writes the staged state (in the background thread).
             defer: key paths into ``state`` of tensors that only the ``optimizers``' ``step()`` changes
                 (their ``state``): their host copies are made after this returns, in a thread of the
                 caller's priority, and the next ``step()`` of every optimizer waits for them before it

@@ -90,14 +90,13 @@ _bounded: dict[tuple[int, bool, float | None], ProcessGroup] = {}
 
 def bounded_group(timeout_s: float | None, *, background: bool = False) -> ProcessGroup | None:
     """A gloo group of every rank whose collectives fail after ``timeout_s`` seconds (the process
-    group's default when ``None``); ``None`` without a process group or with one rank.
+    group's default when ``None``); ``None`` without a process group or with one rank. Collective over
+    the default group: every rank calls it, in the same order.
 
     Made once per process (and default group) for each timeout, and reused while it serves: one for the
     training thread's checkpoint collectives, one (``background``) for the async saves' thread, so the
     two never share a group. A group whose collective failed here (:func:`presence.gave_up`: gloo does
     not recover from a timeout or a lost peer) is replaced, and every rank agrees on that first.
-
-    Collective over the default group: every rank calls it, in the same order.
     """
     import torch.distributed as dist
 

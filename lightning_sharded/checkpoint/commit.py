@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "FaultPoint",
     "commit_directory",
     "commit_file",
     "leftovers",

@@ -44,8 +44,6 @@ __all__ = [
     "verify_mode",
 ]
 
-# ---------------------------------------------------------------------------------- one file's problem
-
 
 def size_problem(entry: FileEntry, found: int | None) -> Problem | None:
     """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
@@ -78,9 +76,6 @@ def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]
         split[least].append(entry)
         heapq.heappush(loads, (load + entry.size, least))
     return split
-
-
-# ------------------------------------------------------------------------------- a manifest's files
 
 
 def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
@@ -155,9 +150,6 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     error = damaged(found.data, find_problems(found.backend, found.data, manifest, checksums=verify))
     if error is not None:
         raise error
-
-
-# ------------------------------------------------------------------------ before a read, agreed
 
 
 def check_found(
@@ -235,8 +227,6 @@ def raise_agreed(
     raise error
 
 
-# ------------------------------------------------------------------------------- from the reads
-
 #: How a load checks checksums, besides ``False`` (not at all) and ``True`` (``"before"``).
 VerifyMode = Literal["before", "during"]
 
@@ -250,9 +240,8 @@ UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as the
 
 
 def verify_mode(verify: bool | str | None) -> VerifyMode | None:
-    """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` (``True``) or
-    ``"during"``; a mode or ``None`` is returned as it is, anything else raises a ``ValueError`` naming
-    the values accepted."""
+    """The mode a ``verify=`` argument asks for (``True``: ``"before"``; ``False``: ``None``, no checksums;
+    a mode or ``None`` as it is); anything else raises a ``ValueError`` naming the values accepted."""
     if verify is None or isinstance(verify, bool):
         return "before" if verify else None
     if verify in ("before", "during"):

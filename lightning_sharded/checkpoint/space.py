@@ -105,10 +105,8 @@ def required(needed: int) -> int:
 
 
 def refusal(target: object, space: Space, needs: list[int], place: str = "path") -> StorageError | None:
-    """The error of a save that does not fit (``space.free`` below :func:`required`), else ``None``.
-
-    ``needs``: every rank's estimate, in rank order (their sum is ``space.needed``).
-    """
+    """The error of a save that does not fit (``space.free`` below :func:`required`), else ``None``;
+    ``needs``: every rank's estimate, in rank order (their sum is ``space.needed``)."""
     import errno
 
     if space.free is None or space.free >= required(space.needed):

@@ -142,12 +142,9 @@ class Backend(Protocol):
         """A local path with the content of the file at ``loc`` (itself, or a temporary download)."""
 
     def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
-        """``(size, crc32 hex)`` of the file at ``loc``, read once.
-
-        ``known``: ``(offset, length, crc32)`` of byte ranges already checksummed (what :meth:`dcp_reader`
-        recorded): only the bytes between them are read. Only where :attr:`reads_checksums` (else a
-        ``ValueError`` for any range).
-        """
+        """``(size, crc32 hex)`` of the file at ``loc``, read once; with ``known``, ``(offset, length,
+        crc32)`` of ranges :meth:`dcp_reader` checksummed already, only the bytes between them (only
+        where :attr:`reads_checksums`, else a ``ValueError`` for any range)."""
 
     def dcp_reader(
         self,

@@ -60,9 +60,6 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     return olds[-1] if olds else target
 
 
-# ---------------------------------------------------------------------------------- disk helpers
-
-
 def fsync_dir(path: Path) -> None:
     """``fsync`` a directory, so the entries created or renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -289,8 +286,6 @@ class LocalBackend:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
         return DirectReader(data, metadata=metadata, checksums=checksums)
-
-    # -------------------------------------------------------------------------------------- commit
 
     def prepare(
         self, target: Location, *, directory: bool, measure: bool = False

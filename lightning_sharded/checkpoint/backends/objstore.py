@@ -94,8 +94,6 @@ class ObjectStoreBackend:
     reads_checksums = False
     hint = "Check the URL and the credentials/endpoint (AWS_* variables)."
 
-    # -------------------------------------------------------------------------------- what is there
-
     def _manifest(self, url: str) -> Manifest | None:
         key = _url(join(url, names.MANIFEST_NAME))
         try:
@@ -140,8 +138,6 @@ class ObjectStoreBackend:
         url = _url(target).rstrip("/")
         index, ours = self._mtime(join(url, names.DCP_METADATA)), self._mtime(join(url, names.MANIFEST_NAME))
         return index is not None and ours is not None and index >= ours
-
-    # -------------------------------------------------------------------------------------- reading
 
     def exists(self, loc: Location) -> bool:
         fs, path = filesystem(_url(loc))
@@ -219,8 +215,6 @@ class ObjectStoreBackend:
         if checksums is not None:
             raise ValueError(_NO_CHECKSUMS)
         return fsspec_reader(_url(data), metadata)
-
-    # --------------------------------------------------------------------------------------- commit
 
     def prepare(
         self, target: Location, *, directory: bool, measure: bool = False
