@@ -1,15 +1,11 @@
 """Checkpoints written in the background: stage into host memory, return, write and publish later.
 
-:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (the behaviour users see is in
-``docs/async-save.md``). Its :meth:`~AsyncSaver.save` (collective, every rank) waits for the previous
-save of this process (one in flight at a time: the staging buffers are reused, saves publish in
-order), stages the state into CPU buffers kept between saves
-(:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`), and hands it to one background thread
-that runs the write, whose collectives use a gloo group of the background writes (made once per
-process), so they never interleave with training's. A background error is kept and raised, as a
-:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`
-(the next save, a load, the removal of the same path, :meth:`~AsyncSaver.close` at the end of
-training): it is never lost.
+:class:`AsyncSaver` is what a strategy with ``async_save=True`` holds (what users see:
+``docs/async-save.md``): one save in flight per process (the staging buffers,
+:class:`~lightning_sharded.checkpoint.staging.StagingBuffers`, are reused; saves publish in order),
+written by one background thread whose collectives use a gloo group of the background writes, so they
+never interleave with training's. A background error is raised, as a
+:class:`~lightning_sharded.CheckpointError` naming the path, by the next :meth:`~AsyncSaver.wait`.
 """
 
 from __future__ import annotations
@@ -62,17 +58,6 @@ def wait_for_saves_to(path: Location) -> None:
         in_flight = saver.in_flight
         if in_flight is not None and str(absolute(in_flight)) == key:
             saver.wait()
-
-
-def _wait_for_other_savers(saver: AsyncSaver) -> None:
-    """Wait (without raising their errors: their own :meth:`AsyncSaver.wait` does) until the saves in
-    flight of this process's other savers are done: the background writes of all of them run on one
-    process group (:func:`collective.bounded_group`), so one at a time, in the order every rank started
-    them (an earlier Trainer's ``save_checkpoint`` after ``fit`` may still be writing)."""
-    for other in list(_SAVING):
-        future = other._future
-        if other is not saver and future is not None:
-            concurrent.futures.wait([future])
 
 
 class AsyncSaver:
@@ -167,9 +152,6 @@ class AsyncSaver:
         is copied (but see ``defer``); the model and optimizer may change right after.
 
         Args:
-            path: where the checkpoint goes.
-            state: what to save; staged as :meth:`StagingBuffers.stage` does.
-            write: writes the staged state (in the background thread).
             defer: key paths into ``state`` of tensors that only the ``optimizers``' ``step()`` changes
                 (their ``state``): their host copies are made after this returns, in a thread of the
                 caller's priority, and the next ``step()`` of every optimizer waits for them before it
@@ -185,7 +167,13 @@ class AsyncSaver:
             CheckpointError: the previous background save failed (this save is then not started).
         """
         self.wait()
-        _wait_for_other_savers(self)
+        # The other savers' saves in flight too (their errors are their own wait's): the background
+        # writes of all of them run on one process group (collective.bounded_group), so one at a time, in
+        # the order every rank started them (an earlier Trainer's save_checkpoint may still be writing).
+        for other in list(_SAVING):
+            future = other._future
+            if other is not self and future is not None:
+                concurrent.futures.wait([future])
         group = self.group()
         start = time.perf_counter()
         # Deferred only when every optimizer is followed (`follow`) and not inside its step() now: a save

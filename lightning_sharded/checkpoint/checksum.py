@@ -6,14 +6,10 @@ GB/s at which these disks write (blake2b: 0.9 GB/s, sha256: 1.8 GB/s); it catche
 error and every burst up to 32 bits, which is what a checkpoint needs (protection against
 corruption, not against an attacker). ``benchmarks/checksum_throughput.py`` reproduces the figures.
 
-A file's checksum (:func:`ranges_checksum`) is read by :data:`STREAMS` threads at once, each its
-contiguous part, in :data:`CHUNK_SIZE` pieces hashed as they arrive, the page cache dropped behind.
-
-:class:`HashingStream` is the one stream that checksums bytes on their way to a file. A large write is
-hashed in a helper thread *while* the same buffer is written (a piece at a time, so a local file's
-write-behind follows it), and both finish before :meth:`~HashingStream.write` returns: the CRC is of
-the bytes written, from memory the caller still owns (torch frees DCP's buffers right after).
-:func:`crc32` and file writes release the GIL, so the two overlap. Standard library only.
+:class:`HashingStream` is the one stream that checksums bytes on their way to a file: a large write is
+hashed in a helper thread while the same buffer is written, both done before the write returns, so
+the CRC is of the bytes written, from memory the caller still owns (torch frees DCP's buffers right
+after); :func:`crc32` and file writes release the GIL, so the two overlap. Standard library only.
 """
 
 from __future__ import annotations
@@ -204,14 +200,10 @@ def _range_crc(path: str | os.PathLike[str], start: int, end: int) -> tuple[int,
 
 
 class HashingStream(io.RawIOBase):
-    """A write-only binary stream that passes every write on to ``raw`` and keeps its size and CRC-32.
-
-    Args:
-        raw: The file (or fsspec file) to write to, in :data:`CHUNK_SIZE` pieces for a large write; it is
-            not closed by this stream.
-        write_behind: told the file's size after every large piece (a local file's
-            :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`), or ``None``.
-    """
+    """A write-only binary stream that passes every write on to ``raw`` (a file or an fsspec file, which
+    it does not close; a large write in :data:`CHUNK_SIZE` pieces) and keeps its size and CRC-32.
+    ``write_behind``, a local file's :class:`~lightning_sharded.checkpoint.writeback.WriteBehind`, is
+    told the file's size after every large piece."""
 
     def __init__(self, raw: IO[bytes], *, write_behind: WriteBehind | None = None) -> None:
         super().__init__()

@@ -1,18 +1,17 @@
 """Decisions every rank shares: taken once and broadcast, or checked everywhere and agreed on.
 
 A check that picks a code path (what is at the path, is a file there, is it whole) may see other
-things on other ranks (an NFS attribute cache, a transient read error). Run alone on each rank, one
-rank would raise or branch while the others enter a collective and wait for it until the timeout.
-So a check runs through :func:`decide` (rank 0 runs it; every rank returns its result or raises its
-error, so every rank takes the same branch) or :func:`agree` (every rank runs it, for what each rank
-must see itself, such as the files it reads; any failure is raised on every rank); without an
-initialized process group both simply run it.
+things on other ranks (an NFS attribute cache, a transient read error); run alone on each rank, one
+rank would raise or branch while the others wait in a collective until the timeout. So a check runs
+through :func:`decide` (rank 0 runs it, every rank returns its result or raises its error) or
+:func:`agree` (every rank runs it, for what each rank must see itself; any failure is raised on every
+rank); without an initialized process group both simply run it.
 
-Time: every collective here (and DCP's, given :func:`ranks`' group) runs on the group it is given, or
-inside :func:`scope` on the scope's group, such as a :func:`bounded_group` whose collectives fail after
-the strategy's ``checkpoint_timeout`` instead of the process group's 30 minutes. When one fails (a rank
-died, or did not come in time), :mod:`~lightning_sharded.checkpoint.presence` names the ranks that did
-not reach it: the error is a :class:`~lightning_sharded.checkpoint.presence.RanksLost`.
+Every collective here (and DCP's, given :func:`ranks`' group) runs on the group it is given, or inside
+:func:`scope` on the scope's group, such as a :func:`bounded_group` whose collectives fail after the
+strategy's ``checkpoint_timeout`` instead of the process group's 30 minutes. One that fails raises a
+:class:`~lightning_sharded.checkpoint.errors.RanksLost` naming the ranks that did not reach it
+(:mod:`~lightning_sharded.checkpoint.presence`).
 """
 
 from __future__ import annotations
@@ -31,14 +30,12 @@ from lightning_sharded.checkpoint.errors import (
     OptimizerCountError,
     StorageError,
 )
-from lightning_sharded.checkpoint.presence import RanksLost
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
     "Ranks",
-    "RanksLost",
     "agree",
     "all_gather",
     "all_true",
@@ -93,14 +90,13 @@ _bounded: dict[tuple[int, bool, float | None], ProcessGroup] = {}
 
 def bounded_group(timeout_s: float | None, *, background: bool = False) -> ProcessGroup | None:
     """A gloo group of every rank whose collectives fail after ``timeout_s`` seconds (the process
-    group's default when ``None``); ``None`` without a process group or with one rank.
+    group's default when ``None``); ``None`` without a process group or with one rank. Collective over
+    the default group: every rank calls it, in the same order.
 
     Made once per process (and default group) for each timeout, and reused while it serves: one for the
     training thread's checkpoint collectives, one (``background``) for the async saves' thread, so the
     two never share a group. A group whose collective failed here (:func:`presence.gave_up`: gloo does
     not recover from a timeout or a lost peer) is replaced, and every rank agrees on that first.
-
-    Collective over the default group: every rank calls it, in the same order.
     """
     import torch.distributed as dist
 
@@ -148,8 +144,8 @@ def ranks(group: ProcessGroup | None = None, *, alone: bool = False) -> Ranks:
 @contextlib.contextmanager
 def watched(where: Ranks, step: str) -> Iterator[None]:
     """Mark ``step`` (see :mod:`~lightning_sharded.checkpoint.presence`), then run the block, whose
-    collectives' failure (a ``RuntimeError`` of the backend) becomes a :class:`RanksLost` naming the
-    ranks that did not reach this rank's last step. Nothing happens with one rank."""
+    collectives' failure (a ``RuntimeError`` of the backend) becomes a ``RanksLost`` naming the ranks
+    that did not reach this rank's last step. Nothing happens with one rank."""
     if where.world_size == 1:
         yield
         return

@@ -2,18 +2,10 @@
 
 :func:`commit_directory` (collective) commits a sharded checkpoint written by every rank, in the phases
 of :class:`_Commit`; :func:`commit_file` (one process) a full checkpoint file. What each step does on
-disk is the backend's: :mod:`~lightning_sharded.checkpoint.backends.local` publishes by rename,
-:mod:`~lightning_sharded.checkpoint.backends.objstore` by writing the manifest last.
-
-Every decision is taken once and shared: a rank never raises alone while the others wait in a
-collective. Guarantees (one save per target at a time): a crash of any rank at any moment, SIGKILL
-and power loss included, leaves at the target either the previous checkpoint, untouched, or the new
-one, complete with its manifest. An exception on any rank removes the staged data and raises on every
-rank, the previous checkpoint unchanged; a collective that fails (a rank died) leaves the staged data
-for the next save to remove, as a crash would.
-
-Fault injection (tests only): the hook of :mod:`~lightning_sharded.checkpoint.faults`, at each
-:class:`~lightning_sharded.checkpoint.faults.FaultPoint`.
+disk is the backend's. Every decision is taken once and shared: a rank never raises alone while the
+others wait in a collective. A collective that fails (a rank died) leaves the staged data for the next
+save to remove, as a crash would. The steps and the guarantees: ``docs/checkpoint-format.md``, "How a
+save commits" and "Guarantees".
 """
 
 from __future__ import annotations
@@ -50,7 +42,6 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
-    "FaultPoint",
     "commit_directory",
     "commit_file",
     "leftovers",

@@ -36,16 +36,10 @@ def _force_ignored(overwrite: bool, why: str) -> str:
 def output_file(
     src: str | os.PathLike[str], real_src: Location, dst: str | os.PathLike[str], *, overwrite: bool
 ) -> Location:
-    """The file to write for destination ``dst``, after the rules above; changes nothing on disk.
-
-    Args:
-        src: The source checkpoint as the user gave it.
-        real_src: What is read for it (``src`` itself, or the version an interrupted save left).
-        dst: The destination as the user gave it; a trailing ``/`` means inside that directory.
-        overwrite: Replace a file, an empty directory or a sharded checkpoint already at the output.
-
-    Returns:
-        The output file.
+    """The file to write for destination ``dst`` (as the user gave it; a trailing ``/`` means inside that
+    directory), after the rules above; changes nothing on disk. ``src``: the source checkpoint as the
+    user gave it; ``real_src``: what is read for it (``src`` itself, or the version an interrupted save
+    left); ``overwrite``: replace a file, an empty directory or a sharded checkpoint at the output.
 
     Raises:
         ValueError: the output is the source, inside it, or holds it.
@@ -74,18 +68,13 @@ def _is_source(out: str, source: str, overwrite: bool) -> ValueError:
     )
 
 
-def _same_or_nested(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` are the same path, or one is inside the other, symlinks resolved."""
-    a, b = Path(os.path.realpath(a)), Path(os.path.realpath(b))
-    return a == b or a.is_relative_to(b) or b.is_relative_to(a)
-
-
 def _check_local(out: Path, src: Path, real_src: Location, overwrite: bool) -> None:
     """``out``, ``src`` as the user spelled them (relative paths too); messages use those spellings."""
     real = local_path(real_src)
     sources = {src, real} if real is not None else {src}
     for source in sorted(sources, key=str):
-        if _same_or_nested(out, source):
+        a, b = Path(os.path.realpath(out)), Path(os.path.realpath(source))  # symlinks resolved
+        if a == b or a.is_relative_to(b) or b.is_relative_to(a):
             raise _is_source(str(out), str(source), overwrite)
     parent = Path(os.path.abspath(out)).parent
     while not parent.exists() and parent != parent.parent:

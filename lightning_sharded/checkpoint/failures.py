@@ -28,7 +28,6 @@ __all__ = [
     "Space",
     "background_failed",
     "dcp_errors",
-    "dcp_failed",
     "failures_of",
     "free_space",
     "label",
@@ -41,7 +40,6 @@ __all__ = [
 #: A write that failed with fewer bytes than this left on its filesystem ran out of space.
 NEARLY_FULL = MIB
 
-_SPACE = (errnos.ENOSPC, errnos.EDQUOT)
 _CHANGED = (errnos.EISDIR, errnos.ENOTDIR, errnos.EEXIST, errnos.ENOTEMPTY)
 _DENIED = (errnos.EACCES, errnos.EPERM)
 _BUSY = (errnos.EBUSY, errnos.EAGAIN, errnos.ECONNRESET, errnos.ECONNREFUSED, errnos.ETIMEDOUT, errnos.EPIPE)
@@ -286,16 +284,10 @@ def save_failed(
     space: Space | None = None,
     place: str = "path",
 ) -> CheckpointError:
-    """The error of a save that failed on the ranks of ``failures``, the same on every rank.
-
-    Args:
-        target: The checkpoint path or URL.
-        failures: Every failing rank's failure, in rank order.
-        stage: ``"prepare"`` (nothing written yet), ``"write"`` (the partial save was removed) or
-            ``"publish"`` (rank 0 failed to make the complete save visible).
-        space: The save's needs and the free space before it, shown for a full disk or a quota.
-        place: What the target is called ("path" or "URL").
-    """
+    """The error of a save of ``target`` that failed on the ranks of ``failures``, the same on every rank.
+    ``stage``: ``"prepare"`` (nothing written yet), ``"write"`` (the partial save was removed) or
+    ``"publish"`` (rank 0 failed to make the complete save visible); ``space`` is shown for a full disk
+    or a quota; ``place``: "path" or "URL"."""
     by_rank: dict[int, Failure] = {}
     for failure in failures:
         if failure.rank not in by_rank or (failure.errno and not by_rank[failure.rank].errno):
@@ -304,7 +296,7 @@ def save_failed(
     lead = next((f for f in ordered if f.errno), None)
     ranks = ", ".join(str(f.rank) for f in ordered)
     figures = ""
-    if space is not None and lead is not None and lead.errno in _SPACE:
+    if space is not None and lead is not None and lead.errno in (errnos.ENOSPC, errnos.EDQUOT):
         figures = f" {space.figures(free=lead.errno == errnos.ENOSPC)}"
     before = {
         "prepare": "Nothing was written; the",
@@ -340,20 +332,6 @@ def read_failed(err: BaseException, what: str) -> StorageError | None:
     )
 
 
-def dcp_failed(ex: BaseException, what: str, *, saving: bool) -> CheckpointError:
-    """The error of DCP's ``CheckpointException`` ``ex`` for ``what`` ("Saving the sharded checkpoint
-    to '...'"), the same on every rank; it keeps the failures it names (``rank_failures``), so that a
-    commit reports them as the failing ranks' own."""
-    raw = getattr(ex, "failures", {}) or {}
-    failures = [Failure.of(e, rank) for rank, e in _rank_errors(raw)]
-    lead = next((f for f in failures if f.errno), None)
-    details = "; ".join(f.detail() for f in failures) or repr(ex)
-    hint = _hint(lead.errno if lead else None, saving, lead.advice if lead else None)
-    error = _error(f"{what} failed on rank(s) {sorted(raw)}", lead, f" ({details}). {hint}")
-    error.rank_failures = failures  # type: ignore[attr-defined]
-    return error
-
-
 def background_failed(path: object, cause: BaseException, rank: int) -> CheckpointError:
     """The error of a background save of ``path`` that failed with ``cause`` on ``rank``: the commit's
     own error (it starts with the cause and names the ranks), said to come from the background."""
@@ -378,11 +356,19 @@ def background_failed(path: object, cause: BaseException, rank: int) -> Checkpoi
 
 @contextlib.contextmanager
 def dcp_errors(what: str, *, saving: bool = False) -> Iterator[None]:
-    """Around a DCP call: its ``CheckpointException`` (a ``BaseException``) becomes :func:`dcp_failed`'s
-    ``CheckpointError``; ``saving`` picks a save's advice or a load's."""
+    """Around a DCP call: its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``
+    for ``what`` ("Saving the sharded checkpoint to '...'"), the same on every rank, with a save's advice
+    or a load's (``saving``). It keeps the failures it names (``rank_failures``), so that a commit
+    reports them as the failing ranks' own."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as ex:
-        raise dcp_failed(ex, what, saving=saving) from None
+        failures = [Failure.of(e, rank) for rank, e in _rank_errors(ex.failures)]
+        lead = next((f for f in failures if f.errno), None)
+        details = "; ".join(f.detail() for f in failures) or repr(ex)
+        hint = _hint(lead.errno if lead else None, saving, lead.advice if lead else None)
+        error = _error(f"{what} failed on rank(s) {sorted(ex.failures)}", lead, f" ({details}). {hint}")
+        error.rank_failures = failures  # type: ignore[attr-defined]
+        raise error from None

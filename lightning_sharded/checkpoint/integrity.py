@@ -4,18 +4,8 @@
   and size, every other rank those of the files it wrote; ``verify=True`` adds every checksum, each
   file read by one rank (:func:`split_by_size`). Without a manifest: the shard files against the DCP
   index (rank 0). Every rank raises the same error (:func:`raise_agreed`), or none does.
-- :class:`ReadVerification`: a sharded load's checksums from the bytes it reads. The backend's DCP
-  reader (local files) records the CRC-32 of each range it reads straight into a tensor
-  (:class:`ReadChecksums`); after the read each file is completed by the rank that read most of it
-  and compared with the manifest; files no rank read this way are split by size and read whole. On
-  object storage both modes check before the first read instead.
-
-``verify=True`` (``"before"``) reads the model's values into CPU buffers beside the model and copies
-them in once :meth:`ReadVerification.check` passed, so a damaged checkpoint leaves the model as it was
-(the tools, ``alone=True``, publish or return nothing before). ``"during"`` reads into the model: a
-damaged file is found once its bytes are in the model's tensors, before the optimizers and the rest are
-set (:data:`AFTER_READ` says so). A read that fails is explained the same way: every file is then
-checksummed, and a damaged one named, in a :class:`~lightning_sharded.CheckpointError`.
+- :class:`ReadVerification`: a sharded load's checksums from the bytes it reads, for ``verify=True``
+  (``"before"``) and ``"during"``: ``docs/checkpoint-format.md``, "Checksums on a load".
 """
 
 from __future__ import annotations
@@ -54,8 +44,6 @@ __all__ = [
     "verify_mode",
 ]
 
-# ---------------------------------------------------------------------------------- one file's problem
-
 
 def size_problem(entry: FileEntry, found: int | None) -> Problem | None:
     """What is wrong with ``entry``'s file, found with ``found`` bytes (``None``: not there)."""
@@ -88,9 +76,6 @@ def split_by_size(entries: list[FileEntry], parts: int) -> list[list[FileEntry]]
         split[least].append(entry)
         heapq.heappush(loads, (load + entry.size, least))
     return split
-
-
-# ------------------------------------------------------------------------------- a manifest's files
 
 
 def _size_or_none(backend: Backend, base: Location, rel: str) -> int | None:
@@ -165,9 +150,6 @@ def check_files(path: str | os.PathLike[str], manifest: Manifest | None, *, veri
     error = damaged(found.data, find_problems(found.backend, found.data, manifest, checksums=verify))
     if error is not None:
         raise error
-
-
-# ------------------------------------------------------------------------ before a read, agreed
 
 
 def check_found(
@@ -245,8 +227,6 @@ def raise_agreed(
     raise error
 
 
-# ------------------------------------------------------------------------------- from the reads
-
 #: How a load checks checksums, besides ``False`` (not at all) and ``True`` (``"before"``).
 VerifyMode = Literal["before", "during"]
 
@@ -260,9 +240,8 @@ UNCHANGED = "Nothing was loaded from it: the model and the optimizers are as the
 
 
 def verify_mode(verify: bool | str | None) -> VerifyMode | None:
-    """The mode a ``verify=`` argument asks for: ``None`` (no checksums), ``"before"`` (``True``) or
-    ``"during"``; a mode or ``None`` is returned as it is, anything else raises a ``ValueError`` naming
-    the values accepted."""
+    """The mode a ``verify=`` argument asks for (``True``: ``"before"``; ``False``: ``None``, no checksums;
+    a mode or ``None`` as it is); anything else raises a ``ValueError`` naming the values accepted."""
     if verify is None or isinstance(verify, bool):
         return "before" if verify else None
     if verify in ("before", "during"):

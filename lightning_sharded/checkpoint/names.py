@@ -1,15 +1,8 @@
 """File names, state keys and the grammar of sibling names of a checkpoint (standard library only, and
-the manifest's name).
-
-A sharded checkpoint directory holds what ``torch.distributed.checkpoint`` (DCP) writes (shard files
-``__<rank>_<i>.distcp`` and :data:`DCP_METADATA`), Lightning's :data:`LIGHTNING_METADATA` with the
-rest of the Lightning checkpoint and, when this library wrote it, :data:`MANIFEST_NAME`. The model
-state sits under :data:`MODEL` (``FSDPStrategy``, stock and ours) or :data:`STATE_DICT`
-(``ModelParallelStrategy``, stock and ours), each optimizer's under ``optimizer_N``.
-
-A save writes next to its target under hidden sibling names ``.<name>.<kind>-<token>`` (kinds
-:data:`STAGING`, :data:`OLD`, :data:`TRASH`); on object storage, versions live in ``data-<token>``
-below the target. Tokens start with the time in hex, so they sort by creation.
+the manifest's name); the layout they make: ``docs/checkpoint-format.md``, "Layout of a sharded
+directory". A save writes next to its target under hidden sibling names ``.<name>.<kind>-<token>``
+(kinds :data:`STAGING`, :data:`OLD`, :data:`TRASH`); on object storage, versions live in
+``data-<token>`` below the target. Tokens start with the time in hex, so they sort by creation.
 """
 
 from __future__ import annotations

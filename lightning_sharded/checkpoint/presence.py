@@ -2,18 +2,14 @@
 
 A collective that fails says nothing of who is missing: gloo reports "Connection closed by peer" at
 once when a rank died, and "Timed out waiting 300000ms for recv" after the group's timeout when one
-hangs. So before each of the checkpoint's collectives (those of
-:mod:`~lightning_sharded.checkpoint.collective`) and at the steps of DCP's own (which run inside
-``dcp.save`` / ``dcp.load``), every rank records in the job's key-value store (the one
-``torch.distributed`` was started with) how many such steps it has reached on that group, and the
-step's name: one small ``set`` per step, overwriting its previous mark. Every rank runs the same steps
-in the same order, so when a collective fails the ranks whose mark is behind are those that did not
-reach it. A rank that gives up marks so, with the ranks it found missing, so that a rank which was
-waiting on it names the same ranks instead of it. Marks are written only where a store is reachable
-(a process group is initialized); without one, a failure is reported without names.
-
+hangs. So at each of the checkpoint's collectives (:mod:`~lightning_sharded.checkpoint.collective`)
+and DCP's, every rank records in the job's key-value store (the one ``torch.distributed`` was started
+with; without a process group, no marks and no names) how many steps it has reached on that group,
+and the step's name: one small ``set`` per step. Every rank runs the same steps in the same order, so
+the ranks whose mark is behind are those that did not come. A rank that gives up marks so, with the
+ranks it found missing, so that a rank which was waiting on it names the same ranks instead of it.
 When the store itself does not answer, the process that serves it (rank 0, unless a launcher's agent
-serves it, as torchrun's does) is gone, and that is what the error says.
+does, as torchrun's) is gone, and that is what the error says.
 """
 
 from __future__ import annotations

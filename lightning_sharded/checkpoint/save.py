@@ -96,22 +96,15 @@ def write_sharded_checkpoint(
 ) -> None:
     """Write a sharded checkpoint at ``path`` atomically: DCP shards and index, ``meta.pt``, manifest.
 
-    Collective over ``group`` (as for :func:`~.commit.commit_directory`): every rank calls it with its
-    own shards in ``state`` (top-level keys such as ``"model"`` and ``"optimizer_0"``); rank 0 writes
-    ``metadata`` (the rest of the Lightning checkpoint). A previous checkpoint at ``path`` stays whole
-    until the new one is complete. ``extra_files`` (``{relative path: bytes}``, e.g. this rank's
-    per-rank state file) are written by this rank next to its shards, listed in the manifest as its
-    own. ``check_space``: refuse a local save that does not fit its filesystem's free space
+    Collective over ``group``, and raises what :func:`~.commit.commit_directory` raises (a
+    ``StorageError`` led by the cause, for a full disk with the bytes needed against the bytes free; a
+    ``CheckpointError`` naming the failing ranks). Every rank calls it with its own shards in ``state``
+    (top-level keys such as ``"model"`` and ``"optimizer_0"``); rank 0 writes ``metadata`` (the rest of
+    the Lightning checkpoint). ``extra_files`` (``{relative path: bytes}``, e.g. this rank's per-rank
+    state file) are written by this rank next to its shards, listed in the manifest as its own.
+    ``check_space``: refuse a local save that does not fit its filesystem's free space
     (:mod:`~lightning_sharded.checkpoint.space`). ``frozen``: a trainable-only checkpoint's frozen part
     (the model keys ``state`` leaves out and where they are), recorded in the manifest.
-
-    Raises:
-        StorageError: the storage failed (a full disk, a quota, a read-only filesystem...: the message
-            starts with the cause, names the rank(s) and files, and for a full disk the bytes needed
-            against the bytes free), or the save was refused for lack of space.
-        CheckpointError: ``path`` is a non-empty directory that is not a checkpoint (it would be replaced
-            as a whole), DCP failed on some rank, or the commit did (a rank died or did not come in
-            time); the message names the ranks and their errors.
     """
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -209,22 +202,14 @@ def save_checkpoint(
     frozen: FrozenPart | None = None,
     check_space: bool = True,
 ) -> None:
-    """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``).
+    """Write a Lightning checkpoint dict (from ``Trainer._checkpoint_connector.dump_checkpoint``) at
+    ``path``: a sharded directory (:func:`write_sharded_checkpoint`), or a full file written by rank 0,
+    every rank returning or raising its outcome. Collective.
 
-    Collective: a full file is written by rank 0, every rank returning or raising its outcome.
-
-    Args:
-        path: the target directory (``sharded=True``) or file.
-        checkpoint: the dict, its states from :mod:`~lightning_sharded.checkpoint.state_dicts` with
-            ``full=not sharded``; consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped).
-        sharded: write a sharded directory, or a full file.
-        model_key: top-level key for the model state in a sharded directory (``"model"`` or
-            ``"state_dict"``; see :mod:`lightning_sharded.checkpoint.names`).
-        rank: this process's global rank.
-        extra_files: sharded only: files of this rank, see :func:`write_sharded_checkpoint`.
-        frozen: a trainable-only checkpoint's frozen part: in the manifest of a sharded directory,
-            under :data:`~.names.FROZEN_KEY` in a full file.
-        check_space: refuse a local save that does not fit in its filesystem's free space.
+    ``checkpoint``'s states come from :mod:`~lightning_sharded.checkpoint.state_dicts` with ``full=not
+    sharded``; it is consumed (its ``"state_dict"`` and ``"optimizer_states"`` popped). ``model_key``:
+    the model state's top-level key in a sharded directory (``"model"`` or ``"state_dict"``). ``frozen``:
+    in the manifest of a sharded directory, under :data:`~.names.FROZEN_KEY` in a full file.
     """
     if sharded:
         state, metadata = split_sharded_checkpoint(checkpoint, model_key)

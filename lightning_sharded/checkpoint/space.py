@@ -1,13 +1,9 @@
 """How many bytes a save needs on its filesystem, and the refusal of one that cannot fit there.
 
-Each rank estimates its share of a sharded save (:func:`sharded_share`: the bytes of its tensors that
-DCP writes, divided among the ranks that hold the same data, plus :data:`ITEM_BYTES` per item and its
-own files, each in whole blocks). Rank 0 compares the sum and its margin (:func:`required`) with the
-space free on the target's filesystem, measured after the leftovers of crashed saves are removed and
-before anything is created, and refuses a save that does not fit (:func:`refusal`). Over an existing
-checkpoint both versions must fit, and do when the new one fits in the space free (the old one's bytes
-are not free). Object storage has no such limit: no check there. The estimate in words:
-``docs/troubleshooting.md``, "Refused before writing".
+Each rank estimates its share (:func:`sharded_share`), rank 0 compares the sum and its margin
+(:func:`required`) with the space free on the target's filesystem once the leftovers of crashed saves
+are removed, and refuses a save that does not fit (:func:`refusal`). The estimate, the margin and why
+an existing checkpoint needs no room of its own: ``docs/troubleshooting.md``, "Refused before writing".
 """
 
 from __future__ import annotations
@@ -109,10 +105,8 @@ def required(needed: int) -> int:
 
 
 def refusal(target: object, space: Space, needs: list[int], place: str = "path") -> StorageError | None:
-    """The error of a save that does not fit (``space.free`` below :func:`required`), else ``None``.
-
-    ``needs``: every rank's estimate, in rank order (their sum is ``space.needed``).
-    """
+    """The error of a save that does not fit (``space.free`` below :func:`required`), else ``None``;
+    ``needs``: every rank's estimate, in rank order (their sum is ``space.needed``)."""
     import errno
 
     if space.free is None or space.free >= required(space.needed):

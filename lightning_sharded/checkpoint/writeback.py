@@ -11,15 +11,11 @@ processes, 1 GB each, CRC-32 in 4 MiB pieces): 1.0-3.3 s of CPU per GB written p
 1.1-1.2 s with write-behind, in as much wall time (``benchmarks/writers.py --cpu`` does it for a real
 save).
 
-:class:`WriteBehind` follows one file as it is written (sequentially). Every
-:meth:`~WriteBehind.advance` starts the write-back of the bytes written since
-(``sync_file_range(SYNC_FILE_RANGE_WRITE)``). Once the written bytes run :data:`WINDOW` ahead of a
-range already handed to the disk, it waits for that range and drops its pages
-(``posix_fadvise(POSIX_FADV_DONTNEED)``), so the file keeps at most about :data:`WINDOW` bytes in the
-page cache while it is written, reusing the same pages. :meth:`~WriteBehind.finish`, after the file's
-``fsync``, drops the rest. A file no larger than :data:`WINDOW` is left alone (its pages stay cached,
-as any small file's). Linux only: elsewhere, or where the calls fail, it does nothing and the file is
-written as before. It is advice, not durability: the save's ``fsync`` is what makes the bytes durable.
+:class:`WriteBehind` starts the write-back of what each write added (``sync_file_range``) and drops the
+pages more than :data:`WINDOW` behind the writes once they are on disk (``POSIX_FADV_DONTNEED``), so a
+file keeps about :data:`WINDOW` bytes in the page cache, reusing the same pages; a smaller file is left
+alone. Linux only (elsewhere, or where the calls fail, it does nothing), and advice, not durability:
+the save's ``fsync`` is what makes the bytes durable.
 """
 
 from __future__ import annotations
@@ -36,12 +32,8 @@ WINDOW = 32 << 20
 
 
 class WriteBehind:
-    """The write-behind of one file written sequentially through ``fd``; see the module docstring.
-
-    Args:
-        fd: the file's descriptor (open for writing; this object does not close it).
-        window: bytes of the file kept in the page cache while it is written.
-    """
+    """The write-behind of one file written sequentially through ``fd`` (which it does not close),
+    keeping about ``window`` bytes of it in the page cache; see the module docstring."""
 
     def __init__(self, fd: int, *, window: int = WINDOW) -> None:
         self._on = hasattr(os, "posix_fadvise")

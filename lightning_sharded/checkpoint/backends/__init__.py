@@ -102,11 +102,9 @@ class Backend(Protocol):
 
     # -- what is there ---------------------------------------------------------------------------
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
-        """Where the files of the checkpoint published at ``target`` are, and its manifest (read-only).
-
-        Applies the recovery rules of an interrupted save. Raises ``CheckpointError`` for a manifest
-        that cannot be parsed.
-        """
+        """Where the files of the checkpoint published at ``target`` are, after the recovery rules of an
+        interrupted save, and its manifest (read-only); ``CheckpointError`` for a manifest that cannot
+        be parsed."""
 
     def manifest_at(self, data: Location) -> Manifest | None:
         """The manifest that describes the files under ``data``, or ``None`` (a stock checkpoint)."""
@@ -144,12 +142,9 @@ class Backend(Protocol):
         """A local path with the content of the file at ``loc`` (itself, or a temporary download)."""
 
     def checksum(self, loc: Location, known: Sequence[tuple[int, int, int]] | None = None) -> tuple[int, str]:
-        """``(size, crc32 hex)`` of the file at ``loc``, read once.
-
-        ``known``: ``(offset, length, crc32)`` of byte ranges already checksummed (what :meth:`dcp_reader`
-        recorded): only the bytes between them are read. Only where :attr:`reads_checksums` (else a
-        ``ValueError`` for any range).
-        """
+        """``(size, crc32 hex)`` of the file at ``loc``, read once; with ``known``, ``(offset, length,
+        crc32)`` of ranges :meth:`dcp_reader` checksummed already, only the bytes between them (only
+        where :attr:`reads_checksums`, else a ``ValueError`` for any range)."""
 
     def dcp_reader(
         self,
@@ -216,10 +211,8 @@ class Backend(Protocol):
 
 
 def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:
-    """The backend of a location: object storage for an fsspec URL, the local filesystem otherwise.
-
-    The only place that branches on path versus URL.
-    """
+    """The backend of a location: object storage for an fsspec URL, the local filesystem otherwise (the
+    only place that branches on path versus URL)."""
     if isinstance(loc, str) and is_url(loc):
         return ObjectStoreBackend()
     return LocalBackend()

@@ -4,24 +4,18 @@ torch's ``FileSystemReader`` loads every stored tensor with ``torch.load`` (a ne
 faulted in, the bytes copied from the page cache) and then copies it into the target: two copies and
 a fresh allocation per tensor, which caps a resume at about half the disk's read bandwidth here.
 DCP stores each tensor as a small ``torch.save`` zip archive whose storage record is kept
-uncompressed; :class:`DirectReader` reads the tensor's metadata only (``map_location="meta"``),
-finds the storage record, and ``readinto``-s its bytes into the target's memory: one copy, no
-allocation. Items it cannot do exactly that way (byte items, tensors that are views, narrowed
-reads, dtype or layout differences, extensions) go through torch's own path, item by item.
+uncompressed; :class:`DirectReader` finds the storage record and ``readinto``-s its bytes into the
+target's memory: one copy, no allocation. Items it cannot do exactly that way (byte items, views,
+narrowed reads, dtype or layout differences, extensions) go through torch's own path, item by item.
 
-A resume reads each byte once and never again, so a direct read drops the page cache's pages of what
-it read behind it (``POSIX_FADV_DONTNEED``, piece by piece): the reads then recycle a few MiB of page
-cache instead of taking a shard's worth of fresh memory, which on a VM that gives free memory back to
-its host (free page reporting) is a host fault per page, and the shard's memory is left to the
-tensors being made. Bytes that more than one rank reads (a replicated tensor saved once, an HSDP
-shard) keep their pages, so the other ranks of the machine find them cached: the coordinator counts
-the readers of every stored item across all ranks' plans (:meth:`DirectReader.prepare_global_plan`)
-and DCP scatters the count with the plans. Measured on the project's machine (2 ranks, 2 GB of model
-and Adam, interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 1.26 GB/s without it,
-1.49 and 1.44 GB/s with it.
-
-Both readers here (:class:`DirectReader` locally, :func:`fsspec_reader` for URLs) can be given the
-checkpoint's DCP ``Metadata`` already read (:class:`GivenMetadata`).
+A resume reads each byte once, so a direct read drops the page cache's pages of what it read behind
+it (``POSIX_FADV_DONTNEED``, piece by piece): the reads recycle a few MiB of page cache instead of
+taking a shard's worth of fresh memory (on a VM that gives free memory back to its host, a host fault
+per page). Bytes that more than one rank reads (a replicated tensor saved once, an HSDP shard) keep
+their pages for the other ranks of the machine: :meth:`DirectReader.prepare_global_plan` counts the
+readers of every stored item across all ranks' plans. Measured here (2 ranks, 2 GB of model and Adam,
+interleaved runs): a ``ShardedModelParallelStrategy`` resume 0.95 and 1.26 GB/s without it, 1.49 and
+1.44 GB/s with it.
 """
 
 from __future__ import annotations
@@ -153,18 +147,6 @@ def _drop_behind(file: Any, offset: int, nbytes: int) -> None:
     libc.fadvise(file.fileno(), offset, nbytes, "DONTNEED")
 
 
-def _find_record(file: Any, job: _Job) -> bool:
-    """In a reading thread: set ``job.offset`` to its archive's storage record (read from the archive's
-    start, where the stream is about to read anyway); ``False`` if there is none of the right size."""
-    assert job.archive is not None
-    base, length = job.archive
-    offset = _storage_location(file, base, length, job.nbytes, check_tail=False)
-    if offset is None:
-        return False
-    job.offset = offset
-    return True
-
-
 def _archive_fits(file: Any, job: _Job) -> bool:
     """In a reading thread, once the record's bytes are read: whether the archive holds exactly a
     contiguous tensor of the target's dtype and shape in that record (its data descriptor and its
@@ -192,13 +174,8 @@ class SafeBytesPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that the entries saved as bytes (pickled objects: optimizer
     settings, anything not a tensor) are unpickled as ``weights_only`` says, as ``meta.pt`` and a full
     file are: DCP's own ``load_bytes`` unpickles them with ``weights_only=False``, running a hostile
-    file's code (torch/distributed/checkpoint/default_planner.py).
-
-    Args:
-        *args: the planner's own arguments.
-        weights_only: ``torch.load``'s; ``None`` is its default, ``True``.
-        what: the entry of a read item in words, with its file, for a refusal's message.
-        **kwargs: the planner's own keyword arguments.
+    file's code (torch/distributed/checkpoint/default_planner.py). ``weights_only``: ``torch.load``'s
+    (``None``: its default, ``True``); ``what``: a read item's entry in words, for a refusal's message.
     """
 
     def __init__(
@@ -228,13 +205,8 @@ class GivenMetadata:
     DCP calls ``read_metadata`` on every rank of every ``dcp.load`` (the model, then each optimizer): N
     reads of ``.metadata`` per call, a metadata storm on a parallel file system, N GET (and as many HEAD)
     requests on S3. A load reads it once, on rank 0, and broadcasts it
-    (:func:`~lightning_sharded.checkpoint.load.sharded.restore_sharded`); the readers return that.
-
-    Args:
-        *args: the reader's own arguments (the checkpoint's path or URL...).
-        metadata: the checkpoint's DCP ``Metadata``, read once elsewhere (rank 0) and shared; ``None``
-            reads ``.metadata`` from storage as the reader would.
-        **kwargs: the reader's own keyword arguments.
+    (:func:`~lightning_sharded.checkpoint.load.sharded.restore_sharded`) and gives the readers that
+    (``metadata=``; ``None`` reads ``.metadata`` from storage as the reader would).
     """
 
     load_id: str
@@ -298,17 +270,14 @@ class _Job:
 class DirectReader(GivenMetadata, FileSystemReader):
     """``FileSystemReader`` that reads large tensors directly into their targets (see the module doc).
 
-    The items it reads directly are read by :data:`_STREAMS` threads at once, each going through its
-    own contiguous part of the bytes in file order (its own file descriptors, so the kernel's
-    read-ahead sees a sequential reader, and is all the reading ahead there is). Each item's target is
-    resolved in the calling thread first, and committed there as soon as its bytes are in; the threads
-    find the storage records and move bytes. The pages of what a direct read read leave the
-    page cache behind it, unless the load reads the same stored item more than once (see the module
-    doc); a plan this reader's :meth:`prepare_global_plan` did not mark keeps them all.
+    The items it reads directly are read by :data:`_STREAMS` threads at once, each its own contiguous
+    part of the bytes in file order (its own file descriptors, so the kernel's read-ahead sees a
+    sequential reader, and is all the reading ahead there is). Each item's target is resolved, and
+    committed once its bytes are in, in the calling thread; the threads find the storage records and
+    move bytes. A plan that this reader's :meth:`prepare_global_plan` did not mark keeps its pages cached.
 
-    ``metadata=`` (keyword): the checkpoint's DCP ``Metadata`` already read, see :class:`GivenMetadata`.
-    ``checksums=`` (keyword): a :class:`ReadRecorder` that gets the CRC-32 of every range read
-    directly, computed as the bytes arrive; ``None`` computes none.
+    ``metadata=``: see :class:`GivenMetadata`. ``checksums=``: a :class:`ReadRecorder` that gets the
+    CRC-32 of every range read directly, computed as the bytes arrive.
     """
 
     def __init__(self, *args: Any, checksums: ReadRecorder | None = None, **kwargs: Any) -> None:
@@ -449,9 +418,12 @@ def _read_part(part: list[_Job], finished: _Finished, hashing: bool) -> None:
                 if job.path not in files:
                     files[job.path] = stack.enter_context(open(job.path, "rb", buffering=0))
                 file = files[job.path]
-                if job.archive is not None and not _find_record(file, job):
-                    finished.put((job, False, 0, None))
-                    continue
+                if job.archive is not None:  # its storage record, from the archive's start: read next anyway
+                    offset = _storage_location(file, *job.archive, job.nbytes, check_tail=False)
+                    if offset is None:
+                        finished.put((job, False, 0, None))
+                        continue
+                    job.offset = offset
                 whole, crc = _readinto(file, job.offset, job.target, hashing, job.drop)
                 if whole and job.archive is not None and not _archive_fits(file, job):
                     whole = False
@@ -464,10 +436,8 @@ _fsspec_reader_class: Any = None
 
 
 def fsspec_reader(url: str, metadata: Any = None) -> Any:
-    """torch's ``FsspecReader`` for ``url``, returning ``metadata`` (when given) from ``read_metadata``.
-
-    Made on first use: importing torch's fsspec reader imports fsspec.
-    """
+    """torch's ``FsspecReader`` for ``url``, returning ``metadata`` (when given) from ``read_metadata``;
+    its class made on first use (importing torch's fsspec reader imports fsspec)."""
     global _fsspec_reader_class
     if _fsspec_reader_class is None:
         reader = fsspec_filesystem().FsspecReader

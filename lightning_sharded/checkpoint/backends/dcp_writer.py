@@ -1,22 +1,17 @@
 """A DCP storage writer that checksums the shard files while it writes them.
 
 The manifest lists every file with its CRC-32. Reading the files back after the save to checksum them
-costs as much as 0.7 s per GB here, about half of the write itself; a save that hashes the bytes on
-their way to the file (:class:`~lightning_sharded.checkpoint.checksum.HashingStream`: each large write
-is hashed in a helper thread while the same bytes go to the file, both done before the write returns)
-hides most of it. :class:`ChecksummingWriter` is torch's ``FileSystemWriter`` with such streams; after
-the save, :attr:`ChecksummingWriter.checksums` holds ``{file name: (size, crc32 hex)}`` for every file
-it wrote (shards and ``.metadata``), the figures :func:`~lightning_sharded.checkpoint.checksum.file_checksum`
-would give.
+costs as much as 0.7 s per GB here, about half of the write itself; hashing the bytes on their way to
+the file (:class:`~lightning_sharded.checkpoint.checksum.HashingStream`) hides most of it.
+:class:`ChecksummingWriter` is torch's ``FileSystemWriter`` with such streams; after the save,
+:attr:`ChecksummingWriter.checksums` holds ``{file name: (size, crc32 hex)}`` for every file it wrote.
 
-It also switches off ``torch.save``'s own per-record CRC-32 for the shards it writes (DCP stores each
-tensor with ``torch.save``; that checksum halves its throughput here and is redundant with ours) only
-while DCP writes into one of this writer's files, on the thread that writes it (torch's setting is a
-context variable: nothing else in the process sees it), and keeps a large shard's write-back going as
-it is written, its pages leaving the page cache once on disk
-(:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: a save then takes no fresh memory for the
-page cache, which costs a background save's CPU, and so training's). Files written that way load
-everywhere, with or without this library.
+While DCP writes into one of its files (on that thread only: torch's setting is a context variable),
+it switches off ``torch.save``'s own per-record CRC-32 (it halves the throughput here and is redundant
+with ours; the files still load everywhere, with or without this library) and keeps a large shard's
+write-back going as it is written, its pages leaving the page cache once on disk
+(:class:`~lightning_sharded.checkpoint.writeback.WriteBehind`: no fresh memory for the page cache,
+which costs a background save's CPU, and so training's).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename.
-
-A save writes ``.<name>.staging-<token>`` next to the target, fsyncs every file and directory (the
-manifest last), then publishes: ``rename`` onto a free path; over an existing checkpoint (directory or
-file), ``renameat2(RENAME_EXCHANGE)`` where Linux and the filesystem support it, else two renames
-through ``.<name>.old-<token>``; the previous version then goes through ``.<name>.trash-<token>``.
-:func:`resolve` applies the recovery rules (read-only for loads, for real by the next save). A save
-never replaces a non-empty directory of something else: ``IsADirectoryError``, nothing changed. The
-steps and the rules: ``docs/checkpoint-format.md``, "How a save commits" and "Recovery rules".
+"""Checkpoints on a local or POSIX network filesystem: staged next to the target, published by rename
+(over an existing checkpoint, ``renameat2(RENAME_EXCHANGE)`` where Linux and the filesystem support
+it, else two renames through ``.<name>.old-<token>``). A save never replaces a non-empty directory of
+something else. The steps and the recovery rules (:func:`resolve`): ``docs/checkpoint-format.md``,
+"How a save commits" and "Recovery rules".
 """
 
 from __future__ import annotations
@@ -38,12 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def leftovers(path: str | os.PathLike[str], kind: str | None = None) -> list[Path]:
-    """The staging, old and trash siblings of a checkpoint path left by saves, oldest first.
-
-    Args:
-        path: The checkpoint path (file or directory).
-        kind: ``"staging"``, ``"old"`` or ``"trash"``; ``None`` for all three.
-    """
+    """The staging, old and trash siblings of checkpoint ``path`` (file or directory) left by saves,
+    oldest first; only those of ``kind`` (``"staging"``, ``"old"`` or ``"trash"``) unless ``None``."""
     target = Path(path)
     pattern = names.sibling_pattern(target.name, names.SIBLING_KINDS if kind is None else (kind,))
     try:
@@ -66,9 +58,6 @@ def resolve(path: str | os.PathLike[str]) -> Path:
         return target
     olds = leftovers(target, names.OLD)
     return olds[-1] if olds else target
-
-
-# ---------------------------------------------------------------------------------- disk helpers
 
 
 def fsync_dir(path: Path) -> None:
@@ -297,8 +286,6 @@ class LocalBackend:
         from lightning_sharded.checkpoint.backends.dcp_reader import DirectReader
 
         return DirectReader(data, metadata=metadata, checksums=checksums)
-
-    # -------------------------------------------------------------------------------------- commit
 
     def prepare(
         self, target: Location, *, directory: bool, measure: bool = False

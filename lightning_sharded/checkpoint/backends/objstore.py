@@ -1,14 +1,7 @@
-"""Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename.
-
-A sharded checkpoint at ``URL`` keeps each version under ``URL/data-<token>`` and one manifest,
-``URL/lightning_sharded.json``, that names the published one (``data_dir``): the only object a save
-overwrites, in one ``PUT`` (atomic on S3). A save stages a fresh version, checks that every file is
-stored with the size written, publishes with the manifest's ``PUT``, and only then deletes the previous
-version; a load reads only the version the manifest names. A full checkpoint file is one object, written
-locally and uploaded whole. The layout, the steps and what they assume of the store (an atomic
-single-object ``PUT``, strong read-after-write consistency): ``docs/cluster.md``, "How a save is
-published where there is no rename". Credentials and endpoints are the fsspec filesystem's (for S3 the
-``AWS_*`` variables, ``~/.aws``).
+"""Checkpoints on object storage (S3 and other fsspec URLs), where there is no atomic rename: each
+version under ``URL/data-<token>``, published by one ``PUT`` of the manifest ``URL/lightning_sharded.json``
+that names it (``data_dir``), the previous version deleted only then. The layout, the steps and what
+they assume of the store: ``docs/cluster.md``, "How a save is published where there is no rename".
 """
 
 from __future__ import annotations
@@ -47,11 +40,8 @@ _NO_CHECKSUMS = "torch's fsspec reader records no checksums (reads_checksums is 
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path in it (no protocol): ``(S3FileSystem, "b/k")``.
-
-    Its requests are retried when the store throttles them or drops the connection
-    (:class:`~lightning_sharded.checkpoint.backends.retry.Retrying`).
-    """
+    """The fsspec filesystem of ``url``, its requests :class:`~.retry.Retrying`, and the path in it (no
+    protocol): ``(S3FileSystem, "b/k")``."""
     from fsspec.core import url_to_fs
 
     fs, path = url_to_fs(url)
@@ -104,8 +94,6 @@ class ObjectStoreBackend:
     reads_checksums = False
     hint = "Check the URL and the credentials/endpoint (AWS_* variables)."
 
-    # -------------------------------------------------------------------------------- what is there
-
     def _manifest(self, url: str) -> Manifest | None:
         key = _url(join(url, names.MANIFEST_NAME))
         try:
@@ -114,23 +102,20 @@ class ObjectStoreBackend:
             return None
         return Manifest.from_json(text, source=key)
 
-    def _data(self, url: str, manifest: Manifest) -> str:
-        data_dir = manifest.data_dir
-        if not data_dir:  # a manifest of a local checkpoint copied to object storage: files next to it
-            return url
-        if "/" in data_dir or not names.DATA_DIR.match(data_dir):
-            raise CheckpointError(
-                f"The manifest of {url!r} names the data directory {data_dir!r}, which is not one this"
-                " library writes. The manifest is damaged: restore the checkpoint from a copy."
-            )
-        return _url(join(url, data_dir))
-
     def locate(self, target: Location) -> tuple[Location, Manifest | None]:
         url = _url(target).rstrip("/")
         if names.DATA_DIR.match(basename(url)):  # a version itself: only if its checkpoint publishes it
             return url, self.manifest_at(url)
         manifest = self._manifest(url)
-        return (self._data(url, manifest), manifest) if manifest is not None else (url, None)
+        # No data_dir: a manifest of a local checkpoint copied to object storage, its files next to it.
+        if manifest is None or not manifest.data_dir:
+            return url, manifest
+        if "/" in manifest.data_dir or not names.DATA_DIR.match(manifest.data_dir):
+            raise CheckpointError(
+                f"The manifest of {url!r} names the data directory {manifest.data_dir!r}, which is not one"
+                " this library writes. The manifest is damaged: restore the checkpoint from a copy."
+            )
+        return join(url, manifest.data_dir), manifest
 
     def manifest_at(self, data: Location) -> Manifest | None:
         url = _url(data).rstrip("/")
@@ -153,8 +138,6 @@ class ObjectStoreBackend:
         url = _url(target).rstrip("/")
         index, ours = self._mtime(join(url, names.DCP_METADATA)), self._mtime(join(url, names.MANIFEST_NAME))
         return index is not None and ours is not None and index >= ours
-
-    # -------------------------------------------------------------------------------------- reading
 
     def exists(self, loc: Location) -> bool:
         fs, path = filesystem(_url(loc))
@@ -232,8 +215,6 @@ class ObjectStoreBackend:
         if checksums is not None:
             raise ValueError(_NO_CHECKSUMS)
         return fsspec_reader(_url(data), metadata)
-
-    # --------------------------------------------------------------------------------------- commit
 
     def prepare(
         self, target: Location, *, directory: bool, measure: bool = False

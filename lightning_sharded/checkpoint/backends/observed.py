@@ -18,10 +18,6 @@ class Observed:
     """``inner`` (a DCP ``StorageWriter`` or ``StorageReader``), given to DCP in its place: each method
     named in ``around`` runs through its hook, every other attribute is ``inner``'s own. A hooked method
     keeps ``inner``'s signature (``functools.wraps``), which DCP inspects for the keywords it passes.
-
-    Args:
-        inner: The storage writer or reader.
-        around: Method name to hook; each hook calls the method itself.
     """
 
     def __init__(self, inner: Any, around: Mapping[str, Around]) -> None:

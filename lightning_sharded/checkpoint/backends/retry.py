@@ -1,13 +1,10 @@
 """Bounded retries, with exponential backoff and jitter, of object-store requests that throttle or drop.
 
 An object store answers a burst of requests (every rank of a large job saving at once) with ``503
-SlowDown``, and a connection may drop midway. On top of ``s3fs``'s own few retries (about 1.5 s in all),
-every request a backend makes through :class:`Retrying` (each idempotent: a whole object put or read, a
-listing, a delete) is tried again up to :data:`RETRIES_ENV` times (default :data:`DEFAULT_RETRIES`),
-waiting ``backoff * 2**i`` seconds (:data:`BACKOFF_ENV`, default :data:`DEFAULT_BACKOFF_S`; at most
-:data:`MAX_WAIT_S`) with full jitter, read at each request; then it fails with a
-:class:`~lightning_sharded.checkpoint.errors.StorageError` that says what was throttled or dropped, how
-many times, for how long, and the last error. DCP's own shard writes and reads have ``s3fs``'s retries.
+SlowDown``, and a connection may drop midway; ``s3fs``'s own few retries last about 1.5 s in all. Every
+request a backend makes through :class:`Retrying` (each idempotent) is tried again as
+``docs/troubleshooting.md``, "An object store that throttles or drops connections", says, then fails
+with a :class:`~lightning_sharded.checkpoint.errors.StorageError`. DCP's own shard I/O has ``s3fs``'s.
 """
 
 from __future__ import annotations
