@@ -25,13 +25,30 @@ from tests.fault_injection import install as install_fault_injection
 DRIVER = Path(__file__).parent / "distributed" / "fault_driver.py"
 
 
-@pytest.fixture(scope="session")
-def process_group() -> Iterator[None]:
-    """A world of one gloo rank on loopback (a free port), for DTensor/ShardedTensor in-process."""
+def init_one_rank_group() -> None:
+    """A world of one gloo rank on loopback (a free port), unless a default group exists."""
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+@pytest.fixture(scope="session")
+def process_group() -> Iterator[None]:
+    """A world of one gloo rank, for DTensor/ShardedTensor in-process."""
+    init_one_rank_group()
     yield
+
+
+@pytest.fixture(scope="module")
+def no_default_group() -> Iterator[None]:
+    """No default process group while the module runs (it makes its own, ``benchmarks.scale``'s fake
+    worlds); the one-rank group of :func:`process_group`, made by a module before, is made again after."""
+    had = dist.is_initialized()
+    if had:
+        dist.destroy_process_group()
+    yield
+    if had:
+        init_one_rank_group()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -23,6 +23,9 @@ from lightning_sharded.checkpoint import names, rank_index
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.manifest import Manifest
 
+# benchmarks.scale's fake worlds are default process groups: none may exist while this module runs.
+pytestmark = pytest.mark.usefixtures("no_default_group")
+
 SAVED = 8  # ranks of the checkpoint
 ROWS, COLS = 2, 4  # rows per saving rank, columns (benchmarks.scale's model)
 SHARDED = (
@@ -46,7 +49,7 @@ def _save(store: Any, label: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved(tmp_path_factory: pytest.TempPathFactory, no_default_group: None) -> Path:
     from benchmarks.scale.stores import Local
 
     return _save(Local(tmp_path_factory.mktemp("rank-index")), "ckpt")
