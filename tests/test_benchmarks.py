@@ -166,3 +166,19 @@ def test_the_one_timer_times_every_kind_of_function_and_always_restores() -> Non
         assert instance.method() == "method"
         raise RuntimeError("boom")
     assert seconds and "method" not in vars(instance)  # the instance's attribute is gone again
+
+
+def test_the_fresh_memory_probe_times_every_block_of_every_round(tmp_path: Path) -> None:
+    from benchmarks import fresh_memory
+
+    out = tmp_path / "fresh.json"
+    args = ["--block-gb", "0.004", "--blocks", "3", "--rounds", "2", "--pause-s", "0", "--out", str(out)]
+    fresh_memory.main(args)
+    figures = json.loads(out.read_text())
+    assert figures["block bytes"] == 4_000_000
+    assert figures["held bytes at each block"] == [4_000_000, 8_000_000, 12_000_000]
+    assert [len(row) for row in figures["GB/s"]] == [3, 3]
+    assert all(rate > 0 for row in figures["GB/s"] for rate in row)
+    for rates, ratios in zip(figures["GB/s"], figures["ratio to the round's fastest"], strict=True):
+        assert ratios == pytest.approx([rate / max(rates) for rate in rates])
+        assert max(ratios) == 1.0
