@@ -193,7 +193,13 @@ def test_consolidate_without_the_record_layout_fills_through_the_mapping(
     # layout), the writer copies each buffer into its mapped target and the CRCs are read back.
     from lightning_sharded.checkpoint.tools import consolidate
 
-    monkeypatch.setattr(consolidate._FillChecksums, "offset", lambda self, target: None)
+    matched = consolidate._FillChecksums.__init__
+
+    def unmatched(self: Any, file: Path, loaded: Any) -> None:
+        matched(self, file, loaded)
+        self._base = None  # as when the storages' sizes differ from the records'
+
+    monkeypatch.setattr(consolidate._FillChecksums, "__init__", unmatched)
     monkeypatch.setattr(consolidate.os, "pwrite", None)  # not called on this path
     src = _adam_checkpoint(tmp_path / "ckpt")
     out = consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
