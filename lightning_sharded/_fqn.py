@@ -79,9 +79,10 @@ def walk(
     stack: list[tuple[str, str, nn.Module]] = [("", "", root)]
     while stack:
         raw, clean, module = stack.pop()
-        if once and id(module) in seen:
-            continue
-        seen.add(id(module))
+        if once:  # the only use of `seen`: state_dict's walks (not once) add nothing per module
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
         yield raw, clean, module
         children = [
             (raw + raw_part, clean + clean_part, child)
