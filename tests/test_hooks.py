@@ -360,6 +360,9 @@ def test_shared_submodule_under_two_paths() -> None:
 def test_import_is_silent_and_lazy() -> None:
     code = (
         "import sys, lightning_sharded; "
+        "assert 'torch' not in sys.modules, 'torch imported eagerly'; "
+        "assert 'lightning_sharded.checkpoint.verify' not in sys.modules, 'the tools imported eagerly'; "
+        "lightning_sharded.ShardedStateMixin; "
         "assert 'torch.distributed._shard.sharded_tensor' not in sys.modules, "
         "'ShardedTensor imported eagerly'; "
         "assert 'lightning' not in sys.modules, 'Lightning imported eagerly'; "

@@ -13,6 +13,7 @@ from lightning_sharded.checkpoint import names, rank_index, unpickling
 from lightning_sharded.checkpoint.backends import Location, join
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.problems import Problem
+from lightning_sharded.checkpoint.unpickling import without_torch
 
 if TYPE_CHECKING:
     import torch
@@ -29,19 +30,33 @@ __all__ = [
     "top_level_keys",
 ]
 
+_METADATA = "torch.distributed.checkpoint.metadata.Metadata"
 
-def read_index(backend: Backend, data: Location, *, weights_only: bool | None = False) -> Any:
+
+def read_index(
+    backend: Backend, data: Location, *, weights_only: bool | None = False, standins: bool = False
+) -> Any:
     """The DCP ``Metadata`` of the sharded checkpoint under ``data``; a ``CheckpointError`` when it is
     missing, damaged or not DCP's ``Metadata``.
 
     ``weights_only=False`` (a resume with ``weights_only=False``) reads it by DCP's own reader, with plain
     ``pickle``; ``True`` or ``None`` (the offline tools, a resume by default) with the restricted
     unpickler of :func:`~.unpickling.load_pickle`, which builds DCP's metadata classes only, so no code
-    from the file runs (a :class:`~.unpickling.RefusedPickleError` for any other type).
+    from the file runs (a :class:`~.unpickling.RefusedPickleError` for any other type). ``standins``
+    (with ``weights_only``): stand-ins for torch's classes where torch is not needed to read it
+    (:func:`~.unpickling.without_torch.read_dcp_metadata`), for callers that only read attributes.
     """
+    file = join(data, names.DCP_METADATA)
+    if standins and unpickling.resolve_weights_only(weights_only):
+        try:
+            with backend.open_file(file) as f:
+                found = without_torch.read_dcp_metadata(f)
+        except OSError:
+            found = None  # read again below, which says what is wrong
+        if found is not None and without_torch.type_name(found) == _METADATA:
+            return found
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    file = join(data, names.DCP_METADATA)
     try:
         if unpickling.resolve_weights_only(weights_only):
             with backend.open_file(file) as f:

@@ -15,8 +15,11 @@ from lightning_sharded.checkpoint.backends import Backend, Location, basename, j
 from lightning_sharded.checkpoint.dcp_index import read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind
 from lightning_sharded.checkpoint.problems import Problem, damaged
+from lightning_sharded.checkpoint.unpickling import without_torch
 
 __all__ = ["check_pickles", "refused_pickles"]
+
+_BYTES = "torch.distributed.checkpoint.metadata.BytesStorageMetadata"  # a non-tensor entry
 
 
 def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> list[tuple[str, str]]:
@@ -37,16 +40,14 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
     if kind is CheckpointKind.FULL:
         return whole(root, basename(root), f"The checkpoint file {str(root)!r}")
     try:
-        metadata = read_index(backend, root, weights_only=True)
+        metadata = read_index(backend, root, weights_only=True, standins=True)
     except unpickling.RefusedPickleError as err:
         return [(err.what, err.name)]
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    objects = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    objects = {k for k, v in metadata.state_dict_metadata.items() if without_torch.type_name(v) == _BYTES}
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in (metadata.storage_data or {}).items():
         # An item stored transformed (compressed...) is read only by DCP's load, which reads it safely.
-        if index.fqn in objects and not info.transform_descriptors:
+        if index.fqn in objects and not getattr(info, "transform_descriptors", None):
             by_file.setdefault(str(info.relative_path), []).append(
                 (int(info.offset), int(info.length), index.fqn)
             )

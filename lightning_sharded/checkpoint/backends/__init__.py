@@ -15,9 +15,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+from lightning_sharded._lazy import lazy_attributes
 from lightning_sharded.checkpoint.backends.local import LocalBackend, leftovers, resolve
-from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
 from lightning_sharded.checkpoint.backends.paths import (
     Location,
     absolute,
@@ -31,6 +30,8 @@ from lightning_sharded.checkpoint.backends.paths import (
 
 if TYPE_CHECKING:
     from lightning_sharded.checkpoint.backends.dcp_reader import ReadRecorder
+    from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
+    from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
     from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
 
 __all__ = [
@@ -51,6 +52,16 @@ __all__ = [
     "read_manifest",
     "resolve",
 ]
+
+# Imported on first access: both import torch, which reading a local checkpoint (verify) does not need.
+__getattr__ = lazy_attributes(
+    __name__,
+    {
+        "ChecksummingWriter": "lightning_sharded.checkpoint.backends.dcp_writer",
+        "ObjectStoreBackend": "lightning_sharded.checkpoint.backends.objstore",
+    },
+    globals(),
+)
 
 
 class Backend(Protocol):
@@ -214,6 +225,8 @@ def backend_for(loc: Location | str | os.PathLike[str]) -> Backend:
     """The backend of a location: object storage for an fsspec URL, the local filesystem otherwise (the
     only place that branches on path versus URL)."""
     if isinstance(loc, str) and is_url(loc):
+        from lightning_sharded.checkpoint.backends.objstore import ObjectStoreBackend
+
         return ObjectStoreBackend()
     return LocalBackend()
 

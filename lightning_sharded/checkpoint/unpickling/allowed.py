@@ -1,7 +1,8 @@
 """What a checkpoint's pickles may hold: the allow-lists, and torch's ``weights_only`` list made to hold them.
 
 Which of Lightning's types are on the list, and why (checked against Lightning 2.6):
-``docs/checkpoint-format.md``, "Security". Standard library and torch only: nothing here reads a file.
+``docs/checkpoint-format.md``, "Security". Standard library and torch only (torch imported where used,
+so the lists cost no torch import): nothing here reads a file.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
-
-import torch
 
 __all__ = [
     "ATTRIBUTE_DICT_NAMES",
@@ -103,6 +102,8 @@ def resolve_name(name: str) -> Any | None:
 def allowed_objects(names: Iterable[str]) -> dict[str, Any]:
     """Full name to object for ``names`` (those installed), torch's dtypes, layouts and memory formats,
     and what the user allowed with ``torch.serialization.add_safe_globals``."""
+    import torch
+
     allowed = {name: obj for name in names if (obj := resolve_name(name)) is not None}
     for value in vars(torch).values():
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
@@ -150,6 +151,8 @@ def safe_globals() -> Iterator[list[dict[Any, Any]]]:
         The plain dicts made for ``AttributeDict`` objects while it is active (for
         :func:`restore_attribute_dicts`).
     """
+    import torch
+
     present = set(torch.serialization.get_safe_globals())
     added = [g for g in _torch_globals() if g not in present]
     torch.serialization.add_safe_globals(added)
@@ -172,6 +175,8 @@ def restore_attribute_dicts(obj: Any, made: list[dict[Any, Any]]) -> Any:
     cls = resolve_name("lightning.fabric.utilities.data.AttributeDict")
     if cls is None:
         return obj
+    import torch
+
     targets = {id(d) for d in made}
     done: dict[int, Any] = {}
 

@@ -6,8 +6,6 @@ import pickle
 from collections.abc import Callable
 from typing import IO, Any
 
-import torch
-
 from lightning_sharded.checkpoint.unpickling.allowed import LIGHTNING_SAFE_GLOBALS, allowed_objects
 
 __all__ = ["INERT_ALLOWED", "NotUnpickled", "inert_load"]
@@ -94,12 +92,17 @@ class _InertPickleModule:
         return _InertUnpickler(file, **kwargs).load()
 
 
-def inert_load(source: Any, *, load: Callable[..., Any] = torch.load, **kwargs: Any) -> Any:
+def inert_load(source: Any, *, load: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
     """Read a ``torch.save`` file without running any of its code, for listing a refused checkpoint.
 
     Tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` are built as usual; every other
     global is never looked up: the objects made from it are :class:`NotUnpickled` placeholders that
     keep its name. Only for describing a file (``inspect``); the result is not the checkpoint. ``load``
-    (``torch.load`` or a wrapper of it) gets ``weights_only=False`` and this restricted ``pickle_module``.
+    (``torch.load``, the default, or a wrapper of it) gets ``weights_only=False`` and this restricted
+    ``pickle_module``.
     """
+    if load is None:
+        import torch
+
+        load = torch.load
     return load(source, weights_only=False, pickle_module=_InertPickleModule, **kwargs)

@@ -10,9 +10,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import IO, Any
 
-import torch
-
 from lightning_sharded.checkpoint.errors import CheckpointError
+from lightning_sharded.checkpoint.unpickling import without_torch
 from lightning_sharded.checkpoint.unpickling.allowed import (
     DCP_METADATA_GLOBALS,
     allowed_objects,
@@ -74,17 +73,21 @@ def safe_load(
     *,
     what: str,
     weights_only: bool | None = True,
-    load: Callable[..., Any] = torch.load,
+    load: Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """``load(source, weights_only=..., **kwargs)`` of one checkpoint pickle (``what``: it in words, with
     its file), safe unless ``weights_only`` is ``False``: ``True`` or ``None`` (torch's default) build
-    tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` only. ``load``: ``torch.load`` or a
-    wrapper of it (a backend's ``torch_load`` for URLs).
+    tensors, plain data and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` only. ``load``: ``torch.load`` (the
+    default) or a wrapper of it (a backend's ``torch_load`` for URLs).
 
     Raises:
         RefusedPickleError: the pickle holds a type that is not allowed.
     """
+    if load is None:
+        import torch
+
+        load = torch.load
     if not resolve_weights_only(weights_only):
         return load(source, weights_only=False, **kwargs)
     with safe_globals() as made:
@@ -140,9 +143,21 @@ def unsafe_globals(source: str | os.PathLike[str] | IO[bytes] | bytes) -> list[s
     """The globals of a ``torch.save`` archive that a safe load would refuse; nothing is unpickled.
 
     Read statically (torch's ``get_unsafe_globals_in_checkpoint``) with
-    :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` allowed, so an empty list means :func:`safe_load` opens it.
+    :data:`~.allowed.LIGHTNING_SAFE_GLOBALS` allowed, so an empty list means :func:`safe_load` opens it;
+    an archive of tensors and plain data is told without importing torch (:mod:`.without_torch`).
     """
     if isinstance(source, bytes):
         source = io.BytesIO(source)
+    if not isinstance(source, (str, os.PathLike)):
+        start = source.tell()
+        if without_torch.archive_is_safe(source):
+            return []
+        source.seek(start)
+    else:
+        with open(source, "rb") as f:
+            if without_torch.archive_is_safe(f):
+                return []
+    import torch
+
     with safe_globals():
         return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(source))
