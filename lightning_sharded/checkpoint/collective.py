@@ -131,10 +131,12 @@ def ranks(group: ProcessGroup | None = None, *, alone: bool = False) -> Ranks:
     """This process's rank, world size and source rank in ``group`` (the :func:`scope`'s group, else
     the default group, when ``None``); with ``alone``, this process by itself (rank 0 of 1), whatever
     process group is up."""
+    if alone:  # before torch's import: the offline tools may need none
+        return Ranks(0, 1, 0, None)
     import torch.distributed as dist
 
-    if alone or not (dist.is_available() and dist.is_initialized()):
-        return Ranks(0, 1, 0, None if alone else group)
+    if not (dist.is_available() and dist.is_initialized()):
+        return Ranks(0, 1, 0, group)
     if group is None:
         group = _scoped.get()
     src = dist.get_global_rank(group, 0) if group is not None else 0

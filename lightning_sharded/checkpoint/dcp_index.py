@@ -24,9 +24,11 @@ __all__ = [
     "ShardedLayout",
     "index_problems",
     "model_key",
+    "object_places",
     "read_index",
     "read_indexed_layout",
     "read_sharded_layout",
+    "tensor_entries",
     "top_level_keys",
 ]
 
@@ -100,6 +102,28 @@ def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Prob
             what = f"is truncated: {size} bytes, `.metadata` needs {needed[relative]}"
             problems.append(Problem(relative, what, rank, size, needed[relative]))
     return problems
+
+
+_BYTES = "torch.distributed.checkpoint.metadata.BytesStorageMetadata"
+_TENSOR = "torch.distributed.checkpoint.metadata.TensorStorageMetadata"
+
+
+def tensor_entries(metadata: Any) -> dict[str, Any]:
+    """The tensor entries of a DCP index (DCP's or stand-ins), by key, sorted."""
+    entries = metadata.state_dict_metadata
+    return {k: v for k, v in sorted(entries.items()) if without_torch.type_name(v) == _TENSOR}
+
+
+def object_places(metadata: Any) -> dict[str, tuple[str, int, int]]:
+    """Where each non-tensor entry of a DCP index (DCP's or stand-ins) is stored: ``(file, offset,
+    length)`` of its ``torch.save`` archive, by key. An entry stored transformed (compressed...) is
+    left out: only DCP's load reads it (safely)."""
+    objects = {k for k, v in metadata.state_dict_metadata.items() if without_torch.type_name(v) == _BYTES}
+    return {
+        index.fqn: (str(info.relative_path), int(info.offset), int(info.length))
+        for index, info in (metadata.storage_data or {}).items()
+        if index.fqn in objects and not info.transform_descriptors
+    }
 
 
 def top_level_keys(metadata: Any) -> set[str]:

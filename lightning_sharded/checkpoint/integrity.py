@@ -174,7 +174,8 @@ def check_found(
         if manifest is not None:
             mine = _size_problems(backend, data, manifest, where.rank)
         elif where.rank == 0:
-            mine = index_problems(backend, data, read_index(backend, data, weights_only=weights_only))
+            metadata = read_index(backend, data, weights_only=weights_only, standins=True)
+            mine = index_problems(backend, data, metadata)
         else:
             mine = []
         if manifest is not None and verify:

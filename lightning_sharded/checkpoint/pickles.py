@@ -12,14 +12,11 @@ from typing import Any
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, join
-from lightning_sharded.checkpoint.dcp_index import read_index
+from lightning_sharded.checkpoint.dcp_index import object_places, read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind
 from lightning_sharded.checkpoint.problems import Problem, damaged
-from lightning_sharded.checkpoint.unpickling import without_torch
 
 __all__ = ["check_pickles", "refused_pickles"]
-
-_BYTES = "torch.distributed.checkpoint.metadata.BytesStorageMetadata"  # a non-tensor entry
 
 
 def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> list[tuple[str, str]]:
@@ -43,14 +40,9 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
         metadata = read_index(backend, root, weights_only=True, standins=True)
     except unpickling.RefusedPickleError as err:
         return [(err.what, err.name)]
-    objects = {k for k, v in metadata.state_dict_metadata.items() if without_torch.type_name(v) == _BYTES}
     by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for index, info in (metadata.storage_data or {}).items():
-        # An item stored transformed (compressed...) is read only by DCP's load, which reads it safely.
-        if index.fqn in objects and not getattr(info, "transform_descriptors", None):
-            by_file.setdefault(str(info.relative_path), []).append(
-                (int(info.offset), int(info.length), index.fqn)
-            )
+    for fqn, (rel, offset, length) in object_places(metadata).items():
+        by_file.setdefault(rel, []).append((offset, length, fqn))
     refused: list[tuple[str, str]] = []
     for rel in sorted(by_file):
         rank = names.shard_rank(rel)

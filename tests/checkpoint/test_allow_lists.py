@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_sharded.checkpoint.unpickling import allowed, inert
+from lightning_sharded.checkpoint.unpickling import allowed, inert, without_torch
 
 ATTRIBUTE_DICT = {
     "lightning.fabric.utilities.data.AttributeDict",
@@ -62,6 +62,26 @@ INERT = {
     "builtins.complex",
     "_codecs.encode",
 }
+#: What verify tells safe without torch: what torch.save writes for tensors and plain data.
+TORCH_SAFE = {
+    "collections.OrderedDict",
+    "builtins.set",
+    "_codecs.encode",
+    "torch.Size",
+    "torch.device",
+    "torch._utils._rebuild_tensor_v2",
+    "torch._utils._rebuild_parameter",
+    "torch.serialization._get_layout",
+    "torch.storage.UntypedStorage",
+    *(
+        f"torch.{t}Storage"
+        for t in ("Half", "BFloat16", "Float", "Double", "Bool", "Byte", "Char", "Short", "Int", "Long")
+    ),
+    *(f"torch.{t}" for t in ("float16", "bfloat16", "float32", "float64", "complex64", "complex128")),
+    *(f"torch.{t}" for t in ("bool", "uint8", "int8", "int16", "int32", "int64")),
+}
+#: What inspect builds without torch from a plain archive.
+PLAIN = {"collections.OrderedDict", "builtins.set", "builtins.frozenset", "_codecs.encode"}
 #: Never on any list: each calls or looks up something else (with getattr, an allowed path is a file
 #: deleter: ``PosixPath(p).unlink()``).
 NEVER = {
@@ -93,11 +113,13 @@ def test_the_lists_are_the_reviewed_ones() -> None:
     assert _as_set(allowed.LIGHTNING_SAFE_GLOBALS) == LIGHTNING
     assert _as_set(allowed.DCP_METADATA_GLOBALS) == DCP_METADATA
     assert _as_set(inert.INERT_ALLOWED) == INERT
-    assert not (LIGHTNING | DCP_METADATA | INERT) & NEVER
+    assert without_torch.TORCH_SAFE == TORCH_SAFE
+    assert _as_set(without_torch.PLAIN_GLOBALS) == PLAIN
+    assert not (LIGHTNING | DCP_METADATA | INERT | TORCH_SAFE | PLAIN) & NEVER
 
 
 def test_each_entry_says_why_in_the_code() -> None:
-    for module, names in ((allowed, LIGHTNING | DCP_METADATA), (inert, INERT)):
+    for module, names in ((allowed, LIGHTNING | DCP_METADATA), (inert, INERT), (without_torch, PLAIN)):
         source = Path(str(module.__file__)).read_text()
         for name in sorted(names):
             reasons = re.findall(rf'^\s*"{re.escape(name)}",\s*#\s*(\S.*)$', source, re.MULTILINE)

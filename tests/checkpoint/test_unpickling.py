@@ -38,6 +38,7 @@ from lightning_sharded.checkpoint import unpickling
 from lightning_sharded.checkpoint.checksum import file_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.names import LIGHTNING_METADATA, MANIFEST_NAME
+from lightning_sharded.checkpoint.unpickling import without_torch
 from tests._compare import run_cli
 from tests.distributed.launch import run_ranks
 from tests.distributed.lightning_pickles import HPARAMS, PickleModel, callbacks
@@ -346,17 +347,38 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def without_torch_cli(*argv: str | Path) -> subprocess.CompletedProcess[str]:
+    """``lightning-sharded ARGV`` in a process where importing torch, Lightning or numpy fails."""
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *map(str, argv)], capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_verify_of_every_strategy_s_checkpoint_needs_no_torch(
-    pickles_run: Path, name: str, tmp_path: Path
+def test_verify_and_inspect_of_every_strategy_s_checkpoint_need_no_torch(
+    pickles_run: Path,
+    name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """What stock Lightning and this library write (hyperparameters, callbacks, schedulers, per-rank
-    state) is verified without importing torch (1.3 s of the command's start); a checkpoint that holds
-    anything else still asks torch (``test_without_torch.py``), and a hostile one is still refused."""
+    state) is verified without importing torch (1.3 s of the command's start), and this library's
+    checkpoints are inspected without it, as torch reads them; a checkpoint that holds anything else
+    still asks torch (``test_without_torch.py``), and a hostile one is still refused."""
     (ckpt,) = (pickles_run / name).glob("*.ckpt")
-    done = subprocess.run([sys.executable, "-c", NO_TORCH, "verify", ckpt], capture_output=True, text=True)
+    done = without_torch_cli("verify", ckpt)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("OK:")
+    if not name.startswith("stock"):  # stock Lightning's meta.pt holds tensors (callbacks' scores)
+        done = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, "inspect", ckpt], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        with monkeypatch.context() as m:  # the same command with torch reading every pickle
+            m.setattr(without_torch, "read_plain", lambda source: without_torch.NOT_READ)
+            m.setattr(without_torch, "read_dcp_metadata", lambda f: None)
+            code, out, err = run_cli(capsys, "inspect", str(ckpt))
+        assert code == 0, err
+        assert done.stdout == out and "optimizer_0.param_groups.0.lr" in out
     copy = shutil.copytree(ckpt, tmp_path / "copy")
     meta = unpickling.safe_load(copy / LIGHTNING_METADATA, what="meta.pt")
     meta["extra"] = complex(1, 2)  # torch allows it; the list that spares torch's import does not have it
@@ -364,7 +386,7 @@ def test_verify_of_every_strategy_s_checkpoint_needs_no_torch(
     if (copy / MANIFEST_NAME).exists():
         rewrite_manifest_entry(copy, LIGHTNING_METADATA)
     assert verify_checkpoint(copy).path == copy
-    done = subprocess.run([sys.executable, "-c", NO_TORCH, "verify", copy], capture_output=True, text=True)
+    done = without_torch_cli("verify", copy)
     assert done.returncode == 1 and "torch imported" in done.stderr, done.stderr  # torch was asked
 
 

@@ -120,9 +120,25 @@ def test_the_stand_ins_have_the_none_defaults_of_dcp_s_classes() -> None:
         assert stand_in == none, name
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_a_plain_archive_reads_as_torch_reads_it(case: str, tmp_path: Path) -> None:
+    make, _ = CASES[case]
+    data = _saved(make(tmp_path))
+    value = without_torch.read_plain(data)
+    plain = case == "plain data"  # no tensor, no class: read without torch
+    assert (value is not without_torch.NOT_READ) is plain
+    if plain:
+        assert value == torch.load(io.BytesIO(data), weights_only=True)
+        assert type(value) is type(torch.load(io.BytesIO(data), weights_only=True))
+    assert not (tmp_path / "marker").exists()  # the hostile case ran nothing
+    assert without_torch.read_plain(data[: len(data) // 2]) is without_torch.NOT_READ
+
+
 @pytest.fixture
 def sharded(tmp_path: Path) -> Path:
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    model.register_buffer("count", torch.arange(3))  # an int64 tensor beside the float32 ones
+    model.register_buffer("low", torch.ones(2, dtype=torch.bfloat16))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     stepped(model, optimizer, 4)
     return save_sharded(tmp_path / "ckpt", model, optimizer)
@@ -133,7 +149,9 @@ def _outline(metadata: Any) -> dict[str, Any]:
     entries = {}
     for key, value in metadata.state_dict_metadata.items():
         chunks = [(tuple(c.offsets), tuple(c.sizes)) for c in getattr(value, "chunks", [])]
-        entries[key] = (without_torch.type_name(value), tuple(getattr(value, "size", ())), chunks)
+        dtype = getattr(getattr(value, "properties", None), "dtype", None)
+        kind = (str(dtype), dtype.itemsize) if dtype is not None else None
+        entries[key] = (without_torch.type_name(value), tuple(getattr(value, "size", ())), chunks, kind)
     return {
         "type": without_torch.type_name(metadata),
         "tops": top_level_keys(metadata),

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import join
+from lightning_sharded.checkpoint.dcp_index import (
+    model_key,
+    object_places,
+    read_index,
+    tensor_entries,
+    top_level_keys,
+)
 from lightning_sharded.checkpoint.detect import (
     CheckpointKind,
     Found,
@@ -23,10 +29,16 @@ from lightning_sharded.checkpoint.detect import (
 )
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import check_found
-from lightning_sharded.checkpoint.load.checks import frozen_of
+from lightning_sharded.checkpoint.lightning_meta import read_meta
 from lightning_sharded.checkpoint.problems import damaged
-from lightning_sharded.checkpoint.tools.reader import OfflineReader, leaves, load_full, safe_torch_load
-from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
+from lightning_sharded.checkpoint.unpickling import without_torch
+
+if TYPE_CHECKING:
+    import torch
+
+# A sharded checkpoint of tensors and plain data is described without importing torch (1.3 s on a
+# 2-core machine): its `.metadata`, values and meta.pt are read by `unpickling.without_torch` where it
+# can. torch and the readers that need it are imported where they are used.
 
 __all__ = ["CheckpointInfo", "EntryInfo", "inspect_checkpoint"]
 
@@ -158,11 +170,12 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | Non
 def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     check_found(found, alone=True, weights_only=weights_only)  # presence and sizes: cheap, no data read
     files = checkpoint_files(found)
-    reader = OfflineReader(found.backend, found.data, weights_only)
-    reader.model_key()  # the one rule: a checkpoint with neither model key, or both, is refused everywhere
-    chunks = Counter(index.fqn for index in reader.metadata.storage_data or {})
+    backend, root = found.backend, found.data
+    metadata = read_index(backend, root, weights_only=weights_only, standins=True)
+    model_key(top_level_keys(metadata), root)  # the one rule: neither model key, or both, is refused
+    chunks = Counter(index.fqn for index in metadata.storage_data or {})
     info = CheckpointInfo(
-        path=str(found.data),
+        path=str(root),
         kind=found.kind.value,
         entries=[
             EntryInfo(
@@ -172,14 +185,25 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
                 math.prod(md.size) * md.properties.dtype.itemsize,
                 len(md.chunks),
             )
-            for key, md in reader.tensors.items()
+            for key, md in tensor_entries(metadata).items()
         ],
         files=len(files),
         disk_size=sum(files.values()),
         has_manifest=found.manifest is not None,
         rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
     )
-    for key in reader.objects:  # one at a time, so a refused entry leaves the others shown
+    tensors = tensor_entries(metadata)
+    values = _plain_values(found, metadata)
+    reader = None
+    # One at a time, so a refused entry leaves the others shown.
+    for key in sorted(k for k in metadata.state_dict_metadata if k not in tensors):
+        if key in values:
+            info.entries.append(_value_entry(key, values[key], chunks.get(key, 1)))
+            continue
+        if reader is None:
+            from lightning_sharded.checkpoint.tools.reader import OfflineReader
+
+            reader = OfflineReader(backend, root, weights_only)
         try:
             value = reader.read_objects([key])[key]
         except unpickling.RefusedPickleError as err:
@@ -196,19 +220,40 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
         ranks = {r for name in files if (r := names.shard_rank(name)) is not None}
         info.world_size = max(ranks) + 1 if ranks else None
     if info.epoch is None and names.LIGHTNING_METADATA in files:
+        meta_file = join(root, names.LIGHTNING_METADATA)
+        meta = without_torch.NOT_READ  # plain data (no tensor) is read without torch; else by read_meta
+        with contextlib.suppress(OSError), backend.open_file(meta_file) as f:
+            meta = without_torch.read_plain(f)
         try:
-            meta = reader.read_meta()
+            if not isinstance(meta, dict):
+                meta = read_meta(backend, meta_file, weights_only, safe=True)
         except unpickling.RefusedPickleError:
-            meta = unpickling.inert_load(
-                join(found.data, names.LIGHTNING_METADATA), load=found.backend.torch_load, map_location="cpu"
-            )
+            meta = unpickling.inert_load(meta_file, load=backend.torch_load, map_location="cpu")
             _mark_not_unpickled(info, meta)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
 
 
+def _plain_values(found: Found, metadata: Any) -> dict[str, Any]:
+    """The non-tensor entries that hold plain data (the optimizers' param groups), read without torch;
+    the others are left to DCP's reader."""
+    values: dict[str, Any] = {}
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, (rel, offset, length) in object_places(metadata).items():
+        by_file.setdefault(rel, []).append((offset, length, fqn))
+    for rel, places in sorted(by_file.items()):
+        with found.backend.open_file(join(found.data, rel)) as f:
+            for offset, length, fqn in sorted(places):
+                f.seek(offset)
+                if (value := without_torch.read_plain(f.read(length))) is not without_torch.NOT_READ:
+                    values[fqn] = value
+    return values
+
+
 def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
     """List the placeholders of an :func:`unpickling.inert_load` result in ``info``."""
+    from lightning_sharded.checkpoint.tools.reader import leaves
+
     for p, leaf in leaves(checkpoint):
         if isinstance(leaf, unpickling.NotUnpickled):
             key = ".".join(map(str, p))
@@ -217,6 +262,11 @@ def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:
 
 
 def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
+    import torch
+
+    from lightning_sharded.checkpoint.load.checks import frozen_of
+    from lightning_sharded.checkpoint.tools.reader import leaves, load_full, safe_torch_load
+
     backend, file = found.backend, found.data
     refused = False
     try:  # memory-mapped: the tensors are not read (an object is read whole)
@@ -267,6 +317,8 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
 
 def _inspect_safetensors(found: Found) -> CheckpointInfo:
     """Hugging Face weights: every tensor's key, dtype and shape from the headers; no tensor read."""
+    from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
+
     listing = hf_layout.list_weights(found.backend, found.data)
     error = damaged(found.data, listing.problems)
     if error is not None:

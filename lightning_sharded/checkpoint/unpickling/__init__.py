@@ -4,8 +4,9 @@ The tools read every pickle of a checkpoint as ``torch.load(weights_only=True)``
 types Lightning's own checkpoints hold (:data:`LIGHTNING_SAFE_GLOBALS`); anything else is refused with
 one :class:`RefusedPickleError` naming the type and how to open a file one trusts
 (``docs/checkpoint-format.md``, "Security"). :mod:`.allowed` holds the lists, :mod:`.loaders` the
-readers and the refusal, :mod:`.inert` the listing of a refused file. Imports only ``errors`` and
-torch: every reader of a checkpoint may use it.
+readers and the refusal, :mod:`.inert` the listing of a refused file, :mod:`.without_torch` the
+answers given without importing torch where they are certain to be torch's. Imports only ``errors``
+(torch where it is used): every reader of a checkpoint may use it.
 """
 
 from __future__ import annotations

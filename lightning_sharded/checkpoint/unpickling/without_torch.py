@@ -20,12 +20,21 @@ from typing import IO, Any
 
 from lightning_sharded.checkpoint.unpickling.allowed import DCP_METADATA_GLOBALS, LIGHTNING_SAFE_GLOBALS
 
-__all__ = ["TORCH_SAFE", "archive_is_safe", "read_dcp_metadata", "type_name"]
+__all__ = [
+    "NOT_READ",
+    "PLAIN_GLOBALS",
+    "TORCH_SAFE",
+    "archive_is_safe",
+    "read_dcp_metadata",
+    "read_plain",
+    "type_name",
+]
 
-_DTYPES = (
-    *("float16", "bfloat16", "float32", "float64", "complex64", "complex128"),
-    *("bool", "uint8", "int8", "int16", "int32", "int64"),
-)
+# The common dtypes and their bytes per element (others leave a pickle that holds one to torch).
+_DTYPES = {
+    **{"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16},
+    **{"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8},
+}
 _STORAGES = ("Half", "BFloat16", "Float", "Double", "Bool", "Byte", "Char", "Short", "Int", "Long")
 
 #: Globals that torch's ``weights_only`` unpickler allows by default in every torch this library supports
@@ -98,12 +107,7 @@ def _globals(data: bytes) -> set[str] | None:
             return found
         if op == pickle.GLOBAL[0]:
             end = data.index(b"\n", data.index(b"\n", at) + 1)
-            module, name = data[at:end].decode("utf-8").split("\n")
-            if (module, name) in _compat_pickle.NAME_MAPPING:  # as torch reads Python 2 names
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                module = _compat_pickle.IMPORT_MAPPING[module]
-            found.add(f"{module}.{name}")
+            found.add(_name(*data[at:end].decode("utf-8").split("\n")))
             at = end + 1
         elif op in _FIXED:
             at += _FIXED[op]
@@ -114,6 +118,15 @@ def _globals(data: bytes) -> set[str] | None:
         else:
             return None
     return None
+
+
+def _name(module: str, name: str) -> str:
+    """A global's full name as torch's reader gives it: Python 2 names mapped, as pickle maps them."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    elif module in _compat_pickle.IMPORT_MAPPING:
+        module = _compat_pickle.IMPORT_MAPPING[module]
+    return f"{module}.{name}"
 
 
 def archive_is_safe(source: IO[bytes] | bytes) -> bool:
@@ -133,7 +146,7 @@ _PARTS = (dict, type(None))
 
 class _Standin:
     """An object of one of DCP's index classes, read without torch: it has the attributes the pickle set
-    (an object of a class whose state is not a dict, such as ``TensorProperties``, keeps it in ``state``)."""
+    (one whose state is not a dict keeps it in ``state``)."""
 
     def __init__(self, *args: Any) -> None:  # a REDUCE: the class called with arguments
         self.args = args
@@ -146,6 +159,25 @@ class _Standin:
                 self.__dict__.update(part or {})
         else:
             self.state = state
+
+
+class _TensorProperties(_Standin):
+    """DCP's ``TensorProperties`` read without torch: its state is a tuple (its ``__setstate__``)."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
+class _Dtype(str):
+    """A torch dtype read without torch: its name (``"torch.float32"``) and ``itemsize``, as a dtype has."""
+
+    itemsize: int
+
+
+def _dtype(name: str, itemsize: int) -> _Dtype:
+    dtype = _Dtype(f"torch.{name}")
+    dtype.itemsize = itemsize
+    return dtype
 
 
 class _Size(tuple[int, ...]):
@@ -174,10 +206,12 @@ def _standin(full: str) -> type:
 
 _STANDINS: dict[str, Any] = {
     **{name: _standin(name) for name in DCP_METADATA_GLOBALS if name.startswith(_DCP)},
+    f"{_DCP}metadata.TensorProperties": _TensorProperties,
     "torch.Size": _Size,
     "torch.serialization._get_layout": str,  # its argument is the layout's name ("torch.strided")
-    **{f"torch.{name}": f"torch.{name}" for name in _DTYPES},  # a dtype is pickled by its name
+    **{f"torch.{name}": _dtype(name, size) for name, size in _DTYPES.items()},  # pickled by its name
 }
+_TensorProperties.__module__, _TensorProperties.__qualname__ = f"{_DCP}metadata", "TensorProperties"
 
 
 class _NeedsTorch(Exception):
@@ -212,3 +246,39 @@ def type_name(obj: Any) -> str:
     """``module.qualname`` of ``obj``'s class: the same for a DCP object and its stand-in."""
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+#: What :func:`read_plain` returns for an archive it leaves to torch.
+NOT_READ: Any = object()
+#: What :func:`read_plain` builds: the globals of plain data in a protocol-2 pickle (no tensor, no class).
+PLAIN_GLOBALS = (
+    "collections.OrderedDict",  # a dict (state dicts)
+    "builtins.set",  # plain data
+    "builtins.frozenset",  # plain data
+    "_codecs.encode",  # how protocol 2 pickles bytes: encodes a str, nothing else
+)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds plain data only: any other global, or a tensor's storage, leaves the archive to torch."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = _name(module, name)
+        if full not in PLAIN_GLOBALS:
+            raise _NeedsTorch(full)
+        module, _, name = full.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NeedsTorch("a tensor's storage")
+
+
+def read_plain(source: IO[bytes] | bytes) -> Any:
+    """The object a ``torch.save`` archive of plain data holds (numbers, strings, bytes, lists, tuples,
+    dicts, sets: no tensor), as ``torch.load`` gives it; :data:`NOT_READ` for any other archive, which
+    torch then reads (or refuses, or reports damaged)."""
+    try:
+        data = _data_pkl(io.BytesIO(source) if isinstance(source, bytes) else source)
+        return NOT_READ if data is None else _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception:  # the caller reads it again with torch, which raises what applies
+        return NOT_READ
