@@ -110,14 +110,17 @@ def test_a_torchscript_archive_is_left_to_torch(tmp_path: Path) -> None:
 
 
 def test_the_stand_ins_have_the_none_defaults_of_dcp_s_classes() -> None:
+    """On every torch the suite runs with (2.13 and 2.15 in CI)."""
     standins = without_torch._STANDINS
     for name in unpickling.DCP_METADATA_GLOBALS:
         cls = unpickling.allowed.resolve_name(name)
         if not dataclasses.is_dataclass(cls):
             continue
         none = {f.name for f in dataclasses.fields(cls) if f.default is None}
-        stand_in = {k for k, v in vars(standins[name]).items() if v is None and not k.startswith("_")}
-        assert stand_in == none, name
+        stand_in = {
+            k for k in dir(standins[name]) if not k.startswith("_") and getattr(standins[name], k) is None
+        }
+        assert none <= stand_in, name  # (a stand-in may also have a field of another torch: strides)
 
 
 @pytest.mark.parametrize("case", CASES)

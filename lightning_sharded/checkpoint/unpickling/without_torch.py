@@ -162,10 +162,16 @@ class _Standin:
 
 
 class _TensorProperties(_Standin):
-    """DCP's ``TensorProperties`` read without torch: its state is a tuple (its ``__setstate__``)."""
+    """DCP's ``TensorProperties`` read without torch: its state is a tuple (its ``__setstate__``), of 5
+    fields, and ``strides`` as a sixth since torch 2.15."""
+
+    strides = None
 
     def __setstate__(self, state: Any) -> None:
-        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+        if len(state) not in (5, 6):
+            raise ValueError(f"a TensorProperties state of {len(state)} fields")  # torch reads it instead
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state[:5]
+        self.strides = state[5] if len(state) == 6 else None
 
 
 class _Dtype(str):
