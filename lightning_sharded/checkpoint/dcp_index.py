@@ -5,7 +5,7 @@ and ``verify``), :func:`model_key` the one answer to where the model state is (l
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ __all__ = [
     "ShardedLayout",
     "index_problems",
     "model_key",
-    "object_places",
+    "object_archives",
     "read_index",
     "read_indexed_layout",
     "read_sharded_layout",
@@ -114,16 +114,23 @@ def tensor_entries(metadata: Any) -> dict[str, Any]:
     return {k: v for k, v in sorted(entries.items()) if without_torch.type_name(v) == _TENSOR}
 
 
-def object_places(metadata: Any) -> dict[str, tuple[str, int, int]]:
-    """Where each non-tensor entry of a DCP index (DCP's or stand-ins) is stored: ``(file, offset,
-    length)`` of its ``torch.save`` archive, by key. An entry stored transformed (compressed...) is
-    left out: only DCP's load reads it (safely)."""
+def object_archives(backend: Backend, data: Location, metadata: Any) -> Iterator[tuple[str, str, int, bytes]]:
+    """Each non-tensor entry of the DCP index ``metadata`` (DCP's or stand-ins) as ``(key, file, offset,
+    bytes of its torch.save archive)``, read from the shard files under ``data`` in file and offset
+    order, each file opened once. An entry stored transformed (compressed...) is left out: only DCP's
+    load reads it (safely)."""
     objects = {k for k, v in metadata.state_dict_metadata.items() if without_torch.type_name(v) == _BYTES}
-    return {
-        index.fqn: (str(info.relative_path), int(info.offset), int(info.length))
-        for index, info in (metadata.storage_data or {}).items()
-        if index.fqn in objects and not info.transform_descriptors
-    }
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if index.fqn in objects and not info.transform_descriptors:
+            by_file.setdefault(str(info.relative_path), []).append(
+                (int(info.offset), int(info.length), index.fqn)
+            )
+    for rel in sorted(by_file):
+        with backend.open_file(join(data, rel)) as f:
+            for offset, length, fqn in sorted(by_file[rel]):
+                f.seek(offset)
+                yield fqn, rel, offset, f.read(length)
 
 
 def top_level_keys(metadata: Any) -> set[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning_sharded.checkpoint import names, unpickling
 from lightning_sharded.checkpoint.backends import Backend, Location, basename, join
-from lightning_sharded.checkpoint.dcp_index import object_places, read_index
+from lightning_sharded.checkpoint.dcp_index import object_archives, read_index
 from lightning_sharded.checkpoint.detect import CheckpointKind
 from lightning_sharded.checkpoint.problems import Problem, damaged
 
@@ -40,22 +40,14 @@ def refused_pickles(backend: Backend, root: Location, kind: CheckpointKind) -> l
         metadata = read_index(backend, root, weights_only=True, standins=True)
     except unpickling.RefusedPickleError as err:
         return [(err.what, err.name)]
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for fqn, (rel, offset, length) in object_places(metadata).items():
-        by_file.setdefault(rel, []).append((offset, length, fqn))
     refused: list[tuple[str, str]] = []
-    for rel in sorted(by_file):
+    for fqn, rel, offset, archive in object_archives(backend, root, metadata):
         rank = names.shard_rank(rel)
-        who = f", written by rank {rank}" if rank is not None else ""
-        with backend.open_file(join(root, rel)) as f:
-            for offset, length, fqn in sorted(by_file[rel]):
-                f.seek(offset)
-                found = _globals_or_raise(
-                    root, f.read(length), rel, f"its entry {fqn!r} at byte {offset}", rank
-                )
-                if found:
-                    what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
-                    refused.append((what, ", ".join(found)))
+        found = _globals_or_raise(root, archive, rel, f"its entry {fqn!r} at byte {offset}", rank)
+        if found:
+            who = f", written by rank {rank}" if rank is not None else ""
+            what = f"The entry {fqn!r} of the sharded checkpoint {str(root)!r} (in {rel!r}{who})"
+            refused.append((what, ", ".join(found)))
     state_files = (
         f"{names.RANK_STATE_DIR}/{n}" for n in backend.list_files(join(root, names.RANK_STATE_DIR))
     )

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import io
 import pickle
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable
 from fractions import Fraction
@@ -107,6 +108,18 @@ def test_a_torchscript_archive_is_left_to_torch(tmp_path: Path) -> None:
     path = tmp_path / "scripted.pt"
     torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(path))
     assert without_torch.archive_is_safe(path.read_bytes()) is False
+
+
+def test_an_archive_marked_as_torchscript_is_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain data beside a ``constants.pkl`` record, which torch takes for a TorchScript archive."""
+    buffer = io.BytesIO(_saved({"w": torch.ones(3)}))
+    with zipfile.ZipFile(buffer, "a") as archive:
+        prefix = archive.namelist()[0].split("/")[0]
+        archive.writestr(f"{prefix}/constants.pkl", pickle.dumps(()))
+    data = buffer.getvalue()
+    assert without_torch.archive_is_safe(data) is False
+    with pytest.raises(ValueError, match="torchscript"):
+        torch_answer(data, monkeypatch)
 
 
 def test_the_stand_ins_have_the_none_defaults_of_dcp_s_classes() -> None:

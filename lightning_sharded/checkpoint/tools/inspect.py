@@ -15,7 +15,7 @@ from lightning_sharded.checkpoint import hf_layout, names, unpickling
 from lightning_sharded.checkpoint.backends import join
 from lightning_sharded.checkpoint.dcp_index import (
     model_key,
-    object_places,
+    object_archives,
     read_index,
     tensor_entries,
     top_level_keys,
@@ -174,6 +174,7 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
     metadata = read_index(backend, root, weights_only=weights_only, standins=True)
     model_key(top_level_keys(metadata), root)  # the one rule: neither model key, or both, is refused
     chunks = Counter(index.fqn for index in metadata.storage_data or {})
+    tensors = tensor_entries(metadata)
     info = CheckpointInfo(
         path=str(root),
         kind=found.kind.value,
@@ -185,15 +186,18 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
                 math.prod(md.size) * md.properties.dtype.itemsize,
                 len(md.chunks),
             )
-            for key, md in tensor_entries(metadata).items()
+            for key, md in tensors.items()
         ],
         files=len(files),
         disk_size=sum(files.values()),
         has_manifest=found.manifest is not None,
         rank_state_ranks=sum(1 for name in files if names.RANK_STATE_FILE.match(name)) or None,
     )
-    tensors = tensor_entries(metadata)
-    values = _plain_values(found, metadata)
+    values = {  # the plain entries (the optimizers' param groups), read without torch
+        fqn: value
+        for fqn, _, _, archive in object_archives(backend, root, metadata)
+        if (value := without_torch.read_plain(archive)) is not without_torch.NOT_READ
+    }
     reader = None
     # One at a time, so a refused entry leaves the others shown.
     for key in sorted(k for k in metadata.state_dict_metadata if k not in tensors):
@@ -232,22 +236,6 @@ def _inspect_sharded(found: Found, weights_only: bool | None) -> CheckpointInfo:
             _mark_not_unpickled(info, meta)
         info.epoch, info.global_step = meta.get("epoch"), meta.get("global_step")
     return info
-
-
-def _plain_values(found: Found, metadata: Any) -> dict[str, Any]:
-    """The non-tensor entries that hold plain data (the optimizers' param groups), read without torch;
-    the others are left to DCP's reader."""
-    values: dict[str, Any] = {}
-    by_file: dict[str, list[tuple[int, int, str]]] = {}
-    for fqn, (rel, offset, length) in object_places(metadata).items():
-        by_file.setdefault(rel, []).append((offset, length, fqn))
-    for rel, places in sorted(by_file.items()):
-        with found.backend.open_file(join(found.data, rel)) as f:
-            for offset, length, fqn in sorted(places):
-                f.seek(offset)
-                if (value := without_torch.read_plain(f.read(length))) is not without_torch.NOT_READ:
-                    values[fqn] = value
-    return values
 
 
 def _mark_not_unpickled(info: CheckpointInfo, checkpoint: Any) -> None:

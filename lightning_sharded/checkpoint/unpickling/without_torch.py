@@ -266,7 +266,8 @@ PLAIN_GLOBALS = (
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Builds plain data only: any other global, or a tensor's storage, leaves the archive to torch."""
+    """Builds plain data only: any other global, or a tensor's storage (pickle's own refusal of a persistent
+    id: no ``persistent_load``), leaves the archive to torch."""
 
     def find_class(self, module: str, name: str) -> Any:
         full = _name(module, name)
@@ -274,9 +275,6 @@ class _PlainUnpickler(pickle.Unpickler):
             raise _NeedsTorch(full)
         module, _, name = full.rpartition(".")
         return getattr(importlib.import_module(module), name)
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _NeedsTorch("a tensor's storage")
 
 
 def read_plain(source: IO[bytes] | bytes) -> Any:
