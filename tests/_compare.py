@@ -5,6 +5,7 @@ a quiet Trainer."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,28 @@ from lightning_sharded import load_checkpoint, verify_checkpoint
 if TYPE_CHECKING:
     import lightning as L
     import pytest
+
+
+def assert_identical(actual: Any, expected: Any, where: str = "checkpoint") -> None:
+    """Equal, and of the same types (an AttributeDict, a tuple...), tensors by dtype, shape, strides and
+    ``requires_grad`` too, NaN equal to NaN."""
+    assert type(actual) is type(expected), f"{where}: {type(actual)} != {type(expected)}"
+    if isinstance(expected, dict):
+        assert list(actual) == list(expected), f"{where}: keys {list(actual)} != {list(expected)}"
+        for key in expected:
+            assert_identical(actual[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), where
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_identical(a, e, f"{where}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        same = (actual.dtype, actual.shape, actual.stride(), actual.requires_grad)
+        assert same == (expected.dtype, expected.shape, expected.stride(), expected.requires_grad), where
+        assert torch.equal(actual, expected), where
+    elif isinstance(expected, float) and math.isnan(expected):
+        assert math.isnan(actual), where
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
 
 
 def assert_same(actual: Any, expected: Any, where: str = "checkpoint", ordered: bool = False) -> None:

@@ -73,6 +73,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def through_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``consolidate_checkpoint`` through torch (``consolidate_mapped``), as for a checkpoint that the
+    torch-free path (``consolidate_direct``) leaves to it."""
+    from lightning_sharded.checkpoint.tools import consolidate_direct
+
+    monkeypatch.setattr(consolidate_direct, "plan", lambda found, out: "through torch, as the test asks")
+
+
+@pytest.fixture
 def droppable(tmp_path: Path) -> Path:
     """``tmp_path``, on a filesystem whose clean pages ``POSIX_FADV_DONTNEED`` drops (not tmpfs)."""
     if not drops_pages(tmp_path):

@@ -109,9 +109,9 @@ def test_consolidate_output_is_a_valid_archive_published_atomically(
 
 
 def test_consolidate_checksums_each_chunk_as_it_fills_it(
-    sharded_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sharded_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through_torch: None
 ) -> None:
-    from lightning_sharded.checkpoint.tools import consolidate
+    from lightning_sharded.checkpoint.tools import consolidate_mapped as consolidate
 
     seen: list[dict[int, int]] = []
     real = consolidate._fix_zip_crcs
@@ -139,10 +139,12 @@ def _adam_checkpoint(path: Path) -> Path:
     return save_sharded(path, model, optimizer)
 
 
-def test_consolidate_writes_behind_its_fill(droppable: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consolidate_writes_behind_its_fill(
+    droppable: Path, monkeypatch: pytest.MonkeyPatch, through_torch: None
+) -> None:
     # Once WINDOW bytes more of the output are filled, a filled region's pages leave the page cache:
     # the output does not take its size in memory (it kept every byte cached).
-    from lightning_sharded.checkpoint.tools import consolidate
+    from lightning_sharded.checkpoint.tools import consolidate_mapped as consolidate
     from tests._pages import resident
 
     monkeypatch.setattr(consolidate, "WINDOW", 4 << 20)
@@ -157,12 +159,14 @@ def test_consolidate_writes_behind_its_fill(droppable: Path, monkeypatch: pytest
     )
 
 
-def test_consolidate_s_writer_fails_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_consolidate_s_writer_fails_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through_torch: None
+) -> None:
     # The tensors are written by a thread (pwrite from the read buffers): a write that fails there is
     # raised in the caller, naming the destination, and nothing is published (the old output stays).
     import errno
 
-    from lightning_sharded.checkpoint.tools import consolidate
+    from lightning_sharded.checkpoint.tools import consolidate_mapped as consolidate
 
     src, dst = _adam_checkpoint(tmp_path / "ckpt"), tmp_path / "full.ckpt"
     dst.write_bytes(b"the previous output")
@@ -187,11 +191,11 @@ def test_consolidate_s_writer_fails_whole(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_consolidate_without_the_record_layout_fills_through_the_mapping(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, through_torch: None
 ) -> None:
     # Where the mapped output's storages cannot be matched to the file's records (another torch's
     # layout), the writer copies each buffer into its mapped target and the CRCs are read back.
-    from lightning_sharded.checkpoint.tools import consolidate
+    from lightning_sharded.checkpoint.tools import consolidate_mapped as consolidate
 
     matched = consolidate._FillChecksums.__init__
 
@@ -213,7 +217,7 @@ def test_consolidate_s_skeleton_holds_more_tensors_than_the_kernel_maps(tmp_path
     # The output's skeleton is saved from tensors that take no memory, a storage each (a record each in
     # the file, which the fill expects), cut from one mapping: a mapping each stopped at the kernel's
     # vm.max_map_count (65,530), so a checkpoint of more tensor entries could not be consolidated.
-    from lightning_sharded.checkpoint.tools.consolidate import _unbacked
+    from lightning_sharded.checkpoint.tools.consolidate_mapped import _unbacked
 
     shapes = {f"w{i}": ((3, 5), torch.float32) for i in range(70_000)}
     shapes.update(
@@ -228,11 +232,11 @@ def test_consolidate_s_skeleton_holds_more_tensors_than_the_kernel_maps(tmp_path
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_consolidate_takes_each_direct_read_s_crc_from_the_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool, through_torch: None
 ) -> None:
     # The output's records have the bytes the reads read: their CRC-32, computed by the reader's threads
     # as the bytes arrive (with or without verify), is not computed again from the output's memory.
-    from lightning_sharded.checkpoint.tools import consolidate
+    from lightning_sharded.checkpoint.tools import consolidate_mapped as consolidate
 
     src = _adam_checkpoint(tmp_path / "ckpt")
     hashed: list[int] = []

@@ -206,7 +206,6 @@ def test_verify_checks_the_bytes_the_tools_read(
     checksum pass first), and a damaged file anywhere fails them, named, before anything is published."""
     from lightning_sharded.checkpoint import integrity
     from lightning_sharded.checkpoint.backends import dcp_reader, local
-    from lightning_sharded.checkpoint.tools import reader
 
     covered: dict[str, int] = {}
     real = local.ranges_checksum
@@ -226,7 +225,6 @@ def test_verify_checks_the_bytes_the_tools_read(
     with monkeypatch.context() as whole:  # a whole checkpoint: no checksum pass before the reads
         whole.setattr(local, "ranges_checksum", recording)
         whole.setattr(integrity, "check_found", sizes_only)
-        whole.setattr(reader, "check_found", sizes_only)
         assert torch.equal(
             load_checkpoint(sharded_ckpt, verify=True)["state_dict"]["layer.weight"], expected_weight
         )

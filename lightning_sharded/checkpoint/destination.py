@@ -4,12 +4,14 @@ A tool that writes a new file from a checkpoint (``consolidate``) asks :func:`ou
 the source, inside it, or a directory that holds it (symlinks and an interrupted save's ``.old``
 version count as the source); what is already there only with ``overwrite=True`` (``--force``), and
 a directory that is not a checkpoint never; ``DST/`` means inside ``DST``. The rules as the CLI gives
-them: ``docs/cli.md``, ``consolidate``. The write itself then goes through the atomic commit.
+them: ``docs/cli.md``, ``consolidate``. The write itself then goes through the atomic commit, and
+:func:`write_error` words a failed one for the destination.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from lightning_sharded.checkpoint import names
@@ -22,8 +24,9 @@ from lightning_sharded.checkpoint.backends import (
     location,
     resolve,
 )
+from lightning_sharded.checkpoint.errors import first_line
 
-__all__ = ["output_file"]
+__all__ = ["output_file", "write_error"]
 
 _FORCE = "To replace it, pass --force (overwrite=True in Python), or choose another destination."
 
@@ -124,3 +127,20 @@ def _check_url(out: str, src: str | os.PathLike[str], real_src: Location, overwr
         )
     if not overwrite:
         raise FileExistsError(f"The destination {out!r} exists (an object). {_FORCE}")
+
+
+def write_error(out: Location, err: Exception) -> OSError:
+    """An error writing a tool's output ``out``, as one ``OSError`` that names the destination, not the
+    temporary file it was writing."""
+    if isinstance(err, OSError) and str(out) in str(err):
+        return err
+    if isinstance(err, OSError):
+        why = err.strerror or str(err)
+    else:  # "[enforce fail at inline_container.cc:747] . open file failed with strerror: ..."
+        why = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", first_line(err).partition(": ")[2])
+    error = (type(err) if isinstance(err, OSError) else OSError)(
+        f"Cannot write the checkpoint file {str(out)!r}: {why}. Nothing was written there; check that its"
+        " directory is writable and has space."
+    )
+    error.errno = getattr(err, "errno", None)
+    return error

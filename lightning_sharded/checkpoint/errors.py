@@ -5,7 +5,22 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CheckpointError", "MissingCheckpointError", "OptimizerCountError", "RanksLost", "StorageError"]
+__all__ = [
+    "CheckpointError",
+    "MissingCheckpointError",
+    "OptimizerCountError",
+    "RanksLost",
+    "StorageError",
+    "first_line",
+]
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: message`` of an exception, its message's last line of its own (DCP's
+    ``CheckpointException`` puts the original exception at the end of its traceback text)."""
+    text = str(err).strip().splitlines()
+    last = [line for line in text if line and not line.startswith((" ", "Traceback"))]
+    return f"{type(err).__name__}: {last[-1] if last else ''}"
 
 
 class CheckpointError(ValueError):

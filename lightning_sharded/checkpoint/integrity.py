@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import heapq
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Literal, cast
@@ -28,6 +29,8 @@ from lightning_sharded.checkpoint.problems import Problem, damaged
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "AFTER_READ",
     "UNCHANGED",
@@ -38,6 +41,7 @@ __all__ = [
     "check_found",
     "checksum_problem",
     "find_problems",
+    "prepare_read",
     "raise_agreed",
     "size_problem",
     "split_by_size",
@@ -353,3 +357,32 @@ class ReadVerification:
         except OSError as err:
             report = ([], f"Could not read {str(found.data)!r} to check its checksums: {err!r}")
         raise_agreed(report, where, found.data, manifest, self.then)
+
+
+def prepare_read(
+    found: Found,
+    verify: bool,
+    weights_only: bool | None = True,
+    *,
+    during: bool = True,
+    then: str = AFTER_READ,
+) -> ReadVerification | None:
+    """The checks of a sharded checkpoint's files before one process reads all of them (the offline tools).
+
+    With ``verify``, ``during`` and a manifest, on local files: presence and sizes now, and a
+    :class:`ReadVerification` returned, whose checksums the reads complete (call its ``check`` after the
+    last read, before anything is published; ``then`` is what its error adds). Otherwise
+    :func:`check_found` (every checksum now with ``verify``) and ``None``.
+    """
+    if verify and found.manifest is None:
+        log.warning(
+            "%s has no manifest (it was written without lightning_sharded): there are no checksums to"
+            " verify; checked presence and sizes only",
+            found.data,
+        )
+    if verify and during and ReadVerification.applies(found):
+        verification = ReadVerification(found, alone=True, then=then)
+        verification.check_sizes(weights_only)
+        return verification
+    check_found(found, verify=verify, alone=True, weights_only=weights_only)
+    return None

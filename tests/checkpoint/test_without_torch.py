@@ -213,3 +213,54 @@ def test_a_metadata_with_another_global_is_left_to_torch(sharded: Path) -> None:
     with pytest.raises(CheckpointError) as with_standins:
         read_index(backend, sharded, weights_only=True, standins=True)
     assert str(with_standins.value) == str(without.value)
+
+
+def _tensor_archive(tensor: torch.Tensor) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("tensor", "record"),
+    [
+        (torch.arange(6.0).view(2, 3), ("float32", (2, 3), False)),
+        (torch.ones(1, 4, dtype=torch.bfloat16), ("bfloat16", (1, 4), False)),
+        (torch.ones(4, 1).t(), ("float32", (1, 4), False)),  # contiguous: a size-1 dim's stride is free
+        (torch.tensor(7), ("int64", (), False)),
+        (torch.zeros(0, 3, dtype=torch.bool), ("bool", (0, 3), False)),
+        (torch.ones(2, requires_grad=True), ("float32", (2,), True)),
+        (torch.arange(6.0).view(2, 3).t(), None),  # transposed: not contiguous
+        (torch.arange(6.0)[2:], None),  # a view: part of its storage
+        (torch.arange(6.0)[::2], None),  # strided
+        (nn.Parameter(torch.ones(2)), None),  # _rebuild_parameter
+        (torch.ones(2, dtype=torch.complex64).conj(), None),  # a conjugate bit: metadata
+        (torch.ones(2, dtype=torch.float8_e4m3fn), None),  # a dtype outside the common ones
+    ],
+    ids=[
+        "2d",
+        "bf16-row",
+        "row-of-a-column",
+        "scalar",
+        "empty",
+        "grad",
+        "transposed",
+        "view",
+        "strided",
+        "param",
+        "conj",
+        "fp8",
+    ],
+)
+def test_a_chunk_s_pickle_is_read_only_where_it_is_its_storage(tensor: torch.Tensor, record: Any) -> None:
+    # What consolidate reads of each DCP tensor entry without torch: its dtype, shape and storage key,
+    # only for a tensor whose bytes are its whole storage, contiguous (anything else is left to torch).
+    with zipfile.ZipFile(io.BytesIO(_tensor_archive(tensor))) as archive:
+        (pkl,) = [name for name in archive.namelist() if name.endswith("/data.pkl")]
+        found = without_torch.tensor_record(archive.read(pkl))
+    if record is None:
+        assert found is None
+        return
+    assert found is not None and (found.dtype, found.shape, found.requires_grad) == record
+    assert found.nbytes == tensor.numel() * tensor.element_size()
+    assert found.key == "0"

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointInfo", "EntryInfo", "consolidate_checkpoint", "inspect_checkpoint", "load_checkpoint"]
 
-# Loaded on first access: consolidate and load_checkpoint import torch, which inspect may not need.
+# Loaded on first access: load_checkpoint imports torch, which inspect, and consolidate of most
+# checkpoints, do not need.
 __getattr__ = lazy_attributes(
     __name__,
     {

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -25,9 +24,10 @@ from lightning_sharded.checkpoint.backends import Backend, Location, join
 from lightning_sharded.checkpoint.backends.dcp_reader import SafeBytesPlanner
 from lightning_sharded.checkpoint.dcp_index import model_key, read_index, top_level_keys
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect, not_a_checkpoint
-from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.integrity import ReadChecksums, ReadVerification, check_found
+from lightning_sharded.checkpoint.errors import CheckpointError, first_line
+from lightning_sharded.checkpoint.integrity import ReadChecksums, ReadVerification, prepare_read
 from lightning_sharded.checkpoint.lightning_meta import VERIFY_HINT, read_meta
+from lightning_sharded.checkpoint.tools.nested import get_path, set_path, to_lightning
 
 log = logging.getLogger(__name__)
 
@@ -101,24 +101,7 @@ class OfflineReader:
 
     def to_lightning(self, flat: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         """DCP's entries (``flat``, by key) plus ``meta.pt`` as the dict of a full Lightning checkpoint."""
-        nested: dict[str, Any] = {}
-        for key in sorted(flat):
-            set_path(nested, self.path_of(key), flat[key])
-        checkpoint = dict(meta)
-        checkpoint["state_dict"] = nested.pop(model_key(map(str, nested), self.root))
-        optimizers = sorted((int(m.group(1)), k) for k in nested if (m := names.OPTIMIZER_KEY.match(k)))
-        if [i for i, _ in optimizers] != list(range(len(optimizers))):
-            raise CheckpointError(
-                f"The sharded checkpoint {str(self.root)!r} has optimizer states"
-                f" {[k for _, k in optimizers]}, not numbered 0, 1, ...: one is missing. Restore the"
-                " directory from a copy."
-            )
-        if optimizers:
-            checkpoint["optimizer_states"] = [
-                _rekey_optimizer(nested.pop(k), k, self.root) for _, k in optimizers
-            ]
-        checkpoint.update(nested)
-        return checkpoint
+        return to_lightning(flat, meta, self.path_of, self.root)
 
     def what(self, fqn: str, relative_path: str | None = None) -> str:
         """An entry in words, for :class:`unpickling.RefusedPickleError`."""
@@ -253,54 +236,10 @@ class OfflineReader:
         self._load(dict(targets), on_tensor, on_filled)
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    # DCP's CheckpointException puts the original exception at the end of its traceback text.
-    last = [line for line in text if line and not line.startswith((" ", "Traceback"))]
-    return f"{type(err).__name__}: {last[-1] if last else ''}"
-
-
 def safe_torch_load(backend: Backend, file: Location, weights_only: bool | None, **kwargs: Any) -> Any:
     """A full checkpoint file through :func:`unpickling.safe_load`; ``kwargs`` go to ``torch.load``."""
     what = f"The checkpoint file {str(file)!r}"
     return unpickling.safe_load(file, what=what, weights_only=weights_only, load=backend.torch_load, **kwargs)
-
-
-def set_path(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
-    node: Any = root
-    for key, nxt in itertools.pairwise(path):
-        if isinstance(node, list):
-            node.extend([None] * (key + 1 - len(node)))
-            if node[key] is None:
-                node[key] = [] if isinstance(nxt, int) else {}
-            node = node[key]
-        else:
-            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
-    if isinstance(node, list):
-        node.extend([None] * (path[-1] + 1 - len(node)))
-    node[path[-1]] = value
-
-
-def _rekey_optimizer(state: Any, key: str, root: Location) -> Any:
-    """DCP's optimizer state, keyed by parameter name, to torch's, keyed by index."""
-    if not isinstance(state, dict) or "param_groups" not in state:
-        return state
-    groups = state["param_groups"]
-    names = [p for group in groups for p in group.get("params", [])]
-    if all(isinstance(p, int) for p in names):
-        return state
-    index = {name: i for i, name in enumerate(names)}
-    unknown = sorted(str(k) for k in state.get("state", {}) if k not in index)
-    if unknown:
-        raise CheckpointError(
-            f"The optimizer state {key!r} of {str(root)!r} has state for {unknown[:3]} that no parameter"
-            " group lists: the checkpoint is inconsistent. Load it with the strategy that wrote it."
-        )
-    return {
-        **{k: v for k, v in state.items() if k not in ("state", "param_groups")},
-        "state": {index[name]: value for name, value in state.get("state", {}).items()},
-        "param_groups": [{**g, "params": [index[p] for p in g.get("params", [])]} for g in groups],
-    }
 
 
 def open_sharded(
@@ -314,18 +253,10 @@ def open_sharded(
     reads (each byte read once): the caller must call :meth:`OfflineReader.check` after its last read,
     before it returns or publishes anything, and ``then`` is what its error adds (what was not done).
     """
-    if verify and found.manifest is None:
-        log.warning(
-            "%s has no manifest (it was written without lightning_sharded): there are no checksums to"
-            " verify; checked presence and sizes only",
-            found.data,
-        )
-    if verify and during and ReadVerification.applies(found):
-        verification = ReadVerification(found, alone=True, then=then)
-        verification.check_sizes(weights_only)
+    verification = prepare_read(found, verify, weights_only, during=during, then=then)
+    if verification is not None:
         with verification.reading():  # the index is the first file read
             return OfflineReader(found.backend, found.data, weights_only, verification)
-    check_found(found, verify=verify, alone=True, weights_only=weights_only)
     return OfflineReader(found.backend, found.data, weights_only)
 
 
@@ -420,7 +351,3 @@ def leaves(
             yield from leaves(v, (*path, i), plain)
     else:
         yield path, obj
-
-
-def get_path(obj: Any, path: tuple[Any, ...]) -> Any:
-    return functools.reduce(lambda node, key: node[key], path, obj)

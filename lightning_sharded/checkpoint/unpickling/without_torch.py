@@ -11,22 +11,37 @@ as before. So every answer is torch's, and a checkpoint of plain tensors and dat
 from __future__ import annotations
 
 import _compat_pickle
+import collections
+import dataclasses
 import importlib
 import io
+import math
 import pickle
 import struct
 import zipfile
+from collections.abc import Callable
 from typing import IO, Any
 
-from lightning_sharded.checkpoint.unpickling.allowed import DCP_METADATA_GLOBALS, LIGHTNING_SAFE_GLOBALS
+from lightning_sharded.checkpoint.unpickling.allowed import (
+    ATTRIBUTE_DICT_NAMES,
+    DCP_METADATA_GLOBALS,
+    LIGHTNING_SAFE_GLOBALS,
+)
 
 __all__ = [
+    "LIGHTNING_PLAIN_GLOBALS",
     "NOT_READ",
     "PLAIN_GLOBALS",
+    "REBUILD_TENSOR",
     "TORCH_SAFE",
+    "AttributeDict",
+    "PlainTensor",
+    "TensorRecord",
     "archive_is_safe",
+    "is_contiguous",
     "read_dcp_metadata",
     "read_plain",
+    "tensor_record",
     "type_name",
 ]
 
@@ -36,6 +51,18 @@ _DTYPES = {
     **{"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8},
 }
 _STORAGES = ("Half", "BFloat16", "Float", "Double", "Bool", "Byte", "Char", "Short", "Int", "Long")
+_STORAGE_DTYPE_NAMES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+)
 
 #: Globals that torch's ``weights_only`` unpickler allows by default in every torch this library supports
 #: (what ``torch.save`` writes for tensors and plain data; ``tests/checkpoint/test_without_torch.py``
@@ -83,16 +110,20 @@ def _data_pkl(source: IO[bytes]) -> bytes | None:
         info = records[0]
         if info.compress_type != zipfile.ZIP_STORED:
             return None
-        # torch.save may write no CRC-32 (its config's compute_crc32), so zipfile's reader, which checks
-        # it, cannot be used: the record's bytes are read from after its local header.
-        assert archive.fp is not None
-        archive.fp.seek(info.header_offset)
-        header = _LOCAL_HEADER.unpack(archive.fp.read(_LOCAL_HEADER.size))
-        if header[0] != b"PK\x03\x04":
-            return None
-        archive.fp.seek(header[-2] + header[-1], io.SEEK_CUR)  # the name and the extra field
-        data = archive.fp.read(info.compress_size)
-        return data if len(data) == info.compress_size else None
+        return _stored(archive, info)
+
+
+def _stored(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes | None:
+    """A stored record's bytes. torch.save may write no CRC-32 (its config's compute_crc32), so zipfile's
+    reader, which checks it, cannot be used: the record's bytes are read from after its local header."""
+    assert archive.fp is not None
+    archive.fp.seek(info.header_offset)
+    header = _LOCAL_HEADER.unpack(archive.fp.read(_LOCAL_HEADER.size))
+    if header[0] != b"PK\x03\x04":
+        return None
+    archive.fp.seek(header[-2] + header[-1], io.SEEK_CUR)  # the name and the extra field
+    data = archive.fp.read(info.compress_size)
+    return data if len(data) == info.compress_size else None
 
 
 def _globals(data: bytes) -> set[str] | None:
@@ -277,12 +308,173 @@ class _PlainUnpickler(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-def read_plain(source: IO[bytes] | bytes) -> Any:
+class AttributeDict(dict[Any, Any]):
+    """Lightning's ``AttributeDict`` (``save_hyperparameters``' container) read without Lightning: the dict
+    it is, pickled again (:mod:`~lightning_sharded.checkpoint.tools.archive_writer`) under Lightning 2.x's
+    name, as a safe load gives it back (``allowed.restore_attribute_dicts``)."""
+
+    pickled_as = ("lightning.fabric.utilities.data", "AttributeDict")
+
+
+#: What :func:`read_plain` builds with ``lightning``: what a safe load with Lightning's globals builds
+#: (torch's defaults of :data:`PLAIN_GLOBALS`, and :data:`~.allowed.LIGHTNING_SAFE_GLOBALS`).
+LIGHTNING_PLAIN_GLOBALS = (
+    *(name for name in PLAIN_GLOBALS if name in TORCH_SAFE),
+    *LIGHTNING_SAFE_GLOBALS,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainTensor:
+    """A tensor read without torch with ``lightning`` (a callback's score in ``meta.pt``): its dtype's name
+    (``"float32"``), shape, ``requires_grad`` and bytes; a contiguous tensor of a storage of its own."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+    data: bytes
+
+
+# The storage types torch.save names for the dtypes a PlainTensor may have.
+_STORAGE_DTYPES = {
+    f"{name}Storage": dtype for name, dtype in zip(_STORAGES, _STORAGE_DTYPE_NAMES, strict=True)
+}
+
+
+#: The function ``torch.save`` pickles a tensor as a call of.
+REBUILD_TENSOR = "torch._utils._rebuild_tensor_v2"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRecord:
+    """A tensor of a ``torch.save`` pickle that is the whole of its own storage, contiguous: its dtype's name
+    (``"float32"``), the key of its storage's record (``data/<key>``), its shape and ``requires_grad``."""
+
+    dtype: str
+    key: str
+    shape: tuple[int, ...]
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[self.dtype]
+
+
+def _storage(pid: Any) -> tuple[str, str, int]:
+    """A storage's persistent id as ``torch.save`` writes it: ``(dtype name, key, numel)``."""
+    kind, dtype, key, _, numel = pid
+    if kind != "storage" or dtype not in _DTYPES:
+        raise _NeedsTorch(f"a storage {pid!r}")
+    return dtype, str(key), int(numel)
+
+
+def _rebuilt(
+    storage: Any, offset: int, size: Any, stride: Any, requires_grad: bool, hooks: Any
+) -> TensorRecord:
+    """``_rebuild_tensor_v2`` read without torch: the tensor, where it is its storage (no view, no hooks;
+    a seventh argument, metadata such as a conjugate bit, is refused by the arity)."""
+    dtype, key, numel = storage
+    shape = tuple(int(n) for n in size)
+    if offset or hooks or not is_contiguous(shape, stride) or math.prod(shape) != numel:
+        raise _NeedsTorch("a tensor that is not its storage")
+    return TensorRecord(dtype, key, shape, bool(requires_grad))
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Tensors as :class:`TensorRecord`, their storages' dtypes by name; any other global declines."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if f"{module}.{name}" == REBUILD_TENSOR:
+            return _rebuilt
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if f"{module}.{name}" == "collections.OrderedDict":  # the (empty) backward hooks
+            return collections.OrderedDict
+        raise _NeedsTorch(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _storage(pid)
+
+
+def tensor_record(data_pkl: bytes) -> TensorRecord | None:
+    """The tensor the pickle of a ``torch.save`` archive of one tensor (a DCP tensor entry) holds, where it
+    is the whole of its own storage, contiguous, of a common dtype; ``None`` for any other pickle."""
+    try:
+        found = _TensorUnpickler(io.BytesIO(data_pkl)).load()
+    except Exception:
+        return None
+    return found if isinstance(found, TensorRecord) else None
+
+
+class _LightningUnpickler(_TensorUnpickler):
+    """:data:`LIGHTNING_PLAIN_GLOBALS`, ``AttributeDict`` as :class:`AttributeDict`, and tensors that are
+    their own storage as :class:`PlainTensor` (``records``: the archive's storages by key, each used
+    once); any other global, or any other tensor, leaves the archive to torch."""
+
+    def __init__(self, file: IO[bytes], records: Callable[[str], bytes | None]) -> None:
+        super().__init__(file)
+        self._records = records
+        self._used: set[str] = set()
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = _name(module, name)
+        if full in ATTRIBUTE_DICT_NAMES:
+            return AttributeDict
+        if full == REBUILD_TENSOR:
+            return self._tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if full not in LIGHTNING_PLAIN_GLOBALS:
+            raise _NeedsTorch(full)
+        module, _, name = full.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+    def _tensor(self, *args: Any) -> PlainTensor:
+        record = _rebuilt(*args)
+        data = self._records(record.key)
+        if record.key in self._used or data is None or len(data) != record.nbytes:
+            raise _NeedsTorch(f"the storage {record.key!r}")
+        self._used.add(record.key)
+        return PlainTensor(record.dtype, record.shape, record.requires_grad, data)
+
+
+def is_contiguous(shape: tuple[int, ...], stride: Any) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` is contiguous (C order), as torch tells it: the
+    stride of a dimension of size 1 does not matter."""
+    return len(stride) == len(shape) and all(
+        n == 1 or s == math.prod(shape[d + 1 :]) for d, (n, s) in enumerate(zip(shape, stride, strict=True))
+    )
+
+
+def read_plain(source: IO[bytes] | bytes, *, lightning: bool = False) -> Any:
     """The object a ``torch.save`` archive of plain data holds (numbers, strings, bytes, lists, tuples,
     dicts, sets: no tensor), as ``torch.load`` gives it; :data:`NOT_READ` for any other archive, which
-    torch then reads (or refuses, or reports damaged)."""
+    torch then reads (or refuses, or reports damaged). With ``lightning``: what a safe load with
+    Lightning's globals gives (:data:`LIGHTNING_PLAIN_GLOBALS`; no ``frozenset``, which torch refuses),
+    ``AttributeDict`` as :class:`AttributeDict`."""
     try:
-        data = _data_pkl(io.BytesIO(source) if isinstance(source, bytes) else source)
-        return NOT_READ if data is None else _PlainUnpickler(io.BytesIO(data)).load()
+        f = io.BytesIO(source) if isinstance(source, bytes) else source
+        data = _data_pkl(f)
+        if data is None:
+            return NOT_READ
+        if not lightning:
+            return _PlainUnpickler(io.BytesIO(data)).load()
+        with zipfile.ZipFile(f) as archive:
+            records = _records(archive)
+            return _LightningUnpickler(io.BytesIO(data), records).load()
     except Exception:  # the caller reads it again with torch, which raises what applies
         return NOT_READ
+
+
+def _records(archive: zipfile.ZipFile) -> Callable[[str], bytes | None]:
+    """The bytes of a ``torch.save`` archive's storage records, by key (stored records only)."""
+    infos = {i.filename: i for i in archive.infolist()}
+    prefix = next(name for name in infos if name.endswith("/data.pkl"))[: -len("data.pkl")]
+
+    def record(key: str) -> bytes | None:
+        info = infos.get(f"{prefix}data/{key}")
+        if info is None or info.compress_type != zipfile.ZIP_STORED:
+            return None
+        return _stored(archive, info)
+
+    return record

@@ -1,0 +1,289 @@
+"""``consolidate_checkpoint`` without torch (``consolidate_direct``): the output the torch path writes, for
+every layout of chunks, dtype and plain object a checkpoint holds; the checkpoints it cannot do left to
+the torch path; each source byte read once and checked before anything is published."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import os
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.utilities.data import AttributeDict
+
+from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
+from lightning_sharded.checkpoint.commit import commit_directory, leftovers
+from lightning_sharded.checkpoint.detect import detect
+from lightning_sharded.checkpoint.tools import archive_writer, consolidate_direct, consolidate_mapped
+from tests._compare import assert_identical, assert_same
+from tests.test_verify_errors import flip_bit
+
+pytestmark = pytest.mark.usefixtures("process_group")  # ShardedTensor's chunks need a (one-rank) group
+
+
+def sharded(full: torch.Tensor, pieces: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> Any:
+    """``full`` as a ShardedTensor of ``pieces`` ``(offsets, sizes)``, all on this rank: DCP writes a chunk
+    each, as ranks' shards of any layout (rows, columns, blocks) would be."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    shards = [
+        Shard(
+            full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].clone(),
+            ShardMetadata(list(offsets), list(sizes), "rank:0/cpu"),
+        )
+        for offsets, sizes in pieces
+    ]
+    return init_from_local_shards(shards, *full.shape)
+
+
+def full_values() -> dict[str, torch.Tensor]:
+    return {
+        "rows": torch.arange(12 * 6, dtype=torch.float32).view(12, 6),
+        "cols": torch.arange(4 * 10, dtype=torch.float32).view(4, 10) / 3,
+        "grid": torch.arange(6 * 8, dtype=torch.float32).view(6, 8).to(torch.bfloat16),
+        "cube": torch.arange(4 * 5 * 6, dtype=torch.float64).view(4, 5, 6),
+        "exp_avg": torch.linspace(-1, 1, 12 * 6).view(12, 6),
+    }
+
+
+def save(path: Path, meta: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """A sharded checkpoint (with its manifest) of chunks of every layout, plain tensors of every common
+    dtype, an optimizer, and ``meta`` as ``meta.pt``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    full = full_values()
+    state: dict[str, Any] = {
+        "state_dict": {
+            "rows": sharded(full["rows"], [((0, 0), (5, 6)), ((5, 0), (7, 6))]),  # FSDP's: whole rows
+            "cols": sharded(full["cols"], [((0, 0), (4, 3)), ((0, 3), (4, 7))]),  # tensor parallel's columns
+            "grid": sharded(full["grid"], [((r, c), (3, 4)) for r in (0, 3) for c in (0, 4)]),  # blocks
+            "cube": sharded(full["cube"], [((0, 0, 0), (4, 2, 6)), ((0, 2, 0), (4, 3, 6))]),  # a middle dim
+            "plain": torch.randn(3, 3),
+            "step": torch.tensor(7),
+            "empty": torch.empty(0, 4, dtype=torch.float16),
+            "mask": torch.tensor([True, False, True]),
+            **{
+                str(d).removeprefix("torch."): torch.arange(5).to(d)
+                for d in (torch.int32, torch.uint8, torch.int8)
+            },
+            "short": torch.arange(5, dtype=torch.int16),
+            **(extra or {}),
+        },
+        "optimizer_0": {
+            "state": {
+                "rows": {
+                    "exp_avg": sharded(full["exp_avg"], [((0, 0), (6, 6)), ((6, 0), (6, 6))]),
+                    "step": torch.tensor(3.0),
+                }
+            },
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["rows"]}],
+        },
+    }
+
+    def write(staging: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _save_state_dict(state, FileSystemWriter(staging), no_dist=True)
+        torch.save(meta, staging / "meta.pt")
+
+    commit_directory(
+        path, write, metadata={"epoch": meta.get("epoch"), "global_step": meta.get("global_step")}
+    )
+    return path
+
+
+def lightning_meta() -> dict[str, Any]:
+    """What Lightning's meta.pt holds beyond numbers: hyperparameters, callbacks' scores (tensors)..."""
+    return {
+        "epoch": 2,
+        "global_step": 7,
+        "hyper_parameters": AttributeDict(lr=0.1, cfg=AttributeDict(betas=(0.9, 0.99)), layers=[4, 8]),
+        "args": argparse.Namespace(seed=1, name="run"),
+        "data_dir": Path("/data/train"),
+        "callbacks": {
+            "ModelCheckpoint": {"best_model_score": torch.tensor(0.25), "kth": torch.tensor([1.0, 2.0])}
+        },
+        "misc": {"raw": b"\x00\xff", "ids": {1, 2}, "od": collections.OrderedDict(a=1), "nan": float("nan")},
+        "nested": [1, (2.5, None), {"k": "v"}, True],
+    }
+
+
+def consolidate_both(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any
+) -> tuple[Path, Path]:
+    """``src`` consolidated without torch (checked: the torch path is not called), then through torch."""
+    direct, through = tmp_path / "direct.ckpt", tmp_path / "through-torch.ckpt"
+    with monkeypatch.context() as m:
+        m.setattr(consolidate_mapped, "consolidate", None)  # called: a TypeError
+        consolidate_checkpoint(src, direct, progress=False, **kwargs)
+    with monkeypatch.context() as m:
+        m.setattr(consolidate_direct, "plan", lambda found, out: "through torch, as the test asks")
+        consolidate_checkpoint(src, through, progress=False, **kwargs)
+    return direct, through
+
+
+def test_the_output_is_the_torch_path_s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", lightning_meta())
+    plan = consolidate_direct.plan(detect(src), tmp_path / "x.ckpt")
+    assert isinstance(plan, consolidate_direct.Plan), plan
+    assert plan.scattered, "no chunk was written in runs of rows: the layouts above did not reach them"
+    direct, through = consolidate_both(src, tmp_path, monkeypatch)
+    for out in (direct, through):
+        with zipfile.ZipFile(out) as archive:
+            assert archive.testzip() is None  # every record's CRC-32, those read back included
+    assert_identical(torch.load(direct, weights_only=False), torch.load(through, weights_only=False))
+    assert_identical(
+        torch.load(direct, weights_only=False, mmap=True), torch.load(through, weights_only=False)
+    )
+    loaded = load_checkpoint(direct)  # the tools' safe load reads it (Lightning's globals only)
+    for key, value in full_values().items():
+        state = loaded["optimizer_states"][0]["state"][0] if key == "exp_avg" else loaded["state_dict"]
+        assert torch.equal(state[key if key != "exp_avg" else "exp_avg"], value), key
+    assert type(loaded["hyper_parameters"]) is AttributeDict
+
+
+def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
+    read: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: Any, offset: int) -> int:
+        n = real(fd, buffers, offset)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):  # not the small files verify reads
+            read.append(n)
+        return n
+
+    monkeypatch.setattr(consolidate_direct.os, "preadv", counting)
+    monkeypatch.setattr(consolidate_direct, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
+    consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
+    assert sum(read) == shards  # the entries' heads and tails, read to plan, are small reads (pread)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda meta, extra: meta.update(z=complex(1, 2)), "meta.pt holds more than plain data"),
+        (lambda meta, extra: extra.update(c=torch.ones(2, dtype=torch.complex64)), "is torch.complex64"),
+        (lambda meta, extra: meta.update(device=torch.device("cpu")), "meta.pt holds more than plain data"),
+        (lambda meta, extra: meta.update(view=torch.arange(4.0)[1:]), "meta.pt holds more than plain data"),
+    ],
+    ids=["complex", "complex-tensor", "device", "tensor-view"],
+)
+def test_what_needs_torch_is_left_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: Any, why: str
+) -> None:
+    meta: dict[str, Any] = {"epoch": 0}
+    extra: dict[str, Any] = {}
+    change(meta, extra)
+    src = save(tmp_path / "ckpt", meta, extra)
+    reason = consolidate_direct.plan(detect(src), tmp_path / "x.ckpt")
+    assert isinstance(reason, str) and why in reason, reason
+    out = consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False, weights_only=False)
+    assert_same(
+        load_checkpoint(out, weights_only=False)["state_dict"],
+        load_checkpoint(src, weights_only=False)["state_dict"],
+    )
+
+
+def test_a_type_a_safe_load_refuses_is_refused_as_before(tmp_path: Path) -> None:
+    # A frozenset is plain data, but torch's safe load refuses it: the torch path's refusal, not an output.
+    src = save(tmp_path / "ckpt", {"epoch": 0, "tags": frozenset({"a"})})
+    assert "meta.pt" in str(consolidate_direct.plan(detect(src), tmp_path / "x.ckpt"))
+    with pytest.raises(CheckpointError, match="frozenset"):
+        consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
+    assert not (tmp_path / "full.ckpt").exists()
+
+
+def test_a_damaged_chunk_fails_before_publishing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    (shard,) = src.glob("*.distcp")
+    cols = full_values()["cols"][:, 3:].contiguous().numpy().tobytes()  # the second chunk of "cols"
+    at = shard.read_bytes().find(cols)
+    assert at > 0
+    flip_bit(shard, at + 5)
+    dst = tmp_path / "full.ckpt"
+    dst.write_bytes(b"the previous output")
+    with pytest.raises(CheckpointError, match=r"is corrupted: its crc32 is .*Nothing was written at"):
+        consolidate_checkpoint(src, dst, progress=False, overwrite=True)
+    assert dst.read_bytes() == b"the previous output" and leftovers(dst) == []
+    # Without verify, the damaged value is copied, as the torch path copies it.
+    direct, through = consolidate_both(src, tmp_path, monkeypatch, verify=False)
+    assert_identical(torch.load(direct, weights_only=True), torch.load(through, weights_only=True))
+    assert not torch.equal(torch.load(direct, weights_only=True)["state_dict"]["cols"], full_values()["cols"])
+
+
+def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    dst = tmp_path / "full.ckpt"
+    dst.write_bytes(b"the previous output")
+    pwrite, writes = os.pwrite, []
+
+    def failing(fd: int, data: Any, offset: int) -> int:
+        writes.append(offset)
+        if len(writes) < 40:  # the frame's records, then a few chunks
+            return pwrite(fd, data, offset)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(consolidate_direct.os, "pwrite", failing)
+    with pytest.raises(
+        OSError, match=r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
+    ):
+        consolidate_checkpoint(src, dst, overwrite=True, progress=False)
+    assert dst.read_bytes() == b"the previous output"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.ckpt"]  # no staged leftover
+
+
+def test_the_output_is_written_behind(droppable: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the copy ends, most of the output has left the page cache: it does not take its size in memory.
+    from tests._pages import resident
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+    src = save(
+        droppable / "ckpt", {"epoch": 0}, {f"w{i}": p.detach() for i, p in enumerate(model.parameters())}
+    )
+    seen: list[float] = []
+    finish = consolidate_direct._WriteBehind.finish
+
+    def measured(self: Any) -> None:
+        seen.append(resident(Path(f"/proc/self/fd/{self._fd}")))
+        finish(self)
+
+    monkeypatch.setattr(consolidate_direct, "WINDOW", 1 << 20)
+    monkeypatch.setattr(consolidate_direct, "BLOCK", 1 << 20)
+    monkeypatch.setattr(consolidate_direct._WriteBehind, "finish", measured)
+    out = consolidate_checkpoint(src, droppable / "full.ckpt", progress=False)
+    assert out.stat().st_size > 8 << 20
+    assert seen and seen[0] < 0.5, seen
+
+
+def test_zip64_archives_load_in_torch(tmp_path: Path) -> None:
+    # Over 4 GiB, sizes and offsets go to zip64 fields: a sparse 4.5 GiB storage, never written.
+    big = archive_writer.Tensor("big", (9 << 29,), "bool")  # 4.5 GiB
+    after = archive_writer.Tensor(
+        "after", (3,), "float32", data=torch.tensor([1.0, 2.0, 3.0]).numpy().tobytes()
+    )
+    data_pkl, tensors = archive_writer.pickle_with_tensors({"big": big, "after": after})
+    layout = archive_writer.layout(data_pkl, tensors)
+    file = tmp_path / "big.pt"
+    fd = os.open(file, os.O_RDWR | os.O_CREAT)
+    try:
+        layout.write_frame(fd)
+        os.pwrite(fd, b"\x01", layout.storages[0].start + (9 << 29) - 1)
+    finally:
+        os.close(fd)
+    assert all(record.start % archive_writer.ALIGNMENT == 0 for record in layout.storages)
+    with zipfile.ZipFile(file) as archive:
+        sizes = {info.filename: info.file_size for info in archive.infolist()}
+    assert sizes["archive/data/0"] == 9 << 29 and sizes["archive/data/1"] == 12
+    loaded = torch.load(file, mmap=True, weights_only=True)
+    assert loaded["big"].shape == (9 << 29,) and bool(loaded["big"][-1]) and not bool(loaded["big"][0])
+    assert torch.equal(loaded["after"], torch.tensor([1.0, 2.0, 3.0]))
