@@ -3,8 +3,9 @@
 ``inspect`` and ``verify`` (a fresh process each, its start and torch's import counted, cold cache)
 against ``cat`` of the checkpoint's files to ``/dev/null``, and against the floor of every CLI command
 (:data:`START`: a process that only imports what they need); ``consolidate`` (one read of the source,
-checksummed as it is read; ``--no-verify`` without the checksums) against a raw cold read of the
-source plus a write+fsync of as many bytes. Peak RSS and peak anonymous memory of each command.
+checksummed as it is read; ``--no-verify`` without the checksums; through torch, as a checkpoint of
+objects only torch reads is done) against the disk's copy of the same bytes. Peak RSS and peak
+anonymous memory of each command.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ print(elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, child.ret
 #: The floor of ``consolidate`` (and of ``inspect`` or ``verify`` of a checkpoint whose pickles need
 #: torch): a process that imports torch, the package and ``torch.distributed.checkpoint``, then exits.
 START = "CLI start (imports only)"
+#: ``consolidate`` through torch (``consolidate_mapped``): what a checkpoint gets whose objects only torch
+#: reads; the CLI with ``consolidate_direct.plan`` declining.
+THROUGH_TORCH = "consolidate through torch"
+_THROUGH_TORCH = (
+    "import sys; from lightning_sharded.checkpoint.tools import consolidate_direct as direct;"
+    " direct.plan = lambda found, out: 'the benchmark asks for the torch path';"
+    " from lightning_sharded.cli import main; sys.exit(main())"
+)
 #: The floor of ``inspect`` and ``verify`` of a checkpoint of tensors and plain data, which import no
 #: torch (``lightning_sharded.checkpoint.unpickling.without_torch``): the command line's own imports.
 START_WITHOUT_TORCH = "CLI start without torch"
@@ -79,6 +88,8 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     files = sorted(str(p) for p in ckpt.rglob("*") if p.is_file())
     nbytes = sum(Path(f).stat().st_size for f in files)
     cli = [sys.executable, "-c", "import sys; from lightning_sharded.cli import main; sys.exit(main())"]
+    # The same command with the torch path taken (what a checkpoint of objects only torch reads gets).
+    through_torch = [sys.executable, "-c", _THROUGH_TORCH]
     dst = scratch / "consolidated.ckpt"
     raw_file = scratch / "raw-consolidate.bin"
     series: dict[str, list[float]] = {}
@@ -112,6 +123,7 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
         )
         if not quick:
             run("consolidate", [*cli, "consolidate", "--no-progress", str(ckpt), str(dst)])
+            run(THROUGH_TORCH, [*through_torch, "consolidate", "--no-progress", str(ckpt), str(dst)])
         os.sync()
         evict_tree(ckpt)
         start = time.perf_counter()
@@ -146,6 +158,7 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     if not quick:
         ratios["verify / cat"] = med["verify"] / med["cat"]
         ratios["consolidate GB/s / disk copy"] = med["disk copy"] / med["consolidate"]
+        ratios[f"{THROUGH_TORCH} GB/s / disk copy"] = med["disk copy"] / med[THROUGH_TORCH]
     above = [f"{name} {value:.2f}" for name, value in ratios.items() if "disk copy" in name and value > 1.0]
     return {
         "rows": rows,
