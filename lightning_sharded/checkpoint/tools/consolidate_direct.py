@@ -64,7 +64,7 @@ __all__ = ["BLOCK", "MAX_RUNS", "Plan", "plan"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes read per call from a shard file (one buffer per thread).
+#: Bytes read per call from a shard file (two buffers of it per part being read).
 BLOCK = 8 << 20
 #: The most runs (rows of chunks that are not whole rows) written one ``pwrite`` each; more leave the
 #: checkpoint to the torch path, which places them in memory.
