@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ __all__ = [
     "crc32",
     "crc32_combine",
     "file_checksum",
+    "pieces_crc",
     "ranges_checksum",
     "stream_checksum",
 ]
@@ -99,6 +100,17 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1 & 0xFFFFFFFF) ^ (crc2 & 0xFFFFFFFF)
+
+
+def pieces_crc(pieces: Iterable[tuple[int, int, int]], start: int, size: int) -> int | None:
+    """The CRC-32 of bytes ``start`` to ``start + size`` from ``(offset, length, crc32)`` pieces checksummed
+    as they were written, in any order; ``None`` unless the pieces cover the range exactly once."""
+    crc, end = 0, start
+    for offset, length, piece in sorted(pieces):
+        if offset != end:
+            return None
+        crc, end = crc32_combine(crc, piece, length), offset + length
+    return crc if end == start + size else None
 
 
 def bytes_checksum(data: bytes) -> tuple[int, str]:

@@ -20,11 +20,13 @@ the save's ``fsync`` is what makes the bytes durable.
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 
 from lightning_sharded.checkpoint import libc
 
-__all__ = ["WINDOW", "WriteBehind"]
+__all__ = ["WINDOW", "RangedWriteBehind", "WriteBehind", "drop_written"]
 
 #: Bytes of a file allowed in the page cache while it is written (those not yet confirmed on disk).
 #: Large enough to keep the disk's queue full (a few MiB per request), small against a shard.
@@ -63,11 +65,46 @@ class WriteBehind:
             self._drop(self._started)
 
     def _drop(self, upto: int) -> None:
-        nbytes = upto - self._dropped
-        # Wait for the range's write-back (a page still dirty or under write-back is not dropped).
-        waits = (
-            libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
-        )
-        libc.sync_file_range(self._fd, self._dropped, nbytes, waits)
-        libc.fadvise(self._fd, self._dropped, nbytes, "DONTNEED")
+        drop_written(self._fd, self._dropped, upto - self._dropped)
         self._dropped = upto
+
+
+class RangedWriteBehind:
+    """Write-behind for a file written in ranges anywhere, from several threads (a consolidation's chunks
+    placed at their offsets): each range's write-back starts as it is written, and once more than
+    ``limit`` bytes are in flight the oldest ranges are waited for and dropped from the page cache."""
+
+    def __init__(self, fd: int, *, limit: int = WINDOW) -> None:
+        self._fd = fd
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._ranges: collections.deque[tuple[int, int]] = collections.deque()
+        self._bytes = 0
+
+    def wrote(self, start: int, nbytes: int) -> None:
+        """Say that bytes ``start`` to ``start + nbytes`` are written (handed to the kernel)."""
+        libc.sync_file_range(self._fd, start, nbytes, libc.SYNC_FILE_RANGE_WRITE)
+        with self._lock:
+            self._ranges.append((start, nbytes))
+            self._bytes += nbytes
+            while self._bytes > self._limit:
+                self._drop_oldest()
+
+    def finish(self) -> None:
+        """After the last write: every range waited for and dropped."""
+        with self._lock:
+            while self._ranges:
+                self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        start, nbytes = self._ranges.popleft()
+        drop_written(self._fd, start, nbytes)
+        self._bytes -= nbytes
+
+
+def drop_written(fd: int, start: int, nbytes: int) -> None:
+    """Wait for the write-back of bytes ``start`` to ``start + nbytes`` of ``fd`` (a page still dirty or
+    under write-back is not dropped), then drop them from the page cache."""
+    waits = libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
+    libc.sync_file_range(fd, start, nbytes, waits)
+    libc.fadvise(fd, start, nbytes, "DONTNEED")

@@ -23,7 +23,6 @@ full tensor), in one run for a chunk of whole rows (FSDP's, the usual) or in a r
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
 import errno
 import io
@@ -33,7 +32,7 @@ import math
 import os
 import threading
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.backends.paths import local_path
-from lightning_sharded.checkpoint.checksum import STREAMS, crc32, crc32_combine
+from lightning_sharded.checkpoint.checksum import STREAMS, crc32, crc32_combine, pieces_crc
 from lightning_sharded.checkpoint.dcp_index import object_archives
 from lightning_sharded.checkpoint.destination import write_error
 from lightning_sharded.checkpoint.detect import Found
@@ -55,10 +54,12 @@ from lightning_sharded.checkpoint.unpickling.without_torch import (
     NOT_READ,
     read_dcp_metadata,
     read_plain,
+    record_start,
+    stored_record,
     tensor_record,
     type_name,
 )
-from lightning_sharded.checkpoint.writeback import WINDOW
+from lightning_sharded.checkpoint.writeback import WINDOW, RangedWriteBehind
 
 __all__ = ["BLOCK", "MAX_RUNS", "Plan", "plan"]
 
@@ -120,7 +121,7 @@ class Plan:
         try:
             self.layout.write_frame(fd)
             _reserve(fd, self.layout.size)
-            behind = _WriteBehind(fd)
+            behind = RangedWriteBehind(fd, limit=STREAMS * WINDOW)
             parts = [
                 (rel, path, start, end)
                 for rel, (path, size, _) in sorted(self.files.items())
@@ -165,7 +166,7 @@ class Plan:
         start: int,
         end: int,
         out: int,
-        behind: _WriteBehind,
+        behind: RangedWriteBehind,
         verification: ReadVerification | None,
         tick: Callable[[int], None],
         stop: threading.Event,
@@ -205,7 +206,7 @@ class Plan:
             verification.checksums.add(rel, start, end - start, blocks.crc)
 
     def _place(
-        self, segment: _Segment, at: int, data: memoryview, crc: int, out: int, behind: _WriteBehind
+        self, segment: _Segment, at: int, data: memoryview, crc: int, out: int, behind: RangedWriteBehind
     ) -> None:
         """Bytes ``at`` onwards of ``segment`` (``data``, whose CRC-32 is ``crc``) into the output."""
         if len(segment.outs) == 1:
@@ -222,20 +223,13 @@ class Plan:
             done += n
 
     def _crcs(self) -> dict[int, int]:
-        """Each storage's CRC-32 from its pieces, where they cover it exactly once, in order."""
-        found: dict[int, int] = {}
-        for i, record in enumerate(self.layout.storages):
-            if i in self.scattered:
-                continue
-            crc, end = 0, record.start
-            for start, nbytes, piece in sorted(self.pieces.get(i, [])):
-                if start != end:
-                    break
-                crc, end = crc32_combine(crc, piece, nbytes), start + nbytes
-            else:
-                if end == record.start + record.size:
-                    found[i] = crc
-        return found
+        """Each storage's CRC-32 from its pieces, where they cover it exactly once (not a scattered one's)."""
+        crcs = {
+            i: pieces_crc(self.pieces.get(i, []), record.start, record.size)
+            for i, record in enumerate(self.layout.storages)
+            if i not in self.scattered
+        }
+        return {i: crc for i, crc in crcs.items() if crc is not None}
 
 
 class _Blocks:
@@ -243,7 +237,13 @@ class _Blocks:
     byte checksummed once (``crc``: the part's CRC-32, with ``verify``)."""
 
     def __init__(
-        self, plan: Plan, segments: list[_Segment], start: int, out: int, behind: _WriteBehind, verify: bool
+        self,
+        plan: Plan,
+        segments: list[_Segment],
+        start: int,
+        out: int,
+        behind: RangedWriteBehind,
+        verify: bool,
     ) -> None:
         self._plan, self._segments, self._out, self._behind, self._verify = (
             plan,
@@ -278,39 +278,6 @@ class _Blocks:
             if self._verify:
                 self.crc = crc32_combine(self.crc, piece, upto - cursor)
             cursor = upto
-
-
-class _WriteBehind:
-    """A save's write-behind for ranges written anywhere in the file, from several threads: each range's
-    write-back starts as it is written, and the oldest are waited for and dropped from the page cache
-    once more than :data:`~..writeback.WINDOW` bytes per thread are in flight."""
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._lock = threading.Lock()
-        self._ranges: collections.deque[tuple[int, int]] = collections.deque()
-        self._bytes = 0
-
-    def wrote(self, start: int, nbytes: int) -> None:
-        libc.sync_file_range(self._fd, start, nbytes, libc.SYNC_FILE_RANGE_WRITE)
-        with self._lock:
-            self._ranges.append((start, nbytes))
-            self._bytes += nbytes
-            while self._bytes > STREAMS * WINDOW:
-                self._drop(*self._ranges.popleft())
-
-    def finish(self) -> None:
-        with self._lock:
-            while self._ranges:
-                self._drop(*self._ranges.popleft())
-
-    def _drop(self, start: int, nbytes: int) -> None:
-        waits = (
-            libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
-        )
-        libc.sync_file_range(self._fd, start, nbytes, waits)
-        libc.fadvise(self._fd, start, nbytes, "DONTNEED")
-        self._bytes -= nbytes
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -446,21 +413,10 @@ def _runs(tensor: archive_writer.Tensor, chunk: Any, base: int) -> tuple[int, li
     cut = max((d for d in range(len(shape)) if sizes[d] != shape[d]), default=0)
     run = (sizes[cut] if shape else 1) * (strides[cut] if shape else 1) * itemsize
     first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    outs = [base + itemsize * first]
-    for index in _indices(sizes[:cut]):
-        if any(index):
-            outs.append(base + itemsize * (first + sum(i * s for i, s in zip(index, strides, strict=False))))
-    return run, outs
-
-
-def _indices(sizes: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
-    """Every index of an array of ``sizes``, in C order (one empty index for no dimensions)."""
-    if not sizes:
-        yield ()
-        return
-    for head in range(sizes[0]):
-        for rest in _indices(sizes[1:]):
-            yield (head, *rest)
+    rows = itertools.product(*(range(n) for n in sizes[:cut]))  # C order; one empty row for none
+    return run, [
+        base + itemsize * (first + sum(i * s for i, s in zip(row, strides, strict=False))) for row in rows
+    ]
 
 
 def _chunk_starts(root: Path, items: list[tuple[str, Any, archive_writer.Tensor, Any]]) -> list[int]:
@@ -476,13 +432,13 @@ def _chunk_start(root: Path, key: str, info: Any, tensor: archive_writer.Tensor,
         entry = _Entry(f.fileno(), offset, length)
         with zipfile.ZipFile(entry) as archive:
             infos = {i.filename: i for i in archive.infolist()}
-        pickles = [name for name in infos if name.count("/") == 1 and name.endswith("/data.pkl")]
-        if len(pickles) != 1 or any(name.endswith("/constants.pkl") for name in infos):
-            raise _Declined(f"the entry {key!r} is not a torch.save archive")
-        prefix = pickles[0][: -len("data.pkl")]
-        if _record(entry, infos.get(prefix + "byteorder")) != b"little":
-            raise _Declined(f"the entry {key!r} is not little-endian")
-        found = tensor_record(_record(entry, infos[pickles[0]]) or b"")
+            pickles = [name for name in infos if name.count("/") == 1 and name.endswith("/data.pkl")]
+            if len(pickles) != 1 or any(name.endswith("/constants.pkl") for name in infos):
+                raise _Declined(f"the entry {key!r} is not a torch.save archive")
+            prefix = pickles[0][: -len("data.pkl")]
+            if stored_record(archive, infos.get(prefix + "byteorder")) != b"little":
+                raise _Declined(f"the entry {key!r} is not little-endian")
+            found = tensor_record(stored_record(archive, infos[pickles[0]]) or b"")
         sizes = tuple(int(n) for n in chunk.sizes)
         if found is None or found.dtype != tensor.dtype or found.shape != sizes:
             raise _Declined(f"a chunk of {key!r} is not its contiguous {tensor.dtype} bytes")
@@ -490,7 +446,9 @@ def _chunk_start(root: Path, key: str, info: Any, tensor: archive_writer.Tensor,
         record = infos.get(f"{prefix}data/{found.key}")
         if record is None or record.compress_type != zipfile.ZIP_STORED or record.file_size != nbytes:
             raise _Declined(f"the entry {key!r} has no stored record of its bytes")
-        start = _data_start(entry, record)
+        start = record_start(entry, record)
+        if start is None:
+            raise _Declined(f"the entry {key!r} has a damaged zip record")
         if start + nbytes > length:
             raise _Declined(f"the entry {key!r} is cut short")
         return start
@@ -536,24 +494,3 @@ class _Entry(io.RawIOBase):
         data = self.read(len(b))
         b[: len(data)] = data
         return len(data)
-
-
-def _data_start(entry: _Entry, info: zipfile.ZipInfo) -> int:
-    entry.seek(info.header_offset)
-    header = entry.read(30)
-    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-        raise _Declined("a damaged zip record")
-    return (
-        int(info.header_offset)
-        + 30
-        + int.from_bytes(header[26:28], "little")
-        + int.from_bytes(header[28:30], "little")
-    )
-
-
-def _record(entry: _Entry, info: zipfile.ZipInfo | None) -> bytes | None:
-    """A small stored record's bytes (read from after its local header: torch.save may write no CRC)."""
-    if info is None or info.compress_type != zipfile.ZIP_STORED:
-        return None
-    entry.seek(_data_start(entry, info))
-    return entry.read(info.file_size)

@@ -29,7 +29,7 @@ import torch
 
 from lightning_sharded.checkpoint import libc, names, unpickling
 from lightning_sharded.checkpoint.backends import Location, basename
-from lightning_sharded.checkpoint.checksum import crc32, crc32_combine
+from lightning_sharded.checkpoint.checksum import crc32, pieces_crc
 from lightning_sharded.checkpoint.commit import commit_file
 from lightning_sharded.checkpoint.destination import write_error
 from lightning_sharded.checkpoint.errors import CheckpointError
@@ -420,6 +420,7 @@ class _FillChecksums:
             self._drop(*self._behind.pop(0))
 
     def _drop(self, start: int, nbytes: int) -> None:
+        # Not writeback.drop_written: a mapped page must leave the mapping before the page cache drops it.
         assert self._base is not None
         waits = (
             libc.SYNC_FILE_RANGE_WAIT_BEFORE | libc.SYNC_FILE_RANGE_WRITE | libc.SYNC_FILE_RANGE_WAIT_AFTER
@@ -430,18 +431,10 @@ class _FillChecksums:
 
     def crcs(self) -> dict[int, int]:
         """``{record data start: CRC-32}`` of every record its filled pieces cover exactly."""
-        found: dict[int, int] = {}
-        for record, pieces in self._pieces.items():
-            pieces.sort()
-            crc, end = 0, record
-            for start, nbytes, piece in pieces:
-                if start != end:
-                    break
-                crc, end = crc32_combine(crc, piece, nbytes), start + nbytes
-            else:
-                if end == record + self._sizes[record]:
-                    found[record] = crc
-        return found
+        crcs = {
+            record: pieces_crc(pieces, record, self._sizes[record]) for record, pieces in self._pieces.items()
+        }
+        return {record: crc for record, crc in crcs.items() if crc is not None}
 
     def close(self) -> None:
         os.close(self._fd)

@@ -41,6 +41,8 @@ __all__ = [
     "is_contiguous",
     "read_dcp_metadata",
     "read_plain",
+    "record_start",
+    "stored_record",
     "tensor_record",
     "type_name",
 ]
@@ -107,21 +109,31 @@ def _data_pkl(source: IO[bytes]) -> bytes | None:
         records = [i for i in infos if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
         if len(records) != 1 or any(i.filename.endswith("/constants.pkl") for i in infos):
             return None
-        info = records[0]
-        if info.compress_type != zipfile.ZIP_STORED:
-            return None
-        return _stored(archive, info)
+        return stored_record(archive, records[0])
 
 
-def _stored(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes | None:
-    """A stored record's bytes. torch.save may write no CRC-32 (its config's compute_crc32), so zipfile's
-    reader, which checks it, cannot be used: the record's bytes are read from after its local header."""
-    assert archive.fp is not None
-    archive.fp.seek(info.header_offset)
-    header = _LOCAL_HEADER.unpack(archive.fp.read(_LOCAL_HEADER.size))
-    if header[0] != b"PK\x03\x04":
+def record_start(f: IO[bytes] | io.RawIOBase, info: zipfile.ZipInfo) -> int | None:
+    """Where the bytes of the zip record ``info`` start in the archive ``f`` (after its local header),
+    or ``None`` where no local header is there."""
+    f.seek(info.header_offset)
+    header = f.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         return None
-    archive.fp.seek(header[-2] + header[-1], io.SEEK_CUR)  # the name and the extra field
+    fields = _LOCAL_HEADER.unpack(header)
+    return int(info.header_offset) + _LOCAL_HEADER.size + int(fields[-2]) + int(fields[-1])  # name, extra
+
+
+def stored_record(archive: zipfile.ZipFile, info: zipfile.ZipInfo | None) -> bytes | None:
+    """A stored (uncompressed) record's bytes, or ``None``. torch.save may write no CRC-32 (its config's
+    compute_crc32), so zipfile's reader, which checks it, cannot be used: the bytes are read from after
+    the record's local header."""
+    if info is None or info.compress_type != zipfile.ZIP_STORED:
+        return None
+    assert archive.fp is not None
+    start = record_start(archive.fp, info)
+    if start is None:
+        return None
+    archive.fp.seek(start)
     data = archive.fp.read(info.compress_size)
     return data if len(data) == info.compress_size else None
 
@@ -472,9 +484,6 @@ def _records(archive: zipfile.ZipFile) -> Callable[[str], bytes | None]:
     prefix = next(name for name in infos if name.endswith("/data.pkl"))[: -len("data.pkl")]
 
     def record(key: str) -> bytes | None:
-        info = infos.get(f"{prefix}data/{key}")
-        if info is None or info.compress_type != zipfile.ZIP_STORED:
-            return None
-        return _stored(archive, info)
+        return stored_record(archive, infos.get(f"{prefix}data/{key}"))
 
     return record
