@@ -21,6 +21,7 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint, load_chec
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.tools import archive_writer, consolidate_direct, consolidate_mapped
+from lightning_sharded.checkpoint.writeback import RangedWriteBehind
 from tests._compare import assert_identical, assert_same
 from tests.test_verify_errors import flip_bit
 
@@ -225,19 +226,21 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     src = save(tmp_path / "ckpt", {"epoch": 0})
     dst = tmp_path / "full.ckpt"
     dst.write_bytes(b"the previous output")
-    pwrite, writes = os.pwrite, []
+    # The fault comes mid-copy: after the archive's frame and two chunk pieces are written.
+    place, placed = consolidate_direct._pwrite_all, []
 
-    def failing(fd: int, data: Any, offset: int) -> int:
-        writes.append(offset)
-        if len(writes) < 40:  # the frame's records, then a few chunks
-            return pwrite(fd, data, offset)
+    def failing(fd: int, data: Any, offset: int) -> None:
+        placed.append(offset)
+        if len(placed) < 3:
+            return place(fd, data, offset)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(consolidate_direct.os, "pwrite", failing)
+    monkeypatch.setattr(consolidate_direct, "_pwrite_all", failing)
     with pytest.raises(
         OSError, match=r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
     ):
         consolidate_checkpoint(src, dst, overwrite=True, progress=False)
+    assert len(placed) >= 3, placed  # the copy had begun
     assert dst.read_bytes() == b"the previous output"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "full.ckpt"]  # no staged leftover
 
@@ -251,7 +254,7 @@ def test_the_output_is_written_behind(droppable: Path, monkeypatch: pytest.Monke
         droppable / "ckpt", {"epoch": 0}, {f"w{i}": p.detach() for i, p in enumerate(model.parameters())}
     )
     seen: list[float] = []
-    finish = consolidate_direct._WriteBehind.finish
+    finish = RangedWriteBehind.finish
 
     def measured(self: Any) -> None:
         seen.append(resident(Path(f"/proc/self/fd/{self._fd}")))
@@ -259,7 +262,7 @@ def test_the_output_is_written_behind(droppable: Path, monkeypatch: pytest.Monke
 
     monkeypatch.setattr(consolidate_direct, "WINDOW", 1 << 20)
     monkeypatch.setattr(consolidate_direct, "BLOCK", 1 << 20)
-    monkeypatch.setattr(consolidate_direct._WriteBehind, "finish", measured)
+    monkeypatch.setattr(RangedWriteBehind, "finish", measured)
     out = consolidate_checkpoint(src, droppable / "full.ckpt", progress=False)
     assert out.stat().st_size > 8 << 20
     assert seen and seen[0] < 0.5, seen
