@@ -317,13 +317,13 @@ def test_export_from_full_file_with_prefix_and_dtype(tmp_path: Path) -> None:
 def test_export_writes_behind(droppable: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The weights leave the page cache as they reach the disk: the export does not take the output's size
     # in fresh memory (written plainly, 0.68 GB took 4.0 s of writes here, against 1.5 s for a copy).
-    from lightning_sharded.checkpoint.tools import hf_export
+    from lightning_sharded.checkpoint.tools import hf_export_torch
     from lightning_sharded.checkpoint.writeback import WriteBehind
     from tests._pages import resident
 
     state = {f"w{i}": torch.randn(1024, 1024) for i in range(4)}  # 16 MiB
     torch.save({"state_dict": state, "epoch": 1}, droppable / "full.ckpt")
-    monkeypatch.setattr(hf_export, "WriteBehind", lambda fd: WriteBehind(fd, window=1 << 20))
+    monkeypatch.setattr(hf_export_torch, "WriteBehind", lambda fd: WriteBehind(fd, window=1 << 20))
     dst = Path(consolidate_checkpoint(droppable / "full.ckpt", droppable / "hf", format="safetensors"))
     (weights,) = dst.glob("*.safetensors")
     assert weights.stat().st_size > 16 << 20 and resident(weights) < 0.5

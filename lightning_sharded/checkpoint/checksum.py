@@ -40,6 +40,7 @@ __all__ = [
     "crc32",
     "crc32_combine",
     "file_checksum",
+    "hex_crc",
     "pieces_crc",
     "ranges_checksum",
     "stream_checksum",
@@ -61,7 +62,8 @@ def crc32(data: Any, value: int = 0) -> int:
     return int(_crc32(data, value))
 
 
-def _hex(crc: int) -> str:
+def hex_crc(crc: int) -> str:
+    """A CRC-32 as the manifest writes it: 8 lowercase hex digits."""
     return f"{crc & 0xFFFFFFFF:08x}"
 
 
@@ -115,7 +117,7 @@ def pieces_crc(pieces: Iterable[tuple[int, int, int]], start: int, size: int) ->
 
 def bytes_checksum(data: bytes) -> tuple[int, str]:
     """``(size, crc32 as 8 lowercase hex digits)`` of ``data``."""
-    return len(data), _hex(crc32(data))
+    return len(data), hex_crc(crc32(data))
 
 
 def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
@@ -135,7 +137,7 @@ def stream_checksum(f: IO[bytes]) -> tuple[int, str]:
             break
         crc = crc32(chunk, crc)
         size += n
-    return size, _hex(crc)
+    return size, hex_crc(crc)
 
 
 def file_checksum(path: str | os.PathLike[str], *, fsync: bool = False) -> tuple[int, str]:
@@ -182,8 +184,8 @@ def ranges_checksum(
                 cut_crc, n = next(found)
                 crc, position = crc32_combine(crc, cut_crc, n), position + n
                 if n < cut_end - cut_start:  # the file ended early
-                    return position, _hex(crc)
-    return position, _hex(crc)
+                    return position, hex_crc(crc)
+    return position, hex_crc(crc)
 
 
 def _cuts(start: int, end: int) -> list[tuple[int, int]]:
@@ -195,12 +197,13 @@ def _cuts(start: int, end: int) -> list[tuple[int, int]]:
 
 def _range_crc(path: str | os.PathLike[str], start: int, end: int) -> tuple[int, int]:
     """CRC-32 of bytes ``start`` to ``end`` of a file and how many there were (fewer: it ended early),
-    read by their own file descriptor in :data:`CHUNK_SIZE` pieces, the page cache dropped behind."""
+    read by their own file descriptor in :data:`CHUNK_SIZE` pieces, the page cache dropped behind (no
+    ``POSIX_FADV_SEQUENTIAL``: its larger read-ahead made ``verify`` of a 2 GB checkpoint 1.37-1.42 s
+    against 1.27-1.33 s without, cold, on the project's machine)."""
     crc, position = 0, start
     buffer = memoryview(bytearray(min(CHUNK_SIZE, end - start)))
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        libc.fadvise(fd, start, end - start, "SEQUENTIAL")
         while position < end:
             n = os.preadv(fd, [buffer[: end - position]], position)
             if not n:
@@ -278,7 +281,7 @@ class HashingStream(io.RawIOBase):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        return self._size, _hex(self._crc)
+        return self._size, hex_crc(self._crc)
 
     def close(self) -> None:
         # DCP closes the stream inside `create_stream`; the file itself is closed by its owner. The

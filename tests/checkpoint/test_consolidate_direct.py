@@ -20,7 +20,12 @@ from lightning.fabric.utilities.data import AttributeDict
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.detect import detect
-from lightning_sharded.checkpoint.tools import archive_writer, consolidate_direct, consolidate_mapped
+from lightning_sharded.checkpoint.tools import (
+    archive_writer,
+    consolidate_direct,
+    consolidate_mapped,
+    direct_copy,
+)
 from lightning_sharded.checkpoint.writeback import RangedWriteBehind
 from tests._compare import assert_identical, assert_same
 from tests.test_verify_errors import flip_bit
@@ -163,8 +168,8 @@ def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.Monkey
             read.append(n)
         return n
 
-    monkeypatch.setattr(consolidate_direct.os, "preadv", counting)
-    monkeypatch.setattr(consolidate_direct, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
+    monkeypatch.setattr(direct_copy.os, "preadv", counting)
+    monkeypatch.setattr(direct_copy, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
     consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
     assert sum(read) == shards  # the entries' heads and tails, read to plan, are small reads (pread)
 
@@ -227,7 +232,7 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     dst = tmp_path / "full.ckpt"
     dst.write_bytes(b"the previous output")
     # The fault comes mid-copy: after the archive's frame and two chunk pieces are written.
-    place, placed = consolidate_direct._pwrite_all, []
+    place, placed = direct_copy._pwrite_all, []
 
     def failing(fd: int, data: Any, offset: int) -> None:
         placed.append(offset)
@@ -235,7 +240,7 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
             return place(fd, data, offset)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(consolidate_direct, "_pwrite_all", failing)
+    monkeypatch.setattr(direct_copy, "_pwrite_all", failing)
     with pytest.raises(
         OSError, match=r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
     ):
@@ -260,8 +265,8 @@ def test_the_output_is_written_behind(droppable: Path, monkeypatch: pytest.Monke
         seen.append(resident(Path(f"/proc/self/fd/{self._fd}")))
         finish(self)
 
-    monkeypatch.setattr(consolidate_direct, "WINDOW", 1 << 20)
-    monkeypatch.setattr(consolidate_direct, "BLOCK", 1 << 20)
+    monkeypatch.setattr(direct_copy, "WINDOW", 1 << 20)
+    monkeypatch.setattr(direct_copy, "BLOCK", 1 << 20)
     monkeypatch.setattr(RangedWriteBehind, "finish", measured)
     out = consolidate_checkpoint(src, droppable / "full.ckpt", progress=False)
     assert out.stat().st_size > 8 << 20

@@ -411,6 +411,27 @@ def test_every_strategy_s_checkpoint_consolidates_without_torch(
     check_lightning_state(load_checkpoint(tmp_path / "direct.ckpt"))
 
 
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_strategy_s_checkpoint_exports_safetensors_without_torch(
+    pickles_run: Path, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safetensors export of what stock Lightning and this library write imports no torch, and writes
+    the files the torch path writes, byte for byte."""
+    from lightning_sharded.checkpoint.tools import export_direct
+    from tests.checkpoint.test_export_direct import files_of
+
+    (ckpt,) = (pickles_run / name).glob("*.ckpt")
+    args = ("consolidate", "--format", "safetensors", "--no-progress", "--max-shard-size", "100B")
+    done = without_torch_cli(*args, ckpt, tmp_path / "direct")
+    assert done.returncode == 0, done.stderr
+    monkeypatch.setattr(export_direct, "plan", lambda *a: "through torch, as the test asks")
+    consolidate_checkpoint(
+        ckpt, tmp_path / "through-torch", format="safetensors", progress=False, max_shard_size="100B"
+    )
+    assert len(list((tmp_path / "direct").glob("*.safetensors"))) > 1
+    assert files_of(tmp_path / "direct") == files_of(tmp_path / "through-torch")
+
+
 def test_single_device_file_with_callbacks_opens_without_the_flag(tmp_path: Path) -> None:
     trainer = L.Trainer(
         accelerator="cpu",

@@ -1,7 +1,10 @@
 """``consolidate_checkpoint(format="safetensors")``: a checkpoint's weights as a Hugging Face directory.
 
-Each file's header goes down first (every shape and dtype is known from the source's index), then its
-tensors, a batch at a time, so memory holds one batch; the rules are in ``docs/huggingface.md``.
+A sharded checkpoint Lightning or this library wrote is exported by :mod:`.export_direct` where nothing
+needs torch (no cast; each shard file read once, in order, no torch imported), any other by
+:mod:`.hf_export_torch`. Both write each file's header first (every shape and dtype is known from the
+source's index), then its tensors; the directory is published atomically, with the index and the
+config beside the weights. The rules are in ``docs/huggingface.md``.
 """
 
 from __future__ import annotations
@@ -10,115 +13,28 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lightning_sharded.checkpoint import names
 from lightning_sharded.checkpoint.backends import Location, basename, local_path, location
-from lightning_sharded.checkpoint.checksum import HashingStream, bytes_checksum
+from lightning_sharded.checkpoint.checksum import bytes_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 from lightning_sharded.checkpoint.destination import output_file
-from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
-from lightning_sharded.checkpoint.errors import CheckpointError
-from lightning_sharded.checkpoint.load.checks import frozen_of
-from lightning_sharded.checkpoint.progress import format_size, progress_bar
-from lightning_sharded.checkpoint.tools.frozen import FROZEN_SLOT, frozen_listing, read_frozen
-from lightning_sharded.checkpoint.tools.reader import open_sharded
-from lightning_sharded.checkpoint.tools.safetensors_format import (
-    CONFIG_NAME,
-    DTYPE_NAMES,
-    Entry,
-    encode_header,
-    file_name,
-    parse_dtype,
-    parse_size,
-    plan_files,
-    storage_order,
-)
-from lightning_sharded.checkpoint.tools.weight_sources import full_weights
-from lightning_sharded.checkpoint.writeback import WriteBehind
+from lightning_sharded.checkpoint.detect import detect
+from lightning_sharded.checkpoint.integrity import prepare_read
+from lightning_sharded.checkpoint.progress import format_size
+from lightning_sharded.checkpoint.tools import export_direct
+from lightning_sharded.checkpoint.tools.safetensors_format import CONFIG_NAME, parse_dtype, parse_size
 
-__all__ = ["BATCH_BYTES", "export_safetensors"]
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_sharded.checkpoint.tools import hf_export_torch
+
+__all__ = ["export_safetensors"]
 
 log = logging.getLogger(__name__)
-
-#: Tensors are read from the source in batches of about this many bytes (a larger tensor alone).
-BATCH_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """One model tensor of the source: its key there, its key in the output, shape and dtype."""
-
-    source_key: str
-    out_key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-def _source(
-    found: Found, verify: bool, weights_only: bool | None, prefix: str
-) -> tuple[list[_Tensor], Callable[[dict[str, torch.Tensor]], None]]:
-    """The model tensors of a checkpoint whose keys start with ``prefix``, and a way to read some of them
-    into given buffers (by source key); a trainable-only checkpoint's frozen ones read from its source."""
-    if found.kind is CheckpointKind.SHARDED:
-        reader = open_sharded(found, verify, weights_only)  # the verify-first rule: damage fails here
-        tensors = [
-            _Tensor(key, name[len(prefix) :], tuple(md.size), md.properties.dtype)
-            for key, name, md in reader.model_tensors()
-            if name.startswith(prefix)
-        ]
-        model_key = reader.model_key()
-        skipped = [k for k in reader.objects if reader.path_of(k)[0] == model_key]
-        if skipped:
-            log.info("Not exported (not tensors): %s", ", ".join(sorted(skipped)))
-        frozen = found.manifest.frozen if found.manifest is not None else None
-
-        def read(targets: dict[str, torch.Tensor]) -> None:
-            reader.read_tensors(targets, None)
-
-    else:
-        checkpoint, state = full_weights(found.backend, found.data, weights_only)
-        tensors = [
-            _Tensor(key, key[len(prefix) :], tuple(value.shape), value.dtype)
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor) and key.startswith(prefix)
-        ]
-        frozen = frozen_of(checkpoint, str(found.data))
-
-        def read(targets: dict[str, torch.Tensor]) -> None:
-            for key, target in targets.items():
-                target.copy_(state[key])
-
-    if frozen is None:
-        return tensors, read
-    listing = frozen_listing(frozen, str(found.data), weights_only, "export from a copy that has it")
-    extra = {
-        FROZEN_SLOT + key: _Tensor(
-            FROZEN_SLOT + key,
-            key[len(prefix) :],
-            listing.shapes[key[len(frozen.prefix) :]],
-            listing.dtypes[key[len(frozen.prefix) :]],
-        )
-        for key in frozen.keys
-        if key.startswith(prefix)
-    }
-    log.info(
-        "%s holds the trainable weights only: its frozen part is read from %s", found.data, frozen.source
-    )
-
-    def read_all(targets: dict[str, torch.Tensor]) -> None:
-        mine = {k[len(FROZEN_SLOT) :]: v for k, v in targets.items() if k in extra}
-        if mine:
-            read_frozen(frozen, listing, mine, weights_only)
-        rest = {k: v for k, v in targets.items() if k not in extra}
-        if rest:
-            read(rest)
-
-    return [*tensors, *extra.values()], read_all
 
 
 def export_safetensors(
@@ -136,7 +52,7 @@ def export_safetensors(
 ) -> Location:
     """The ``format="safetensors"`` of :func:`~.consolidate.consolidate_checkpoint`; see there."""
     started = time.perf_counter()
-    target_dtype = parse_dtype(dtype)
+    target = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
     prefix = prefix or ""
     if local_path(location(dst)) is None:  # safetensors files are written as local files
@@ -148,14 +64,32 @@ def export_safetensors(
     found = detect(src)
     out = local_path(output_file(src, found.data, dst, overwrite=overwrite))
     assert out is not None
-    model, read = _source(found, verify, weights_only, prefix)
-    entries = _entries(src, model, prefix, target_dtype)
-    files = plan_files(entries, max_bytes)
-    total = sum(e.nbytes for e in entries)
+    weights: export_direct.DirectWeights | hf_export_torch.TorchWeights
+    direct = export_direct.plan(found, prefix, target, max_bytes)
+    if isinstance(direct, str):
+        log.info("%s is exported through torch: %s", found.data, direct)
+        from lightning_sharded.checkpoint.tools import hf_export_torch
+
+        weights = hf_export_torch.prepare(
+            src,
+            found,
+            verify=verify,
+            weights_only=weights_only,
+            prefix=prefix,
+            target=target,
+            max_bytes=max_bytes,
+        )
+    else:
+        if direct.skipped:
+            log.info("Not exported (not tensors): %s", ", ".join(direct.skipped))
+        then = f"Nothing was written at {str(out)!r}."
+        direct.verification = prepare_read(found, verify, weights_only, then=then)
+        weights = direct
+    files = weights.files
+    total = sum(e.nbytes for group in files for e in group)
 
     def write(staging: Path) -> dict[str, tuple[int, str]]:
-        with progress_bar(total, progress, f"exporting {basename(found.data)}") as tick:
-            written, weight_map = _write_weights(staging, files, {t.out_key: t for t in model}, read, tick)
+        written, weight_map = weights.write(staging, progress, f"exporting {basename(found.data)}")
         extra: dict[str, bytes] = {}
         if len(files) > 1:
             index_doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -168,11 +102,12 @@ def export_safetensors(
             written[name] = bytes_checksum(data)
         return written
 
-    metadata = {"format": "safetensors", "source": str(found.data), "tensors": len(entries)}
+    tensors = sum(len(group) for group in files)
+    metadata = {"format": "safetensors", "source": str(found.data), "tensors": tensors}
     commit_directory(out, write, metadata=metadata, alone=True)
     log.info(
         "Exported %d tensors (%s) of %s into %s, %d file(s), in %.2fs",
-        len(entries),
+        tensors,
         format_size(total),
         found.data,
         out,
@@ -200,63 +135,3 @@ def _read_config(config: str | os.PathLike[str] | None) -> bytes | None:
             " (`model.config.save_pretrained(DIR)` writes one)."
         ) from None
     return data
-
-
-def _entries(
-    src: str | os.PathLike[str], model: list[_Tensor], prefix: str, target_dtype: torch.dtype | None
-) -> list[Entry]:
-    """The output's tensors (floating ones cast to ``target_dtype``), each of a dtype safetensors stores."""
-    if not model:
-        raise CheckpointError(
-            f"The checkpoint {str(src)!r} has no model tensor whose key starts with the prefix {prefix!r}:"
-            " nothing to export. Check the prefix (`lightning-sharded inspect` lists the keys)."
-        )
-    for t in model:
-        if t.dtype not in DTYPE_NAMES:
-            raise CheckpointError(
-                f"The tensor {t.source_key!r} of {str(src)!r} is {t.dtype}, which safetensors cannot store."
-            )
-    return [
-        Entry(t.out_key, t.shape, target_dtype if target_dtype and t.dtype.is_floating_point else t.dtype)
-        for t in model
-    ]
-
-
-def _write_weights(
-    staging: Path,
-    files: list[list[Entry]],
-    sources: dict[str, _Tensor],
-    read: Callable[[dict[str, torch.Tensor]], None],
-    tick: Callable[[int], None],
-) -> tuple[dict[str, tuple[int, str]], dict[str, str]]:
-    """Each file's header, then its tensors, read a batch at a time, cast and appended; returns each file's
-    size and checksum, and each key's file."""
-    written: dict[str, tuple[int, str]] = {}
-    weight_map: dict[str, str] = {}
-    for index, group in enumerate(files, start=1):
-        name = file_name(index, len(files))
-        ordered = storage_order(group)
-        with open(staging / name, "xb") as raw:
-            # A save's write-behind: written plainly, each new page of the file is fresh memory, which this
-            # project's VMs hand out at 0.2-0.5 GB/s once a process has taken a few GB (the probes' "plain
-            # write" row); behind, the file keeps about WINDOW bytes in the page cache, reused.
-            behind = WriteBehind(raw.fileno())
-            with HashingStream(raw, write_behind=behind) as f:  # closed: no thread left
-                f.write(encode_header(ordered))
-                for batch in plan_files(ordered, BATCH_BYTES):  # a batch in memory at a time
-                    buffers = {
-                        sources[e.key].source_key: torch.empty(e.shape, dtype=sources[e.key].dtype)
-                        for e in batch
-                    }
-                    read(buffers)
-                    for e in batch:
-                        value = buffers.pop(sources[e.key].source_key).to(e.dtype).contiguous()
-                        if value.numel():  # no copy: the tensor's own bytes
-                            f.write(value.reshape(-1).view(torch.uint8).numpy())
-                        tick(e.nbytes)
-                        del value
-                written[name] = f.result()
-            raw.flush()
-            behind.finish()
-        weight_map.update(dict.fromkeys((e.key for e in group), name))
-    return written, weight_map

@@ -305,14 +305,14 @@ def _inspect_full(found: Found, weights_only: bool | None) -> CheckpointInfo:
 
 def _inspect_safetensors(found: Found) -> CheckpointInfo:
     """Hugging Face weights: every tensor's key, dtype and shape from the headers; no tensor read."""
-    from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
+    from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_NAMES
 
     listing = hf_layout.list_weights(found.backend, found.data)
     error = damaged(found.data, listing.problems)
     if error is not None:
         raise error
     entries = [  # a dtype torch does not have keeps its safetensors name
-        EntryInfo(key, list(t.shape), str(TORCH_DTYPES.get(t.dtype, t.dtype)), t.end - t.begin, 1)
+        EntryInfo(key, list(t.shape), _torch_name(t.dtype, TORCH_NAMES), t.end - t.begin, 1)
         for key, (_, t) in sorted(listing.tensors.items())
     ]
     files = checkpoint_files(found)
@@ -324,3 +324,8 @@ def _inspect_safetensors(found: Found) -> CheckpointInfo:
         disk_size=sum(files.values()),
         has_manifest=found.manifest is not None,
     )
+
+
+def _torch_name(dtype: str, names: dict[str, str]) -> str:
+    """``"torch.bfloat16"`` for the safetensors dtype ``"BF16"``; one torch lacks keeps its name."""
+    return f"torch.{names[dtype]}" if dtype in names else dtype

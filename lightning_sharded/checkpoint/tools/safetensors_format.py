@@ -4,7 +4,7 @@ A ``.safetensors`` file is an 8-byte little-endian header length ``N``, a JSON h
 (``{key: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
 offsets relative to the end of the header) and the tensors' raw bytes, in that order
 (https://huggingface.co/docs/safetensors/index#format); the directory's layout is in
-``docs/huggingface.md``. Standard library and torch only; :mod:`~lightning_sharded.checkpoint.hf_layout`
+``docs/huggingface.md``. Standard library only; :mod:`~lightning_sharded.checkpoint.hf_layout`
 reads them.
 """
 
@@ -16,16 +16,18 @@ import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lightning_sharded.checkpoint import names
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "CONFIG_NAME",
-    "DTYPE_NAMES",
-    "TORCH_DTYPES",
+    "FLOATING",
+    "ST_DTYPES",
+    "TORCH_NAMES",
     "Entry",
     "encode_header",
     "file_name",
@@ -36,29 +38,37 @@ __all__ = [
 
 CONFIG_NAME = "config.json"
 
-#: torch dtype to the safetensors name of it.
-DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
+#: For each dtype safetensors stores, by torch's name of it (``"bfloat16"``): its safetensors name and
+#: bytes per element. Plain strings: the export without torch (:mod:`.export_direct`) reads them.
+ST_DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "uint16": ("U16", 2),
+    "uint32": ("U32", 4),
+    "uint64": ("U64", 8),
 }
-#: The torch dtype of each safetensors dtype name (``"BF16"``); one torch cannot hold is not in it.
-TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
+#: torch's name of each safetensors dtype name (``"BF16"``: ``"bfloat16"``); one torch lacks is not in it.
+TORCH_NAMES = {st: name for name, (st, _) in ST_DTYPES.items()}
+#: The floating dtypes of :data:`ST_DTYPES` (those ``dtype`` casts).
+FLOATING = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 #: The dtypes the export converts floating tensors to, by the names the CLI accepts.
-TARGET_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TARGET_NAMES = ("bfloat16", "float16", "float32")
+
+
+def dtype_name(dtype: Any) -> str:
+    """torch's name of a dtype (``"float32"`` for ``torch.float32``)."""
+    return str(dtype).removeprefix("torch.")
+
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40})
@@ -86,33 +96,35 @@ def parse_size(value: int | str) -> int:
     return size
 
 
-def parse_dtype(value: torch.dtype | str | None) -> torch.dtype | None:
-    """``None``, a floating torch dtype, or its name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
+def parse_dtype(value: torch.dtype | str | None) -> str | None:
+    """``None``, or the name (``"bfloat16"``) of a floating dtype to cast to, from a torch dtype or its name
+    (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
     if value is None:
         return None
     if isinstance(value, str):
-        dtype = TARGET_DTYPES.get(value.removeprefix("torch."))
-        if dtype is None:
-            raise ValueError(f"Unknown dtype {value!r}: use one of {sorted(TARGET_DTYPES)}.")
-        return dtype
-    if not isinstance(value, torch.dtype) or not value.is_floating_point or value not in DTYPE_NAMES:
+        name = value.removeprefix("torch.")
+        if name not in TARGET_NAMES:
+            raise ValueError(f"Unknown dtype {value!r}: use one of {sorted(TARGET_NAMES)}.")
+        return name
+    name = dtype_name(value)
+    if type(value).__name__ != "dtype" or name not in ST_DTYPES or name not in FLOATING:
         raise ValueError(
             f"dtype must be a floating dtype safetensors stores (torch.bfloat16...), not {value!r}."
         )
-    return value
+    return name
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor of the output: its key, shape and dtype as stored."""
+    """One tensor of the output: its key, shape and dtype as stored (torch's name: ``"float32"``)."""
 
     key: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * ST_DTYPES[self.dtype][1]
 
 
 def file_name(index: int, count: int) -> str:
@@ -139,7 +151,7 @@ def plan_files(entries: Sequence[Entry], max_bytes: int) -> list[list[Entry]]:
 def storage_order(entries: Iterable[Entry]) -> list[Entry]:
     """The order of the tensors' bytes in a file: widest element first, then by key, as the
     ``safetensors`` package writes them, so every tensor is aligned on its element size."""
-    return sorted(entries, key=lambda e: (-e.dtype.itemsize, e.key))
+    return sorted(entries, key=lambda e: (-ST_DTYPES[e.dtype][1], e.key))
 
 
 def encode_header(entries: Sequence[Entry]) -> bytes:
@@ -149,7 +161,7 @@ def encode_header(entries: Sequence[Entry]) -> bytes:
     offset = 0
     for entry in entries:
         header[entry.key] = {
-            "dtype": DTYPE_NAMES[entry.dtype],
+            "dtype": ST_DTYPES[entry.dtype][0],
             "shape": list(entry.shape),
             "data_offsets": [offset, offset + entry.nbytes],
         }

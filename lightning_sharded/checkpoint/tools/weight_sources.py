@@ -22,7 +22,7 @@ from lightning_sharded.checkpoint.detect import CheckpointKind, Found, detect
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.failures import dcp_errors
 from lightning_sharded.checkpoint.tools.reader import open_sharded, read_full
-from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_DTYPES
+from lightning_sharded.checkpoint.tools.safetensors_format import TORCH_NAMES
 
 __all__ = [
     "FullSlices",
@@ -95,14 +95,14 @@ def _list_safetensors(path: Path) -> Listing:
         )
     listing = Listing("safetensors", str(path))
     for key, (name, tensor) in sorted(weights.tensors.items()):
-        dtype = TORCH_DTYPES.get(tensor.dtype)
-        if dtype is None:
+        dtype_name = TORCH_NAMES.get(tensor.dtype)
+        if dtype_name is None:
             raise CheckpointError(
                 f"{name!r} of {str(path)!r}: the tensor {key!r} has a dtype this library does not read:"
                 f" {tensor.dtype!r}."
             )
         listing.shapes[key] = tensor.shape
-        listing.dtypes[key] = dtype
+        listing.dtypes[key] = getattr(torch, dtype_name)
         listing.files[key] = str(path / name if path.is_dir() else path)
     if not listing.shapes:
         raise CheckpointError(f"The weights {str(path)!r} hold no tensor.")
