@@ -273,8 +273,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"Offline tools on the {tools['bytes'] / 1e9:.2f} GB 2-rank checkpoint (CLI, a fresh process"
             " each, cold cache; `consolidate` reads the source once and checksums it as it reads,"
             ' `--no-verify` does not checksum it; "disk copy", its bar, is the source read cold and'
-            " written into one file of the output's size, as a copy must at best; the last row is the bar"
-            " before issue 34, a plain write that `consolidate` beat):",
+            " written into one file of the output's size, as a copy must at best; `export safetensors` is"
+            " `consolidate --format safetensors` of the model's weights, uncast, against the same copy into"
+            f" a file of the weights' size ({tools.get('export bytes', 0) / 1e9:.2f} GB); the last row is"
+            " the bar before issue 34, a plain write that `consolidate` beat):",
             "",
             *_md_table(
                 ["command", "s", "GB/s of the checkpoint", "peak RSS GB", "peak anonymous GB"],

@@ -4,13 +4,14 @@
 against ``cat`` of the checkpoint's files to ``/dev/null``, and against the floor of every CLI command
 (:data:`START`: a process that only imports what they need); ``consolidate`` (one read of the source,
 checksummed as it is read; ``--no-verify`` without the checksums; through torch, as a checkpoint of
-objects only torch reads is done) against the disk's copy of the same bytes. Peak RSS and peak
-anonymous memory of each command.
+objects only torch reads is done) against the disk's copy of the same bytes; the safetensors export
+likewise. Peak RSS and peak anonymous memory of each command.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,6 +55,21 @@ _THROUGH_TORCH = (
     " direct.plan = lambda found, out: 'the benchmark asks for the torch path';"
     " from lightning_sharded.cli import main; sys.exit(main())"
 )
+#: ``consolidate --format safetensors`` (the model's weights, uncast): without torch (``export_direct``),
+#: ``--no-verify``, and through torch (``hf_export_torch``, what a cast or a full file gets).
+EXPORT, EXPORT_NO_VERIFY, EXPORT_THROUGH_TORCH = (
+    "export safetensors",
+    "export safetensors --no-verify",
+    "export safetensors through torch",
+)
+_EXPORT_THROUGH_TORCH = (
+    "import sys; from lightning_sharded.checkpoint.tools import export_direct as direct;"
+    " direct.plan = lambda *a: 'the benchmark asks for the torch path';"
+    " from lightning_sharded.cli import main; sys.exit(main())"
+)
+#: The export's bar: the source read cold (every byte: a verified export checksums every file) and
+#: written into one file of the weights' size, as a copy must at best.
+EXPORT_COPY = "disk copy of the export's bytes"
 #: The floor of ``inspect`` and ``verify`` of a checkpoint of tensors and plain data, which import no
 #: torch (``lightning_sharded.checkpoint.unpickling.without_torch``): the command line's own imports.
 START_WITHOUT_TORCH = "CLI start without torch"
@@ -82,8 +98,10 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     without the checksums) against the disk's copy of the source into a file of the output's size as
     a copy must at best (``benchmarks.faithful.copy_like``: cold reads dropped behind, write-behind,
     fsync, rename publish). Also timed: the bar before issue 34, a cold read of the source plus a plain
-    write+fsync of as many random bytes (``consolidate`` beat it: it writes behind). Medians. ``quick``
-    runs ``inspect`` and ``consolidate --no-verify`` only (a smoke test).
+    write+fsync of as many random bytes (``consolidate`` beat it: it writes behind). The safetensors
+    export (verified, ``--no-verify``, through torch) against the same copy into a file of the weights'
+    size (:data:`EXPORT_COPY`). Medians. ``quick`` runs ``inspect`` and ``consolidate --no-verify`` only
+    (a smoke test).
     """
     files = sorted(str(p) for p in ckpt.rglob("*") if p.is_file())
     nbytes = sum(Path(f).stat().st_size for f in files)
@@ -91,15 +109,16 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
     # The same command with the torch path taken (what a checkpoint of objects only torch reads gets).
     through_torch = [sys.executable, "-c", _THROUGH_TORCH]
     dst = scratch / "consolidated.ckpt"
+    exported = scratch / "exported"
     raw_file = scratch / "raw-consolidate.bin"
     series: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     anon: dict[str, int] = {}
 
-    out_bytes = 0
+    out_bytes = export_bytes = 0
 
     def run(name: str, command: list[str]) -> None:
-        nonlocal out_bytes
+        nonlocal out_bytes, export_bytes
         os.sync()
         evict_tree(ckpt)
         seconds, peak, peak_anon = measure(command)
@@ -109,6 +128,9 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
         if dst.exists():
             out_bytes = out_bytes or dst.stat().st_size
             dst.unlink()
+        if exported.exists():
+            export_bytes = export_bytes or sum(p.stat().st_size for p in exported.glob("*.safetensors"))
+            shutil.rmtree(exported)
 
     for _ in range(repeats):
         run("cat", ["sh", "-c", "cat " + " ".join(f"'{f}'" for f in files) + " > /dev/null"])
@@ -124,12 +146,24 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
         if not quick:
             run("consolidate", [*cli, "consolidate", "--no-progress", str(ckpt), str(dst)])
             run(THROUGH_TORCH, [*through_torch, "consolidate", "--no-progress", str(ckpt), str(dst)])
+            export = ["consolidate", "--format", "safetensors", "--no-progress"]
+            run(EXPORT, [*cli, *export, str(ckpt), str(exported)])
+            run(EXPORT_NO_VERIFY, [*cli, *export, "--no-verify", str(ckpt), str(exported)])
+            export_torch = [sys.executable, "-c", _EXPORT_THROUGH_TORCH]
+            run(EXPORT_THROUGH_TORCH, [*export_torch, *export, str(ckpt), str(exported)])
         os.sync()
         evict_tree(ckpt)
         start = time.perf_counter()
         copy_like([Path(f) for f in files], raw_file, out_bytes)
         series.setdefault("disk copy", []).append(time.perf_counter() - start)
         raw_file.unlink()
+        if not quick:
+            os.sync()
+            evict_tree(ckpt)
+            start = time.perf_counter()
+            copy_like([Path(f) for f in files], raw_file, export_bytes)
+            series.setdefault(EXPORT_COPY, []).append(time.perf_counter() - start)
+            raw_file.unlink()
         os.sync()
         evict_tree(ckpt)
         start = time.perf_counter()
@@ -159,12 +193,15 @@ def tools_section(ckpt: Path, scratch: Path, repeats: int, quick: bool = False) 
         ratios["verify / cat"] = med["verify"] / med["cat"]
         ratios["consolidate GB/s / disk copy"] = med["disk copy"] / med["consolidate"]
         ratios[f"{THROUGH_TORCH} GB/s / disk copy"] = med["disk copy"] / med[THROUGH_TORCH]
+        for name in (EXPORT, EXPORT_NO_VERIFY, EXPORT_THROUGH_TORCH):
+            ratios[f"{name} GB/s / disk copy"] = med[EXPORT_COPY] / med[name]
     above = [f"{name} {value:.2f}" for name, value in ratios.items() if "disk copy" in name and value > 1.0]
     return {
         "rows": rows,
         "ratios": ratios,
         "bytes": nbytes,
         "output bytes": out_bytes,
+        "export bytes": export_bytes,
         "series": series,
         "above the bars": above,
     }

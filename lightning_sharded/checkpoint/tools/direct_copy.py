@@ -48,7 +48,19 @@ from lightning_sharded.checkpoint.unpickling.without_torch import (
 )
 from lightning_sharded.checkpoint.writeback import WINDOW, RangedWriteBehind
 
-__all__ = ["BLOCK", "DCP", "MAX_RUNS", "Copy", "Declined", "Placed", "Segment", "segments", "tensor_chunks"]
+__all__ = [
+    "BLOCK",
+    "DCP",
+    "MAX_RUNS",
+    "Copy",
+    "Declined",
+    "Files",
+    "Placed",
+    "Segment",
+    "reserve",
+    "segments",
+    "tensor_chunks",
+]
 
 #: Bytes read per call from a shard file (two buffers of it per part being read).
 BLOCK = 8 << 20
