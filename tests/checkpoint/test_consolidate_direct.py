@@ -156,9 +156,8 @@ def test_the_output_is_the_torch_path_s(tmp_path: Path, monkeypatch: pytest.Monk
     assert type(loaded["hyper_parameters"]) is AttributeDict
 
 
-def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = save(tmp_path / "ckpt", {"epoch": 0})
-    shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
+def shard_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each read of a shard file by the copy returns, from now on."""
     read: list[int] = []
     real = os.preadv
 
@@ -169,6 +168,13 @@ def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.Monkey
         return n
 
     monkeypatch.setattr(direct_copy.os, "preadv", counting)
+    return read
+
+
+def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
+    read = shard_reads(monkeypatch)
     monkeypatch.setattr(direct_copy, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
     consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
     assert sum(read) == shards  # the entries' heads and tails, read to plan, are small reads (pread)
@@ -227,11 +233,8 @@ def test_a_damaged_chunk_fails_before_publishing(tmp_path: Path, monkeypatch: py
     assert not torch.equal(torch.load(direct, weights_only=True)["state_dict"]["cols"], full_values()["cols"])
 
 
-def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = save(tmp_path / "ckpt", {"epoch": 0})
-    dst = tmp_path / "full.ckpt"
-    dst.write_bytes(b"the previous output")
-    # The fault comes mid-copy: after the archive's frame and two chunk pieces are written.
+def failing_third_piece(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The copy's third chunk piece fails to be written (``EIO``); the offsets of the pieces tried."""
     place, placed = direct_copy._pwrite_all, []
 
     def failing(fd: int, data: Any, offset: int) -> None:
@@ -241,6 +244,15 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(direct_copy, "_pwrite_all", failing)
+    return placed
+
+
+def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    dst = tmp_path / "full.ckpt"
+    dst.write_bytes(b"the previous output")
+    # The fault comes mid-copy: after the archive's frame and two chunk pieces are written.
+    placed = failing_third_piece(monkeypatch)
     with pytest.raises(
         OSError, match=r"^Input/output error \(EIO\): saving the checkpoint '.*full\.ckpt' failed"
     ):

@@ -5,9 +5,7 @@ before anything is published."""
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ from lightning_sharded import CheckpointError, consolidate_checkpoint
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
 from lightning_sharded.checkpoint.tools import direct_copy, export_direct, hf_export_torch
-from tests.checkpoint.test_consolidate_direct import full_values, save
+from tests.checkpoint.test_consolidate_direct import failing_third_piece, full_values, save, shard_reads
 from tests.test_verify_errors import flip_bit
 
 pytestmark = pytest.mark.usefixtures("process_group")  # ShardedTensor's chunks need a (one-rank) group
@@ -112,21 +110,6 @@ def test_what_needs_torch_is_left_to_it(tmp_path: Path, kwargs: dict[str, Any], 
     )
 
 
-def shard_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The bytes each read of a shard file returns, from now on."""
-    read: list[int] = []
-    real = os.preadv
-
-    def counting(fd: int, buffers: Any, offset: int) -> int:
-        n = real(fd, buffers, offset)
-        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):  # not the small files verify reads
-            read.append(n)
-        return n
-
-    monkeypatch.setattr(direct_copy.os, "preadv", counting)
-    return read
-
-
 def test_each_shard_byte_is_read_once_and_only_the_model_s_without_verify(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,15 +149,7 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     dst = tmp_path / "out"
     consolidate_checkpoint(src, dst, format="safetensors", progress=False)
     before = files_of(dst)
-    place, placed = direct_copy._pwrite_all, []
-
-    def failing(fd: int, data: Any, offset: int) -> None:
-        placed.append(offset)
-        if len(placed) < 3:
-            return place(fd, data, offset)
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(direct_copy, "_pwrite_all", failing)
+    placed = failing_third_piece(monkeypatch)
     with pytest.raises(OSError, match=r"Input/output error"):
         consolidate_checkpoint(src, dst, format="safetensors", overwrite=True, progress=False)
     assert len(placed) >= 3, placed  # the copy had begun

@@ -30,7 +30,6 @@ from typing import Any
 
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends import Location
-from lightning_sharded.checkpoint.backends.paths import local_path
 from lightning_sharded.checkpoint.dcp_index import object_archives
 from lightning_sharded.checkpoint.destination import write_error
 from lightning_sharded.checkpoint.detect import Found
@@ -42,6 +41,8 @@ from lightning_sharded.checkpoint.tools.direct_copy import (
     Declined,
     Files,
     Placed,
+    attempt,
+    local_index,
     reserve,
     segments,
     tensor_chunks,
@@ -49,7 +50,6 @@ from lightning_sharded.checkpoint.tools.direct_copy import (
 from lightning_sharded.checkpoint.tools.nested import drop_rank_state, to_lightning
 from lightning_sharded.checkpoint.unpickling.without_torch import (
     NOT_READ,
-    read_dcp_metadata,
     read_plain,
     type_name,
 )
@@ -106,24 +106,11 @@ def plan(found: Found, out: Location) -> Plan | str:
     """The plan of a consolidation without torch of the sharded checkpoint ``found`` into ``out``, or why
     there is none (the torch path then does it). Reads the index, ``meta.pt``, the non-tensor entries and the
     head and tail of each tensor entry; writes nothing, raises nothing."""
-    try:
-        return _plan(found, out)
-    except Declined as why:
-        return str(why)
-    except Exception as err:  # damage, or anything unforeseen: the torch path reads it and says what
-        return f"{type(err).__name__}: {err}"
+    return attempt(lambda: _plan(found, out))
 
 
 def _plan(found: Found, out: Location) -> Plan:
-    root = local_path(found.data)
-    if root is None:
-        raise Declined("not local files")
-    if found.manifest is not None and found.manifest.frozen is not None:
-        raise Declined("a trainable-only checkpoint (its frozen part is read by torch)")
-    with open(root / names.DCP_METADATA, "rb") as f:
-        metadata = read_dcp_metadata(f)
-    if metadata is None or type_name(metadata) != f"{DCP}Metadata":
-        raise Declined("its index holds types only torch reads")
+    root, metadata = local_index(found)
     meta = read_plain((root / names.LIGHTNING_METADATA).read_bytes(), lightning=True)
     if meta is NOT_READ or not isinstance(meta, dict):
         raise Declined(f"{names.LIGHTNING_METADATA} holds more than plain data")

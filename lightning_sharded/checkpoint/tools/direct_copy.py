@@ -32,15 +32,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from lightning_sharded.checkpoint import libc
+from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends import Location
+from lightning_sharded.checkpoint.backends.paths import local_path
 from lightning_sharded.checkpoint.checksum import STREAMS, crc32, crc32_combine, pieces_crc
+from lightning_sharded.checkpoint.detect import CheckpointKind, Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.progress import progress_bar
 from lightning_sharded.checkpoint.unpickling.without_torch import (
+    read_dcp_metadata,
     record_start,
     stored_record,
     tensor_record,
@@ -57,10 +60,14 @@ __all__ = [
     "Files",
     "Placed",
     "Segment",
+    "attempt",
+    "local_index",
     "reserve",
     "segments",
     "tensor_chunks",
 ]
+
+T = TypeVar("T")
 
 #: Bytes read per call from a shard file (two buffers of it per part being read).
 BLOCK = 8 << 20
@@ -114,6 +121,35 @@ class Segment:
 
 #: Each shard file read, by its path relative to the checkpoint: (local path, size, its segments in order).
 Files = dict[str, tuple[Path, int, list[Segment]]]
+
+
+def attempt(make: Callable[[], T]) -> T | str:
+    """``make()``, or why it declined (a :class:`Declined`, or anything unforeseen, damage included: the
+    torch path then reads the checkpoint and says what is wrong); raises nothing."""
+    try:
+        return make()
+    except Declined as why:
+        return str(why)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+
+
+def local_index(found: Found) -> tuple[Path, Any]:
+    """The local directory of a sharded checkpoint and its DCP index, read by the stand-ins; a
+    :class:`Declined` for object storage, a trainable-only checkpoint, or an index of types only torch
+    reads."""
+    root = local_path(found.data)
+    if found.kind is not CheckpointKind.SHARDED:
+        raise Declined("a full checkpoint file (torch reads it)")
+    if root is None:
+        raise Declined("not local files")
+    if found.manifest is not None and found.manifest.frozen is not None:
+        raise Declined("a trainable-only checkpoint (its frozen part is read by torch)")
+    with open(root / names.DCP_METADATA, "rb") as f:
+        metadata = read_dcp_metadata(f)
+    if metadata is None or type_name(metadata) != f"{DCP}Metadata":
+        raise Declined("its index holds types only torch reads")
+    return root, metadata
 
 
 def tensor_chunks(metadata: Any, keys: Iterable[str]) -> dict[str, list[tuple[Any, Any]]]:

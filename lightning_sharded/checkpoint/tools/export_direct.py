@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sharded.checkpoint import libc, names
-from lightning_sharded.checkpoint.backends.paths import local_path
+from lightning_sharded.checkpoint import libc
 from lightning_sharded.checkpoint.checksum import crc32, hex_crc, pieces_crc
 from lightning_sharded.checkpoint.dcp_index import model_key, top_level_keys
-from lightning_sharded.checkpoint.detect import CheckpointKind, Found
+from lightning_sharded.checkpoint.detect import Found
 from lightning_sharded.checkpoint.integrity import ReadVerification
 from lightning_sharded.checkpoint.tools.direct_copy import (
     DCP,
@@ -30,6 +29,8 @@ from lightning_sharded.checkpoint.tools.direct_copy import (
     Declined,
     Files,
     Placed,
+    attempt,
+    local_index,
     reserve,
     segments,
     tensor_chunks,
@@ -43,7 +44,7 @@ from lightning_sharded.checkpoint.tools.safetensors_format import (
     plan_files,
     storage_order,
 )
-from lightning_sharded.checkpoint.unpickling.without_torch import read_dcp_metadata, type_name
+from lightning_sharded.checkpoint.unpickling.without_torch import type_name
 
 __all__ = ["DirectWeights", "plan"]
 
@@ -105,26 +106,11 @@ def plan(found: Found, prefix: str, target: str | None, max_bytes: int) -> Direc
     only where none needs a cast), in files of at most ``max_bytes``; or why there is none (the torch path
     then does it). Reads the index and the head and tail of each model tensor's entries; writes nothing,
     raises nothing."""
-    try:
-        return _plan(found, prefix, target, max_bytes)
-    except Declined as why:
-        return str(why)
-    except Exception as err:  # damage, or anything unforeseen: the torch path reads it and says what
-        return f"{type(err).__name__}: {err}"
+    return attempt(lambda: _plan(found, prefix, target, max_bytes))
 
 
 def _plan(found: Found, prefix: str, target: str | None, max_bytes: int) -> DirectWeights:
-    root = local_path(found.data)
-    if found.kind is not CheckpointKind.SHARDED:
-        raise Declined("a full checkpoint file (torch reads it)")
-    if root is None:
-        raise Declined("not local files")
-    if found.manifest is not None and found.manifest.frozen is not None:
-        raise Declined("a trainable-only checkpoint (its frozen part is read by torch)")
-    with open(root / names.DCP_METADATA, "rb") as f:
-        metadata = read_dcp_metadata(f)
-    if metadata is None or type_name(metadata) != f"{DCP}Metadata":
-        raise Declined("its index holds types only torch reads")
+    root, metadata = local_index(found)
     top = model_key(top_level_keys(metadata), found.data)
     mapping: dict[str, Any] = dict(metadata.planner_data or {})
     tensors: dict[str, Entry] = {}
