@@ -3,7 +3,7 @@
 Usage: ``python fault_driver.py OUT CASE...`` (``CASE`` names from :data:`CASES`, or ``all``).
 
 The driver imports torch and warms DTensor up once (on a fake process group), then for every case
-forks one process per rank; each rank joins a real gloo process group (its own port per save) and
+forks one process per rank; each rank joins a real gloo process group (its own store per save) and
 saves through ``commit_directory`` a checkpoint with the layout of stock Lightning's
 ``ModelParallelStrategy`` (``state_dict`` and ``optimizer_0`` as DTensors sharded over the ranks,
 written by ``torch.distributed.checkpoint.save``, and ``meta.pt`` from rank 0). Forking after one
@@ -43,6 +43,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -56,10 +57,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.commit import commit_directory
-from tests.distributed.launch import fork
+from tests.distributed.launch import fork, join_forked_group, store_socket
 from tests.fault_injection import FAULT_ENV, NO_EXCHANGE_ENV, install
 
 install()
@@ -126,9 +126,9 @@ def _kill_at(spec: str, point: str, rank: int) -> bool:
     return name == point and (not who or int(who) == rank)
 
 
-def save_rank(rank: int, port: int, ckpt: Path, version: int, kill: str) -> int:
+def save_rank(rank: int, listener: socket.socket, ckpt: Path, version: int, kill: str) -> int:
     """Body of one rank: join the group, save ``version`` at ``ckpt``; returns the exit code."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    join_forked_group(rank, WORLD_SIZE, listener)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     full = expected(version)
     state = {
@@ -219,14 +219,15 @@ def run_save(
 ) -> list[int]:
     """Fork the ranks of one save and wait for them; a rank still alive after another was killed is
     given ``GRACE_S`` seconds, then killed. Returns each rank's exit code (negative: signal)."""
-    port = free_port()
+    listener = store_socket()
 
     def the_rank(rank: int) -> int:
         os.environ[FAULT_ENV] = fault
         os.environ[NO_EXCHANGE_ENV] = "1" if no_exchange else "0"
-        return save_rank(rank, port, ckpt, version, kill)
+        return save_rank(rank, listener, ckpt, version, kill)
 
     pids = [fork(functools.partial(the_rank, rank)) for rank in range(WORLD_SIZE)]
+    listener.close()  # rank 0 serves the store on its copy
     codes: dict[int, int] = {}
     deadline = time.monotonic() + TIMEOUT_S
     while len(codes) < len(pids):

@@ -23,6 +23,7 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +36,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.failures import free_space
-from tests.distributed.launch import fork
+from tests.distributed.launch import fork, join_forked_group, store_socket
 
 WORLD_SIZE = 2
 ROWS, COLS = 256, 512  # 512 KiB of float32, twice (weight and its optimizer state): 1 MiB a checkpoint
@@ -77,8 +77,8 @@ def _attempt(call: Any) -> dict[str, Any] | None:
     return None
 
 
-def run_rank(rank: int, port: int, disk: Path, out: Path) -> int:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+def run_rank(rank: int, listener: socket.socket, disk: Path, out: Path) -> int:
+    join_forked_group(rank, WORLD_SIZE, listener)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
 
     def save(path: Path, version: int, **kwargs: Any) -> None:
@@ -118,8 +118,9 @@ def run_rank(rank: int, port: int, disk: Path, out: Path) -> int:
 
 def main(argv: list[str]) -> None:
     disk, out = Path(argv[0]), Path(argv[1])
-    port = free_port()
-    pids = [fork(functools.partial(run_rank, rank, port, disk, out)) for rank in range(WORLD_SIZE)]
+    listener = store_socket()
+    pids = [fork(functools.partial(run_rank, rank, listener, disk, out)) for rank in range(WORLD_SIZE)]
+    listener.close()  # rank 0 serves the store on its copy
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     if codes != [0] * WORLD_SIZE:
         raise SystemExit(f"ranks exited with {codes}")

@@ -41,6 +41,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -209,6 +210,33 @@ def fork(body: Callable[[], int | None]) -> int:
             sys.stderr.flush()
             os._exit(code)
     return pid
+
+
+def store_socket() -> socket.socket:
+    """A socket listening on a free loopback port, for the store of a job whose ranks are forked from
+    this process (:func:`join_forked_group`). Bound before the ranks start: a port chosen free and then
+    released can be taken meanwhile, by another job started at the same moment too, whose ranks then
+    join this job's store and mix with its ranks (two fault cases' ranks did once, and the case passed
+    for the wrong ranks)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def join_forked_group(rank: int, world_size: int, listener: socket.socket) -> None:
+    """``init_process_group("gloo")`` in a rank forked after :func:`store_socket`: rank 0 serves the job's
+    store on the inherited ``listener`` (as ``init_method="tcp://..."`` makes rank 0 serve it), the
+    others close their copy and connect to it."""
+    import torch.distributed as dist
+
+    port = listener.getsockname()[1]
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, master_listen_fd=listener.fileno())
+    else:
+        listener.close()
+        store = dist.TCPStore("127.0.0.1", port, world_size, False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
 
 # ---------------------------------------------------------------------- batches of scenario_resume.py jobs

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -37,11 +38,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_sharded._launch import free_port
 from lightning_sharded.checkpoint import collective
 from lightning_sharded.checkpoint import save as io
 from lightning_sharded.checkpoint.load import restore_checkpoint
-from tests.distributed.launch import fork
+from tests.distributed.launch import fork, join_forked_group, store_socket
 from tests.fault_injection import FAULT_ENV, HANG_S, install
 
 install()
@@ -91,9 +91,11 @@ def _report(folder: Path, rank: int, err: BaseException, started: float) -> None
     )
 
 
-def run_rank(rank: int, port: int, ckpt: Path, operation: str, version: int, dcp_hang: int | None) -> int:
+def run_rank(
+    rank: int, listener: socket.socket, ckpt: Path, operation: str, version: int, dcp_hang: int | None
+) -> int:
     """One rank: join the group, make the bounded group, save ``version`` or load; the exit code."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    join_forked_group(rank, WORLD_SIZE, listener)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,))
     group = collective.bounded_group(TIMEOUT_S)
     if dcp_hang == rank:
@@ -132,13 +134,14 @@ def run_op(
 ) -> list[int]:
     """Fork the ranks of one save or load; once every rank but ``faulty`` has exited (or the deadline
     passed), kill what is left. Each rank's exit code (negative: killed by that signal)."""
-    port = free_port()
+    listener = store_socket()
 
     def the_rank(rank: int) -> int:
         os.environ[FAULT_ENV] = fault
-        return run_rank(rank, port, ckpt, operation, version, dcp_hang)
+        return run_rank(rank, listener, ckpt, operation, version, dcp_hang)
 
     pids = [fork(functools.partial(the_rank, rank)) for rank in range(WORLD_SIZE)]
+    listener.close()  # rank 0 serves the store on its copy
     codes: dict[int, int] = {}
     deadline = time.monotonic() + 30 + TIMEOUT_S + SLACK_S
     while len(codes) < WORLD_SIZE:
