@@ -56,12 +56,13 @@ def consolidate_checkpoint(
     (:mod:`~lightning_sharded.checkpoint.destination`), and with ``verify`` a damaged source fails,
     naming the file, before anything is published. With ``format="safetensors"`` the source may be any
     checkpoint and ``dst`` is a local directory in Hugging Face's layout, which ``transformers``'
-    ``from_pretrained(dst)`` loads (``docs/huggingface.md``). The checkpoints Lightning and this library write
-    (local files, objects torch's safe load builds without their classes' code) are done without
-    importing torch: each shard file read once, in order, each chunk's bytes written straight to their
-    place, memory bounded by two 8 MiB blocks per reading thread. Any other goes through torch, memory
-    bounded by two buffers of the largest tensor (or 32 MiB); ``-v`` (the ``INFO`` log) says why. Both
-    write the same file, published atomically (``docs/cli.md``).
+    ``from_pretrained(dst)`` loads (``docs/huggingface.md``). The sharded checkpoints Lightning and this
+    library write (local files, objects torch's safe load builds without their classes' code; for
+    ``"safetensors"``, no cast asked for) are done without importing torch: each shard file read once,
+    in order, each chunk's bytes written straight to their place, memory bounded by two 8 MiB blocks
+    per reading thread. Any other goes through torch, memory bounded by two buffers of the largest
+    tensor (or 32 MiB; one 16 MiB batch for ``"safetensors"``); ``-v`` (the ``INFO`` log) says why.
+    Both write the same bytes, published atomically (``docs/cli.md``).
 
     Args:
         src: A sharded checkpoint directory.
