@@ -39,6 +39,7 @@ __all__ = [
     "bytes_checksum",
     "crc32",
     "crc32_combine",
+    "cuts",
     "file_checksum",
     "hex_crc",
     "pieces_crc",
@@ -166,8 +167,8 @@ def ranges_checksum(
         pieces.append((offset, offset + length, known_crc))
         position = offset + length
     pieces += [(position, size, None)] if position < size else []
-    cuts = {start: _cuts(start, end) for start, end, part in pieces if part is None}
-    reads = [cut for gap in cuts.values() for cut in gap]
+    gaps = {start: cuts(start, end) for start, end, part in pieces if part is None}
+    reads = [cut for gap in gaps.values() for cut in gap]
     crc, position = 0, 0
     with contextlib.ExitStack() as stack:
         found: Iterator[tuple[int, int]] = (_range_crc(path, *cut) for cut in reads)
@@ -180,7 +181,7 @@ def ranges_checksum(
             if part is not None:
                 crc, position = crc32_combine(crc, part, end - start), end
                 continue
-            for cut_start, cut_end in cuts[start]:
+            for cut_start, cut_end in gaps[start]:
                 cut_crc, n = next(found)
                 crc, position = crc32_combine(crc, cut_crc, n), position + n
                 if n < cut_end - cut_start:  # the file ended early
@@ -188,7 +189,7 @@ def ranges_checksum(
     return position, hex_crc(crc)
 
 
-def _cuts(start: int, end: int) -> list[tuple[int, int]]:
+def cuts(start: int, end: int) -> list[tuple[int, int]]:
     """Bytes ``start`` to ``end`` in :data:`STREAMS` contiguous parts, or one if fewer than
     :data:`_SPLIT_FROM`."""
     n = STREAMS if end - start >= _SPLIT_FROM else 1

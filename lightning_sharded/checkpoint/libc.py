@@ -3,12 +3,14 @@
 ``renameat2`` (publish by exchange), ``madvise`` (give back or fault in the pages of a tensor) and
 ``sync_file_range`` (start a write-back) are Linux calls with no binding in :mod:`os`. A function libc
 does not have is ``None``: every caller then does without it. :func:`fadvise` is :mod:`os`'s
-``posix_fadvise``, with the same rule (nothing where it is missing or fails).
+``posix_fadvise``, with the same rule (nothing where it is missing or fails), :func:`reserve` its
+``posix_fallocate``; :func:`pwrite_all` loops ``pwrite`` until every byte is written.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import mmap
 import os
@@ -25,6 +27,8 @@ __all__ = [
     "function",
     "madvise",
     "populate_write_works",
+    "pwrite_all",
+    "reserve",
     "sync_file_range",
 ]
 
@@ -74,6 +78,26 @@ def fadvise(fd: int, offset: int, nbytes: int, advice: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Every byte of ``data`` (a buffer) written at ``offset`` of ``fd``, however many ``pwrite`` calls
+    that takes."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def reserve(fd: int, size: int) -> None:
+    """The first ``size`` bytes of the file allocated now (``posix_fallocate``): a full disk fails here
+    with ``ENOSPC``, not mid-write (nor, in a mapped file, with ``SIGBUS``); a filesystem that cannot
+    allocate ahead does without."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as err:
+        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
 
 
 @functools.cache

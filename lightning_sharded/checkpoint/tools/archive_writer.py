@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_sharded.checkpoint.checksum import crc32
+from lightning_sharded.checkpoint.libc import pwrite_all
 from lightning_sharded.checkpoint.unpickling.without_torch import REBUILD_TENSOR, PlainTensor
 
 __all__ = ["ALIGNMENT", "DTYPES", "Layout", "Record", "Tensor", "layout", "pickle_with_tensors"]
@@ -202,7 +203,7 @@ class Layout:
         """Everything but the storages' bytes, at their places in the file ``fd`` (sized to :attr:`size`)."""
         os.ftruncate(fd, self.size)
         for offset, data in self.frame:
-            _pwrite_all(fd, data, offset)
+            pwrite_all(fd, data, offset)
 
     def patch_crcs(self, fd: int, crcs: dict[int, int]) -> None:
         """Set each storage's CRC-32 (``crcs``: by the storage's index) in its local header and its central
@@ -215,8 +216,8 @@ class Layout:
             if crc is None:
                 crc = _read_crc(fd, record.start, record.size)
             packed = struct.pack("<I", crc)
-            _pwrite_all(fd, packed, record.header + 14)
-            _pwrite_all(fd, packed, record.central + 16)
+            pwrite_all(fd, packed, record.header + 14)
+            pwrite_all(fd, packed, record.central + 16)
 
 
 def _read_crc(fd: int, start: int, size: int) -> int:
@@ -228,13 +229,6 @@ def _read_crc(fd: int, start: int, size: int) -> int:
         crc = crc32(data, crc)
         at += len(data)
     return crc
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def layout(data_pkl: bytes, tensors: list[Tensor], serialization_id: str | None = None) -> Layout:

@@ -43,7 +43,6 @@ from lightning_sharded.checkpoint.tools.direct_copy import (
     Placed,
     attempt,
     local_index,
-    reserve,
     segments,
     tensor_chunks,
 )
@@ -67,7 +66,6 @@ class Plan:
     out: Location
     layout: archive_writer.Layout
     files: Files  # relative path: (local path, size, segments)
-    scattered: set[int]  # storages written in runs of rows: their CRC-32 is read back
     tensors_bytes: int
 
     def write(
@@ -85,15 +83,11 @@ class Plan:
             raise unwritable
         try:
             self.layout.write_frame(fd)
-            reserve(fd, self.layout.size)
+            libc.reserve(fd, self.layout.size)
             copy = Copy(self.root, self.files, [fd])
-            copy.run(verification, progress, desc)
-            if verification is not None:
-                verification.check()  # before the output is published (the caller publishes it)
+            copy.run(verification, progress, desc)  # checked before the caller publishes the output
             crcs = {
-                i: copy.crc(0, i, record.start, record.size)
-                for i, record in enumerate(self.layout.storages)
-                if i not in self.scattered
+                i: copy.crc(0, i, record.start, record.size) for i, record in enumerate(self.layout.storages)
             }
             self.layout.patch_crcs(fd, {i: crc for i, crc in crcs.items() if crc is not None})
             os.fsync(fd)
@@ -142,12 +136,5 @@ def _plan(found: Found, out: Location) -> Plan:
         for i, t in enumerate(order)
         if t.data is None and t.key in placeholders
     ]
-    files, scattered = segments(root, placed, chunks)
-    return Plan(
-        found.data,
-        out,
-        layout,
-        files,
-        {storage for _, storage in scattered},
-        sum(t.nbytes for t in order if t.data is None),
-    )
+    files = segments(root, placed, chunks)
+    return Plan(found.data, out, layout, files, sum(t.nbytes for t in order if t.data is None))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import gc
 import itertools
 import logging
@@ -313,10 +312,7 @@ def _reserve(file: Path) -> None:
     """
     fd = os.open(file, os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
-    except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
+        libc.reserve(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 

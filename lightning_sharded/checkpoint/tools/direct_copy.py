@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
 import io
 import itertools
 import math
@@ -37,10 +36,11 @@ from typing import Any, TypeVar
 from lightning_sharded.checkpoint import libc, names
 from lightning_sharded.checkpoint.backends import Location
 from lightning_sharded.checkpoint.backends.paths import local_path
-from lightning_sharded.checkpoint.checksum import STREAMS, crc32, crc32_combine, pieces_crc
+from lightning_sharded.checkpoint.checksum import STREAMS, crc32, crc32_combine, cuts, pieces_crc
 from lightning_sharded.checkpoint.detect import CheckpointKind, Found
 from lightning_sharded.checkpoint.errors import CheckpointError
 from lightning_sharded.checkpoint.integrity import ReadVerification
+from lightning_sharded.checkpoint.libc import pwrite_all
 from lightning_sharded.checkpoint.progress import progress_bar
 from lightning_sharded.checkpoint.unpickling.without_torch import (
     read_dcp_metadata,
@@ -62,7 +62,6 @@ __all__ = [
     "Segment",
     "attempt",
     "local_index",
-    "reserve",
     "segments",
     "tensor_chunks",
 ]
@@ -76,8 +75,6 @@ BLOCK = 8 << 20
 MAX_RUNS = 1 << 16
 #: The module of DCP's index classes, as the index's pickle names them.
 DCP = "torch.distributed.checkpoint.metadata."
-# A shard file (or range of one) of this size or more is read by STREAMS threads, each a contiguous part.
-_SPLIT_FROM = 64 << 20
 # The head and the tail of a tensor entry read to find its bytes: its pickle and zip directory.
 _PEEK = 4096
 # Without verify, ranges to read closer than this are read as one (a gap costs less than a seek).
@@ -186,22 +183,18 @@ def tensor_chunks(metadata: Any, keys: Iterable[str]) -> dict[str, list[tuple[An
     return found
 
 
-def segments(
-    root: Path, placed: list[Placed], chunks: dict[str, list[tuple[Any, Any]]]
-) -> tuple[Files, set[tuple[int, int]]]:
+def segments(root: Path, placed: list[Placed], chunks: dict[str, list[tuple[Any, Any]]]) -> Files:
     """Every shard file's segments (each chunk of the ``placed`` tensors: where its bytes are, where they
-    go), and the ``(target, storage)`` written in runs of rows; a :class:`Declined` for an entry that is
-    not a plain contiguous chunk, for entries that overlap, or for too many runs."""
+    go); a :class:`Declined` for an entry that is not a plain contiguous chunk, for entries that overlap,
+    or for too many runs."""
     items = [(tensor, chunk, info) for tensor in placed for chunk, info in chunks[tensor.key]]
     with ThreadPoolExecutor(8, thread_name_prefix="lightning-sharded-peek") as pool:
         starts = list(pool.map(lambda item: _chunk_start(root, *item), items))
     files: Files = {}
-    scattered: set[tuple[int, int]] = set()
     runs = 0
     for (tensor, chunk, info), data_start in zip(items, starts, strict=True):
         run, outs = _runs(tensor, chunk)
         if len(outs) > 1:
-            scattered.add((tensor.target, tensor.storage))
             runs += len(outs)
         rel = str(info.relative_path)
         if rel not in files:
@@ -217,7 +210,7 @@ def segments(
         found.sort(key=lambda s: s.start)
         if any(a.end > b.start for a, b in itertools.pairwise(found)) or (found and found[-1].end > size):
             raise Declined(f"the entries of {rel!r} overlap or run past its end")
-    return files, scattered
+    return files
 
 
 def _runs(tensor: Placed, chunk: Any) -> tuple[int, list[int]]:
@@ -318,18 +311,19 @@ class Copy:
     root: Location
     files: Files
     fds: list[int]
-    #: Each ``(target, storage)``'s pieces as written: ``(output offset, length, crc32)``; a storage
-    #: written in runs of rows has none.
+    #: Each ``(target, storage)``'s pieces as written: ``(output offset, length, crc32)``; a chunk
+    #: written in runs of rows has none, so its storage's pieces leave a gap (its CRC-32 is read back).
     pieces: dict[tuple[int, int], list[tuple[int, int, int]]] = field(default_factory=dict)
 
     def run(self, verification: ReadVerification | None, progress: bool | None, desc: str) -> None:
-        """Every segment at its place: each shard file read whole with a ``verification`` (whose checksums
-        the reads complete; the caller calls its ``check``), else only the ranges that hold segments."""
+        """Every segment at its place: each shard file read whole with a ``verification``, whose checksums
+        the reads complete and which is then checked (a ``CheckpointError`` naming a damaged file, before
+        the caller publishes anything); else only the ranges that hold segments."""
         behinds = [RangedWriteBehind(fd, limit=STREAMS * WINDOW) for fd in self.fds]
         parts = [
             (rel, path, start, end)
             for rel, (path, size, found) in sorted(self.files.items())
-            for start, end in (_cuts(0, size) if verification is not None else _ranges(found))
+            for start, end in (cuts(0, size) if verification is not None else _ranges(found))
         ]
         total = sum(end - start for _, _, start, end in parts)
         stop = threading.Event()
@@ -356,11 +350,17 @@ class Copy:
                     pass
         for behind in behinds:
             behind.finish()
+        if verification is not None:
+            verification.check()
 
     def crc(self, target: int, storage: int, start: int, size: int) -> int | None:
-        """The CRC-32 of a storage written in one run per chunk, from its pieces; ``None`` for one written
-        in runs of rows (read it back)."""
+        """The CRC-32 of bytes ``start`` to ``start + size`` of output ``target`` holding ``storage``, from
+        its pieces; ``None`` where they do not cover it (a chunk written in runs of rows: read it back)."""
         return pieces_crc(self.pieces.get((target, storage), []), start, size)
+
+    def pieces_of(self, target: int) -> list[tuple[int, int, int]]:
+        """Every piece written to output ``target``: ``(offset, length, crc32)``."""
+        return [piece for (t, _), found in self.pieces.items() if t == target for piece in found]
 
     def _copy_part(
         self,
@@ -413,7 +413,7 @@ class Copy:
         """Bytes ``at`` onwards of ``segment`` (``data``, whose CRC-32 is ``crc``) into its output."""
         out = self.fds[segment.target]
         if len(segment.outs) == 1:
-            _pwrite_all(out, data, segment.outs[0] + at)
+            pwrite_all(out, data, segment.outs[0] + at)
             behind.wrote(segment.outs[0] + at, len(data))
             pieces = self.pieces.setdefault((segment.target, segment.storage), [])
             pieces.append((segment.outs[0] + at, len(data), crc))
@@ -422,7 +422,7 @@ class Copy:
         while done < len(data):
             j, into = divmod(at + done, run)
             n = min(run - into, len(data) - done)
-            _pwrite_all(out, data[done : done + n], segment.outs[j] + into)
+            pwrite_all(out, data[done : done + n], segment.outs[j] + into)
             behind.wrote(segment.outs[j] + into, n)
             done += n
 
@@ -463,29 +463,6 @@ class _Blocks:
             cursor = upto
 
 
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def reserve(fd: int, size: int) -> None:
-    """The file's blocks allocated now: a full disk fails here (``ENOSPC``), before the copy."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as err:
-        if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-
-
-def _cuts(start: int, end: int) -> list[tuple[int, int]]:
-    """``start`` to ``end`` in STREAMS contiguous parts from :data:`_SPLIT_FROM` bytes, else whole."""
-    size = end - start
-    n = STREAMS if size >= _SPLIT_FROM else 1
-    return [(start + k * size // n, start + (k + 1) * size // n) for k in range(n)]
-
-
 def _ranges(found: list[Segment]) -> list[tuple[int, int]]:
     """The ranges of a file that hold its (sorted) segments, those closer than :data:`_GAP` read as one,
     each cut into parts as a whole file is."""
@@ -495,4 +472,4 @@ def _ranges(found: list[Segment]) -> list[tuple[int, int]]:
             merged[-1][1] = max(merged[-1][1], segment.end)
         else:
             merged.append([segment.start, segment.end])
-    return [cut for start, end in merged for cut in _cuts(start, end)]
+    return [cut for start, end in merged for cut in cuts(start, end)]

@@ -31,7 +31,6 @@ from lightning_sharded.checkpoint.tools.direct_copy import (
     Placed,
     attempt,
     local_index,
-    reserve,
     segments,
     tensor_chunks,
 )
@@ -61,7 +60,6 @@ class DirectWeights:
     headers: list[bytes]
     sizes: list[int]
     shards: Files
-    scattered: set[tuple[int, int]]
     skipped: list[str]
     verification: ReadVerification | None = None
 
@@ -78,18 +76,13 @@ class DirectWeights:
             for name, header, size in zip(names_, self.headers, self.sizes, strict=True):
                 fds.append(os.open(staging / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
                 os.ftruncate(fds[-1], size)
-                os.pwrite(fds[-1], header, 0)
-                reserve(fds[-1], size)
+                libc.pwrite_all(fds[-1], header, 0)
+                libc.reserve(fds[-1], size)
             copy = Copy(self.found.data, self.shards, fds)
-            copy.run(self.verification, progress, desc)
-            if self.verification is not None:
-                self.verification.check()  # before the directory is published (the commit publishes it)
+            copy.run(self.verification, progress, desc)  # checked before the commit publishes the directory
             written: dict[str, tuple[int, str]] = {}
             for target, (name, header, size) in enumerate(zip(names_, self.headers, self.sizes, strict=True)):
-                pieces = [(0, len(header), crc32(header))]
-                for (t, _), found in copy.pieces.items():
-                    pieces += found if t == target else []
-                crc = None if any(t == target for t, _ in self.scattered) else pieces_crc(pieces, 0, size)
+                crc = pieces_crc([(0, len(header), crc32(header)), *copy.pieces_of(target)], 0, size)
                 if crc is not None:
                     written[name] = (size, hex_crc(crc))
                 os.fsync(fds[target])
@@ -148,5 +141,5 @@ def _plan(found: Found, prefix: str, target: str | None, max_bytes: int) -> Dire
             offset += entry.nbytes
         sizes.append(offset)
     chunks = tensor_chunks(metadata, sorted(tensors))
-    shards, scattered = segments(root, placed, chunks)
-    return DirectWeights(found, files, headers, sizes, shards, scattered, skipped)
+    shards = segments(root, placed, chunks)
+    return DirectWeights(found, files, headers, sizes, shards, skipped)

@@ -106,8 +106,10 @@ def parse_dtype(value: torch.dtype | str | None) -> str | None:
         if name not in TARGET_NAMES:
             raise ValueError(f"Unknown dtype {value!r}: use one of {sorted(TARGET_NAMES)}.")
         return name
+    import torch  # imported already: the caller holds a torch dtype (or passed something else)
+
     name = dtype_name(value)
-    if type(value).__name__ != "dtype" or name not in ST_DTYPES or name not in FLOATING:
+    if not isinstance(value, torch.dtype) or name not in FLOATING:
         raise ValueError(
             f"dtype must be a floating dtype safetensors stores (torch.bfloat16...), not {value!r}."
         )
