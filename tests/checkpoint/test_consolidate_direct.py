@@ -18,6 +18,7 @@ import torch
 from lightning.fabric.utilities.data import AttributeDict
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
+from lightning_sharded.checkpoint import checksum
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.tools import (
@@ -140,8 +141,16 @@ def test_the_output_is_the_torch_path_s(tmp_path: Path, monkeypatch: pytest.Monk
     src = save(tmp_path / "ckpt", lightning_meta())
     plan = consolidate_direct.plan(detect(src), tmp_path / "x.ckpt")
     assert isinstance(plan, consolidate_direct.Plan), plan
-    assert plan.scattered, "no chunk was written in runs of rows: the layouts above did not reach them"
+    scattered = [s for _, _, segments in plan.files.values() for s in segments if len(s.outs) > 1]
+    assert scattered, "no chunk was written in runs of rows: the layouts above did not reach them"
+    read_back: list[int] = []  # the records whose CRC-32 is read back from the output
+    real = archive_writer._read_crc
+    monkeypatch.setattr(
+        archive_writer, "_read_crc", lambda fd, start, size: read_back.append(start) or real(fd, start, size)
+    )
     direct, through = consolidate_both(src, tmp_path, monkeypatch)
+    starts = {s.storage: plan.layout.storages[s.storage].start for s in scattered}
+    assert sorted(read_back) == sorted(starts.values())  # the others' from the copy's pieces
     for out in (direct, through):
         with zipfile.ZipFile(out) as archive:
             assert archive.testzip() is None  # every record's CRC-32, those read back included
@@ -175,7 +184,7 @@ def test_each_shard_byte_is_read_once(tmp_path: Path, monkeypatch: pytest.Monkey
     src = save(tmp_path / "ckpt", {"epoch": 0})
     shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
     read = shard_reads(monkeypatch)
-    monkeypatch.setattr(direct_copy, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
+    monkeypatch.setattr(checksum, "_SPLIT_FROM", 1)  # the shard in two parts, read at once
     consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
     assert sum(read) == shards  # the entries' heads and tails, read to plan, are small reads (pread)
 
@@ -235,7 +244,7 @@ def test_a_damaged_chunk_fails_before_publishing(tmp_path: Path, monkeypatch: py
 
 def failing_third_piece(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The copy's third chunk piece fails to be written (``EIO``); the offsets of the pieces tried."""
-    place, placed = direct_copy._pwrite_all, []
+    place, placed = direct_copy.pwrite_all, []
 
     def failing(fd: int, data: Any, offset: int) -> None:
         placed.append(offset)
@@ -243,7 +252,7 @@ def failing_third_piece(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return place(fd, data, offset)
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(direct_copy, "_pwrite_all", failing)
+    monkeypatch.setattr(direct_copy, "pwrite_all", failing)
     return placed
 
 

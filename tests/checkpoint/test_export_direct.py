@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint
+from lightning_sharded.checkpoint import checksum
+from lightning_sharded.checkpoint.backends import local as local_backend
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.manifest import MANIFEST_NAME
-from lightning_sharded.checkpoint.tools import direct_copy, export_direct, hf_export_torch
+from lightning_sharded.checkpoint.tools import export_direct, hf_export_torch
 from tests.checkpoint.test_consolidate_direct import failing_third_piece, full_values, save, shard_reads
 from tests.test_verify_errors import flip_bit
 
@@ -58,10 +60,21 @@ def test_the_export_is_the_torch_path_s(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_shard_size: int | str
 ) -> None:
     src = save(tmp_path / "ckpt", {"epoch": 0})
+    read_back: list[str] = []  # the weights files the commit checksums by reading them back
+    real = local_backend.file_checksum
+    monkeypatch.setattr(
+        local_backend, "file_checksum", lambda path, **k: read_back.append(Path(path).name) or real(path, **k)
+    )
     direct, through = export_both(src, tmp_path, monkeypatch, max_shard_size=max_shard_size)
     assert files_of(direct) == files_of(through)
     weights = sorted(p.name for p in direct.glob("*.safetensors"))
     assert (len(weights) == 1) == (max_shard_size == "5GB"), weights
+    # Only a file holding a chunk written in runs of rows (columns, blocks) is read back: the others'
+    # checksums come from the copy's pieces.
+    index = direct / "model.safetensors.index.json"
+    where = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    runs = {where.get(key, "model.safetensors") for key in ("cols", "grid", "cube")}
+    assert sorted(n for n in read_back if n in weights) == sorted(runs), (read_back, runs)
     values = exported(direct)
     for key in ("rows", "cols", "grid", "cube"):  # every layout of chunks, placed
         assert torch.equal(values[key], full_values()[key]), key
@@ -116,7 +129,7 @@ def test_each_shard_byte_is_read_once_and_only_the_model_s_without_verify(
     big = {f"w{i}": torch.randn(256, 1024) for i in range(2)}  # 2 MiB: the optimizer's 2 MiB are not read
     src = save(tmp_path / "ckpt", {"epoch": 0}, {**big, "opt_pad": torch.zeros(1)})
     shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
-    monkeypatch.setattr(direct_copy, "_SPLIT_FROM", 1)  # every range in two parts, read at once
+    monkeypatch.setattr(checksum, "_SPLIT_FROM", 1)  # every range in two parts, read at once
     read = shard_reads(monkeypatch)
     consolidate_checkpoint(src, tmp_path / "verified", format="safetensors", progress=False)
     assert sum(read) == shards
@@ -127,21 +140,30 @@ def test_each_shard_byte_is_read_once_and_only_the_model_s_without_verify(
     assert files_of(tmp_path / "verified") == files_of(Path(out))
 
 
-def test_a_damaged_chunk_fails_before_publishing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["a copied chunk", "the optimizer's bytes"])
+def test_a_damaged_shard_fails_before_publishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
     src = save(tmp_path / "ckpt", {"epoch": 0})
     plan = export_direct.plan(detect(src), "", None, 1 << 30)
     assert isinstance(plan, export_direct.DirectWeights), plan
     (rel, (path, _, segments)), *_ = plan.shards.items()
-    flip_bit(path, segments[0].start + 1)  # inside the first chunk it copies
+    if where == "a copied chunk":
+        at = segments[0].start + 1
+    else:  # inside the optimizer's first chunk of exp_avg: bytes the export checks but does not copy
+        at = path.read_bytes().index(full_values()["exp_avg"][:6].numpy().tobytes()) + 1
+        assert not any(s.start <= at < s.end for s in segments)
+    flip_bit(path, at)
     dst = tmp_path / "out"
     with pytest.raises(
         CheckpointError, match=rf"{rel}.* is corrupted: its crc32 is .*Nothing was written at"
     ):
         consolidate_checkpoint(src, dst, format="safetensors", progress=False)
     assert not dst.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    # Without verify, the damaged value is copied, as the torch path copies it.
+    # Without verify, what is copied is copied as it is, as the torch path copies it.
     direct, through = export_both(src, tmp_path, monkeypatch, verify=False)
     assert files_of(direct) == files_of(through)
+    assert torch.equal(exported(direct)["rows"], full_values()["rows"]) == (where != "a copied chunk")
 
 
 def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -232,7 +232,8 @@ def join_forked_group(rank: int, world_size: int, listener: socket.socket) -> No
 
     port = listener.getsockname()[1]
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", port, world_size, True, master_listen_fd=listener.fileno())
+        # The store owns the descriptor now: the socket object must not close it when it goes away.
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, master_listen_fd=listener.detach())
     else:
         listener.close()
         store = dist.TCPStore("127.0.0.1", port, world_size, False)
