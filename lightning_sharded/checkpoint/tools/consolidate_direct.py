@@ -22,7 +22,6 @@ full tensor), in one run for a chunk of whole rows (FSDP's, the usual) or in a r
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +53,6 @@ from lightning_sharded.checkpoint.unpickling.without_torch import (
 )
 
 __all__ = ["Plan", "plan"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -12,7 +12,6 @@ why, and the torch path gives every other answer and error.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +45,6 @@ from lightning_sharded.checkpoint.tools.safetensors_format import (
 from lightning_sharded.checkpoint.unpickling.without_torch import type_name
 
 __all__ = ["DirectWeights", "plan"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
