@@ -26,6 +26,11 @@ from benchmarks.disk import (
     Probe,
 )
 
+#: A save's and a resume's ratio against the probe run right after each (:func:`paired`), the median
+#: over the repeats.
+PAIRED_WRITE = "save / its own disk write"
+PAIRED_READ = "load / its own disk read"
+
 #: The sections whose every ratio must be a finite positive number (:func:`finite_positive`).
 SECTIONS = ("disk", "throughput", "async", "memory", "hooks", "verify", "training", "tools", "profile")
 
@@ -34,6 +39,21 @@ def median_of_max(per_rank: list[dict[str, Any]], case: str, key: str) -> float:
     """Median over repeats of the slowest rank's seconds."""
     series = [r[case][key] for r in per_rank]
     return float(statistics.median(max(values) for values in zip(*series, strict=True)))
+
+
+def paired(per_rank: list[dict[str, Any]], case: str, key: str, probe: Probe, nbytes: float) -> list[float]:
+    """Each repeat's GB/s of ``key`` (``nbytes`` in the slowest rank's seconds) against that of the
+    ``probe`` of the probes run after it (:func:`~benchmarks.faithful.probe_writes` or
+    :func:`~benchmarks.faithful.probe_reads`; its slowest rank's seconds, every rank's bytes), in repeat
+    order.
+
+    The run's bar is the median of every probe of the run; the disk's speed drifts within a run (a read
+    probe from 1.3 to 2.0 GB/s in one run of 95 s), so a case's median of two repeats against it moves
+    with the disk. Each repeat against its own probe does not."""
+    seconds = [max(v) for v in zip(*(r[case][key] for r in per_rank), strict=True)]
+    probe_s = [max(v) for v in zip(*(r[case][probe.key] for r in per_rank), strict=True)]
+    probe_b = [sum(v) for v in zip(*(r[case][probe.bytes_key] for r in per_rank), strict=True)]
+    return [(nbytes / s) / (b / p) for s, p, b in zip(seconds, probe_s, probe_b, strict=True)]
 
 
 def training_figures(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -171,14 +191,18 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, Any]) -> dict[str, An
             median_of_max(per_rank, "torch", "dcp save s"),
             median_of_max(per_rank, "torch", "dcp load s"),
         )
+    pairs: dict[str, dict[str, list[float]]] = {}
     for case in ("stock-mp", "stock-fsdp", "ours-mp", "ours-fsdp"):
         if case in ok:
-            row(
-                case,
-                per_rank[0][case]["bytes"],
-                median_of_max(per_rank, case, "save s"),
-                median_of_max(per_rank, case, "load s"),
-            )
+            nbytes = per_rank[0][case]["bytes"]
+            save_s, load_s = (median_of_max(per_rank, case, key) for key in ("save s", "load s"))
+            row(case, nbytes, save_s, load_s)
+            if WRITE.key in per_rank[0][case] and READ.key in per_rank[0][case]:
+                pairs[case] = {
+                    PAIRED_WRITE: paired(per_rank, case, "save s", WRITE, nbytes),
+                    PAIRED_READ: paired(per_rank, case, "load s", READ, nbytes),
+                }
+                rows[case] |= {ratio: statistics.median(values) for ratio, values in pairs[case].items()}
     for ours, stock in names.STOCK.items():
         if ours in rows and stock in rows:
             rows[ours]["resume speedup vs stock"] = rows[stock]["load s"] / rows[ours]["load s"]
@@ -268,7 +292,12 @@ def collect(per_rank: list[dict[str, Any]], raw: dict[str, Any]) -> dict[str, An
                 f"{n}: while saving / without": r["while saving / without"] for n, r in training_rows.items()
             },
         },
-        "throughput": {"rows": rows, "ratios": throughput_ratios, "above the bars": above_the_bars(rows)},
+        "throughput": {
+            "rows": rows,
+            "ratios": throughput_ratios,
+            "above the bars": above_the_bars(rows),
+            "pairs": pairs,
+        },
         "async": {
             "rows": async_rows,
             "ratios": {

@@ -12,7 +12,7 @@ from typing import Any
 from benchmarks import names
 from benchmarks.disk import NEW_MEMORY_READ, PROBES, READ, WRITE
 from benchmarks.profile import GROUPS, THREADS
-from benchmarks.report import probe_count
+from benchmarks.report import PAIRED_READ, PAIRED_WRITE, probe_count
 
 #: The tables of ``docs/benchmarks.md`` sit between these lines; a full run rewrites them.
 BEGIN, END = "<!-- results: written by benchmarks/run.py -->", "<!-- end of results -->"
@@ -162,8 +162,10 @@ def markdown(report: dict[str, Any]) -> str:
                 "save / load",
                 "save GB/s",
                 "save / disk write",
+                "save / its own write",
                 "load GB/s",
                 "load / disk read",
+                "load / its own read",
                 "load / read into the resume's memory",
                 "resume vs stock",
             ],
@@ -172,8 +174,10 @@ def markdown(report: dict[str, Any]) -> str:
                     names.label(name),
                     f"{r['save GB/s']:.2f}",
                     _bar(r[WRITE.ratio]),
+                    f"{r[PAIRED_WRITE]:.2f}" if PAIRED_WRITE in r else "-",
                     f"{r['load GB/s']:.2f}",
                     _bar(r[READ.ratio]),
+                    f"{r[PAIRED_READ]:.2f}" if PAIRED_READ in r else "-",
                     f"{r[NEW_MEMORY_READ.ratio]:.2f}",
                     ratio_x(r.get("resume speedup vs stock")),
                 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -62,6 +63,12 @@ def test_quick_benchmark_writes_every_section(tmp_path: Path) -> None:
         total = rows[case]["bytes"]
         assert 0.95 * total <= sum(rank_bytes) <= 1.05 * total, (case, rank_bytes, total)
         assert all(b >= 0.4 * total for b in rank_bytes), (case, rank_bytes, total)
+    from benchmarks.report import PAIRED_READ, PAIRED_WRITE
+
+    for case in lightning_cases:  # every save and resume against the probes of its own call
+        pairs = report["throughput"]["pairs"][case]
+        assert [len(pairs[PAIRED_WRITE]), len(pairs[PAIRED_READ])] == [report["config"]["repeats"]] * 2
+        assert rows[case][PAIRED_READ] == pytest.approx(statistics.median(pairs[PAIRED_READ]))
     from benchmarks.profile import READING, TORCH_READS
 
     profiles = report["profile"]
@@ -182,3 +189,30 @@ def test_the_fresh_memory_probe_times_every_block_of_every_round(tmp_path: Path)
     for rates, ratios in zip(figures["GB/s"], figures["ratio to the round's fastest"], strict=True):
         assert ratios == pytest.approx([rate / max(rates) for rate in rates])
         assert max(ratios) == 1.0
+
+
+def test_each_repeat_is_paired_with_the_probe_of_its_own_call() -> None:
+    """``paired``: repeat ``i`` of a save (or resume) against probe ``i`` of the same case, the slowest
+    rank's seconds and every rank's bytes; a disk that halves its speed between two repeats leaves the
+    paired ratios equal where the ratio against the run's median moves."""
+    from benchmarks.disk import READ, WRITE
+    from benchmarks.report import paired
+
+    def rank(save: list[float], probe: list[float]) -> dict[str, object]:
+        return {
+            "ours-fsdp": {
+                "save s": save,
+                WRITE.key: probe,
+                WRITE.bytes_key: [500, 500],
+                "load s": save,
+                READ.key: probe,
+                READ.bytes_key: [400, 400],
+            }
+        }
+
+    # Rank 1 is the slower rank of each call: its seconds count. The second call's disk is half as fast.
+    per_rank = [rank([1.0, 2.0], [0.5, 1.0]), rank([1.25, 2.5], [1.0, 2.0])]
+    # 1000 bytes in 1.25 s against 1000 probed bytes in 1.0 s, then 2.5 s against 2.0 s.
+    assert paired(per_rank, "ours-fsdp", "save s", WRITE, 1000) == pytest.approx([0.8, 0.8])
+    # The read probe read 800 bytes: 1000 / 1.25 against 800 / 1.0.
+    assert paired(per_rank, "ours-fsdp", "load s", READ, 1000) == pytest.approx([1.0, 1.0])
