@@ -7,6 +7,7 @@ import os
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -85,3 +86,37 @@ def test_a_dcp_save_of_a_large_shard_checksums_loads_and_is_not_cached(droppable
     loaded = {"big": torch.zeros_like(state["big"]), "small": torch.zeros_like(state["small"])}
     dcp.load(loaded, checkpoint_id=droppable / "ckpt", no_dist=True)
     assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["small"], state["small"])
+
+
+def test_the_write_back_starts_on_whole_pages_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece that ends mid-page (a save's pieces end where torch.save's records put them) starts the
+    write-back of its whole pages only: the page the next piece fills further is left for a later call,
+    so no page goes to the disk twice; every byte is started by the end, and the file is whole."""
+    from lightning_sharded.checkpoint import libc
+
+    started: list[tuple[int, int]] = []
+    real = libc.sync_file_range
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        if flags == libc.SYNC_FILE_RANGE_WRITE:
+            started.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(libc, "sync_file_range", recording)
+    pieces = [os.urandom(n) for n in (3 * MiB + 100, 64, 5 * MiB + 4000, 4096, 2 * MiB + 1)]
+    path = tmp_path / "shard"
+    with open(path, "wb", buffering=0) as f:
+        behind = WriteBehind(f.fileno(), window=4 * MiB)
+        written = 0
+        for piece in pieces:
+            f.write(piece)
+            written += len(piece)
+            behind.advance(written)
+        os.fsync(f.fileno())
+        behind.finish()
+    assert started, "no write-back was started"
+    assert all(offset % libc.PAGE == 0 and (offset + n) % libc.PAGE == 0 for offset, n in started), started
+    # Contiguous from 0 up to the last whole page of what was written.
+    assert [o for o, _ in started] == [0] + [o + n for o, n in started[:-1]]
+    assert sum(n for _, n in started) == written // libc.PAGE * libc.PAGE
+    assert path.read_bytes() == b"".join(pieces)
