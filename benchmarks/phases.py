@@ -10,9 +10,10 @@ profile, on each rank: every phase's own seconds (less its timed callees'), grou
 CRC-32, copies into the sharded tensors, the optimizer set, Lightning's own restore, our metadata and
 per-rank steps...), which add up to the restore's wall time (checked: ``benchmarks.profile``), and
 beside them what the reader's threads did. A case ``S+OPTION`` resumes with ``OPTION=True``
-(``ours-mp+verify``). ``--cprofile DIR`` also writes rank 0's profile of each save and load
-(``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this module; its rank cases are
-``phases-<case>``, and ``benchmarks.run`` runs those of our strategies for its profile section.
+(``ours-mp+verify``), ``S+during`` with ``verify="during"``. ``--cprofile DIR`` also writes rank 0's
+profile of each save and load (``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this
+module; its rank cases are ``phases-<case>``, and ``benchmarks.run`` runs those of our strategies for
+its profile section.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     case = name.removeprefix("phases-")
     ckpt = args.dir / f"{case}.ckpt"
     base, _, option = case.partition("+")
-    options = {option: True} if option else {}
+    options: dict[str, Any] = {"verify": "during"} if option == "during" else {option: True} if option else {}
     strategy = make_strategy(base, world_size())
     timers = PhaseTimers(roots=ROOTS)
     record: dict[str, Any] = {}
@@ -114,6 +115,7 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
 CASES: dict[str, Case] = {
     **{f"phases-{s}": phases_case for s in STRATEGIES},
     **{f"phases-{s}+verify": phases_case for s in STRATEGIES if s.startswith("ours-")},
+    **{f"phases-{s}+during": phases_case for s in STRATEGIES if s.startswith("ours-")},
 }
 
 

@@ -216,3 +216,38 @@ def test_each_repeat_is_paired_with_the_probe_of_its_own_call() -> None:
     assert paired(per_rank, "ours-fsdp", "save s", WRITE, 1000) == pytest.approx([0.8, 0.8])
     # The read probe read 800 bytes: 1000 / 1.25 against 800 / 1.0.
     assert paired(per_rank, "ours-fsdp", "load s", READ, 1000) == pytest.approx([1.0, 1.0])
+
+
+def test_the_save_pages_experiment_times_each_kind_and_its_before_starts_mid_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``benchmarks.save_pages``: every kind timed every round (2 real ranks); its ``mid-page`` writer is
+    the write-behind as it was (the write-back started up to each piece's last byte), not the one now."""
+    import os
+
+    from benchmarks import save_pages
+    from lightning_sharded.checkpoint import libc
+    from lightning_sharded.checkpoint.writeback import WriteBehind
+
+    started: list[tuple[int, int]] = []
+    real = libc.sync_file_range
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        if flags == libc.SYNC_FILE_RANGE_WRITE:
+            started.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(libc, "sync_file_range", recording)
+    with open(tmp_path / "f", "wb", buffering=0) as f:
+        behind = WriteBehind(f.fileno())
+        f.write(os.urandom(10_000))
+        save_pages._mid_page_advance(behind, 10_000)
+    assert started == [(0, 10_000)]
+
+    out = tmp_path / "pages.json"
+    save_pages.main(["--gb-per-rank", "0.01", "--rounds", "2", "--dir", str(tmp_path), "--out", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["bytes per rank"] == save_pages.PIECE * 4  # one tensor of 64 MiB at the least
+    assert {kind: len(s) for kind, s in figures["seconds"].items()} == dict.fromkeys(save_pages.KINDS, 2)
+    assert figures["median / faithful write (time)"]["faithful write"] == 1.0
+    assert not list(tmp_path.glob("lsbench-pages-*"))  # its files are removed
