@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 
 def resident(path: Path, start: int = 0, end: int | None = None) -> float:
@@ -34,3 +35,20 @@ def drops_pages(folder: Path) -> bool:
     dropped = resident(probe) == 0
     probe.unlink()
     return dropped
+
+
+def write_back_starts(monkeypatch: Any) -> list[tuple[int, int]]:
+    """The ``(offset, nbytes)`` of every write-back started from now on (``sync_file_range`` with
+    ``SYNC_FILE_RANGE_WRITE`` alone, as the write-behind starts it), in order; the calls still run."""
+    from lightning_sharded.checkpoint import libc
+
+    started: list[tuple[int, int]] = []
+    real = libc.sync_file_range
+
+    def recording(fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        if flags == libc.SYNC_FILE_RANGE_WRITE:
+            started.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags)
+
+    monkeypatch.setattr(libc, "sync_file_range", recording)
+    return started

@@ -226,18 +226,10 @@ def test_the_save_pages_experiment_times_each_kind_and_its_before_starts_mid_pag
     import os
 
     from benchmarks import save_pages
-    from lightning_sharded.checkpoint import libc
     from lightning_sharded.checkpoint.writeback import WriteBehind
+    from tests._pages import write_back_starts
 
-    started: list[tuple[int, int]] = []
-    real = libc.sync_file_range
-
-    def recording(fd: int, offset: int, nbytes: int, flags: int) -> bool:
-        if flags == libc.SYNC_FILE_RANGE_WRITE:
-            started.append((offset, nbytes))
-        return real(fd, offset, nbytes, flags)
-
-    monkeypatch.setattr(libc, "sync_file_range", recording)
+    started = write_back_starts(monkeypatch)
     with open(tmp_path / "f", "wb", buffering=0) as f:
         behind = WriteBehind(f.fileno())
         f.write(os.urandom(10_000))

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
 from lightning_sharded.checkpoint.checksum import CHUNK_SIZE, HashingStream, file_checksum
 from lightning_sharded.checkpoint.writeback import WINDOW, WriteBehind
-from tests._pages import resident
+from tests._pages import resident, write_back_starts
 
 MiB = 1 << 20
 
@@ -94,15 +94,7 @@ def test_the_write_back_starts_on_whole_pages_only(tmp_path: Path, monkeypatch: 
     so no page goes to the disk twice; every byte is started by the end, and the file is whole."""
     from lightning_sharded.checkpoint import libc
 
-    started: list[tuple[int, int]] = []
-    real = libc.sync_file_range
-
-    def recording(fd: int, offset: int, nbytes: int, flags: int) -> bool:
-        if flags == libc.SYNC_FILE_RANGE_WRITE:
-            started.append((offset, nbytes))
-        return real(fd, offset, nbytes, flags)
-
-    monkeypatch.setattr(libc, "sync_file_range", recording)
+    started = write_back_starts(monkeypatch)
     pieces = [os.urandom(n) for n in (3 * MiB + 100, 64, 5 * MiB + 4000, 4096, 2 * MiB + 1)]
     path = tmp_path / "shard"
     with open(path, "wb", buffering=0) as f:
