@@ -47,9 +47,9 @@ def paired(per_rank: list[dict[str, Any]], case: str, key: str, probe: Probe, nb
     :func:`~benchmarks.faithful.probe_reads`; its slowest rank's seconds, every rank's bytes), in repeat
     order.
 
-    The run's bar is the median of every probe of the run; the disk's speed drifts within a run (a read
-    probe from 1.3 to 2.0 GB/s in one run of 95 s), so a case's median of two repeats against it moves
-    with the disk. Each repeat against its own probe does not."""
+    The run's bar is the median of every probe of the run; the disk's speed drifts within a run (the
+    write probes of one full run went from 1.42 to 2.26 GB/s), so a case's median of two repeats against
+    it moves with the disk. Each repeat against its own probe does not."""
     seconds = [max(v) for v in zip(*(r[case][key] for r in per_rank), strict=True)]
     probe_s = [max(v) for v in zip(*(r[case][probe.key] for r in per_rank), strict=True)]
     probe_b = [sum(v) for v in zip(*(r[case][probe.bytes_key] for r in per_rank), strict=True)]
