@@ -91,10 +91,16 @@ def test_a_dcp_save_of_a_large_shard_checksums_loads_and_is_not_cached(droppable
 def test_the_write_back_starts_on_whole_pages_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A piece that ends mid-page (a save's pieces end where torch.save's records put them) starts the
     write-back of its whole pages only: the page the next piece fills further is left for a later call,
-    so no page goes to the disk twice; every byte is started by the end, and the file is whole."""
-    from lightning_sharded.checkpoint import libc
+    so no page goes to the disk twice; every whole page is started by the end (the last part page is
+    left to the fsync), ``finish`` drops up to the last byte written, and the file is whole."""
+    from lightning_sharded.checkpoint import libc, writeback
 
     started = write_back_starts(monkeypatch)
+    dropped: list[tuple[int, int]] = []
+    drop = writeback.drop_written
+    monkeypatch.setattr(
+        writeback, "drop_written", lambda fd, start, n: dropped.append((start, n)) or drop(fd, start, n)
+    )
     pieces = [os.urandom(n) for n in (3 * MiB + 100, 64, 5 * MiB + 4000, 4096, 2 * MiB + 1)]
     path = tmp_path / "shard"
     with open(path, "wb", buffering=0) as f:
@@ -111,4 +117,7 @@ def test_the_write_back_starts_on_whole_pages_only(tmp_path: Path, monkeypatch: 
     # Contiguous from 0 up to the last whole page of what was written.
     assert [o for o, _ in started] == [0] + [o + n for o, n in started[:-1]]
     assert sum(n for _, n in started) == written // libc.PAGE * libc.PAGE
+    # Dropped in order while written (4 MiB behind), then by finish up to the end, the part page too.
+    assert [o for o, _ in dropped] == [0] + [o + n for o, n in dropped[:-1]]
+    assert dropped[-1][0] + dropped[-1][1] == written, (dropped, written)
     assert path.read_bytes() == b"".join(pieces)
