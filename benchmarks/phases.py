@@ -9,11 +9,11 @@ and reads, the optimizer templates, copies into the model, Lightning's own resto
 profile, on each rank: every phase's own seconds (less its timed callees'), grouped (reading bytes,
 CRC-32, copies into the sharded tensors, the optimizer set, Lightning's own restore, our metadata and
 per-rank steps...), which add up to the restore's wall time (checked: ``benchmarks.profile``), and
-beside them what the reader's threads did. A case ``S+OPTION`` resumes with ``OPTION=True``
-(``ours-mp+verify``), ``S+during`` with ``verify="during"``. ``--cprofile DIR`` also writes rank 0's
-profile of each save and load (``pstats``). The breakdown in ``docs/benchmarks.md`` comes from this
-module; its rank cases are ``phases-<case>``, and ``benchmarks.run`` runs those of our strategies for
-its profile section.
+beside them what the reader's threads did. A case ``S+OPTION`` resumes with the options
+:data:`OPTIONS` names (``ours-mp+verify``: ``verify=True``; ``ours-mp+during``: ``verify="during"``).
+``--cprofile DIR`` also writes rank 0's profile of each save and load (``pstats``). The breakdown in
+``docs/benchmarks.md`` comes from this module; its rank cases are ``phases-<case>``, and
+``benchmarks.run`` runs those of our strategies for its profile section.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     case = name.removeprefix("phases-")
     ckpt = args.dir / f"{case}.ckpt"
     base, _, option = case.partition("+")
-    options: dict[str, Any] = {"verify": "during"} if option == "during" else {option: True} if option else {}
+    options = OPTIONS[option] if option else {}
     strategy = make_strategy(base, world_size())
     timers = PhaseTimers(roots=ROOTS)
     record: dict[str, Any] = {}
@@ -112,10 +112,12 @@ def phases_case(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return record
 
 
+#: The strategy options a case ``S+OPTION`` resumes with (our strategies only).
+OPTIONS: dict[str, dict[str, Any]] = {"verify": {"verify": True}, "during": {"verify": "during"}}
+
 CASES: dict[str, Case] = {
     **{f"phases-{s}": phases_case for s in STRATEGIES},
-    **{f"phases-{s}+verify": phases_case for s in STRATEGIES if s.startswith("ours-")},
-    **{f"phases-{s}+during": phases_case for s in STRATEGIES if s.startswith("ours-")},
+    **{f"phases-{s}+{o}": phases_case for s in STRATEGIES if s.startswith("ours-") for o in OPTIONS},
 }
 
 
