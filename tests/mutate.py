@@ -121,6 +121,38 @@ MODULES: dict[str, tuple[list[str], list[str], list[str]]] = {
         ["tests/test_atomic.py", "tests/test_rank_faults.py"],
         ["tests/test_atomic_faults.py", "tests/test_storage_faults.py", "tests/test_full_disk.py"],
     ),
+    # The byte paths made fast in issue 48: a save's writer and write-behind, a load's reader, CRC-32.
+    "io": (
+        [
+            "checkpoint/backends/dcp_reader.py",
+            "checkpoint/backends/dcp_writer.py",
+            "checkpoint/writeback.py",
+            "checkpoint/checksum.py",
+        ],
+        [
+            "tests/test_writeback.py",
+            "tests/test_writer.py",
+            "tests/test_reader.py",
+            "tests/checkpoint/test_io.py",
+            "tests/checkpoint/test_bit_flips.py",
+        ],
+        [
+            "tests/checkpoint/test_verify_modes.py",
+            "tests/test_faithful_limit.py",
+            "tests/test_atomic.py",
+            "tests/checkpoint/test_durability.py",
+            "tests/test_core_contracts.py",
+        ],
+    ),
+    # The offline tools' own copies of the bytes (consolidate and export without torch).
+    "tools_direct": (
+        [
+            f"checkpoint/tools/{name}.py"
+            for name in ("direct_copy", "consolidate_direct", "export_direct", "consolidate_mapped")
+        ],
+        ["tests/checkpoint/test_consolidate_direct.py", "tests/checkpoint/test_export_direct.py"],
+        ["tests/test_tools_cli.py", "tests/test_tools_safety.py", "tests/checkpoint/test_unpickling.py"],
+    ),
 }
 
 #: Comparison flips.
