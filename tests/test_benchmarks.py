@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -189,6 +191,55 @@ def test_the_fresh_memory_probe_times_every_block_of_every_round(tmp_path: Path)
     for rates, ratios in zip(figures["GB/s"], figures["ratio to the round's fastest"], strict=True):
         assert ratios == pytest.approx([rate / max(rates) for rate in rates])
         assert max(ratios) == 1.0
+
+
+@pytest.mark.parametrize("way", ["huge-pages", "direct-read"])
+def test_the_fresh_memory_probe_touches_each_block_the_way_asked(tmp_path: Path, way: str) -> None:
+    """Every block of a ``--way`` holds what that way wrote: ones, or the bytes of the read file (the
+    read into memory touched before timed too, per round)."""
+    from benchmarks import fresh_memory
+
+    seen: list[bytes] = []
+    real = fresh_memory._first_touch
+
+    def recording(*args: Any) -> Any:
+        block = real(*args)
+
+        def recorded() -> Any:
+            memory = block()
+            seen.append(bytes(memory[:4096]) + bytes(memory[-4096:]))
+            return memory
+
+        return recorded
+
+    out = tmp_path / "fresh.json"
+    args = ["--block-gb", "0.004194304", "--blocks", "2", "--rounds", "2", "--pause-s", "0", "--way", way]
+    with mock.patch.object(fresh_memory, "_first_touch", recording):
+        fresh_memory.main([*args, "--scratch", str(tmp_path), "--out", str(out)])
+    figures = json.loads(out.read_text())
+    assert figures["way"] == way and [len(row) for row in figures["GB/s"]] == [2, 2]
+    assert len(seen) == 4 and len(set(seen)) == 1
+    if way == "huge-pages":
+        assert seen[0] == b"\x01" * 8192
+    else:
+        assert seen[0] != b"\x00" * 8192 and seen[0] != b"\x01" * 8192  # the file's random bytes
+        assert len(figures["the same read into memory touched before, GB/s"]) == 2
+        assert isinstance(figures["O_DIRECT"], bool)
+    assert list(tmp_path.iterdir()) == [out]  # the read file is gone
+
+
+def test_free_page_reporting_is_read_from_the_balloon_s_feature_bits(tmp_path: Path) -> None:
+    from benchmarks.fresh_memory import free_page_reporting
+
+    assert free_page_reporting(tmp_path / "none") is None
+    balloon = "0110010" + "0" * 57  # bit 5 set: VIRTIO_BALLOON_F_REPORTING
+    for name, device, features in (("virtio0", "0x0002", "1" * 64), ("virtio1", "0x0005", balloon)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "device").write_text(device + "\n")
+        (tmp_path / name / "features").write_text(features + "\n")
+    assert free_page_reporting(tmp_path) is True
+    (tmp_path / "virtio1" / "features").write_text("0110000" + "0" * 57)
+    assert free_page_reporting(tmp_path) is False
 
 
 def test_each_repeat_is_paired_with_the_probe_of_its_own_call() -> None:
