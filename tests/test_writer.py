@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
-from lightning_sharded.checkpoint.checksum import crc32, crc32_combine, file_checksum
+from lightning_sharded.checkpoint.checksum import crc32, crc32_combine, file_checksum, ranges_checksum
 from lightning_sharded.checkpoint.commit import commit_directory
 
 
@@ -228,3 +228,36 @@ def test_crc32_combine_of_large_pieces() -> None:
     cut = (1 << 20) + 17
     joined = crc32_combine(zlib.crc32(data[:cut]), zlib.crc32(data[cut:]), len(data) - cut)
     assert joined == zlib.crc32(data)
+
+
+@given(
+    data=st.binary(max_size=4096),
+    ranges=st.lists(st.tuples(st.integers(0, 4096), st.integers(1, 1500)), max_size=6),
+    missing=st.integers(0, 300),
+)
+@settings(max_examples=150, deadline=None)
+def test_ranges_checksum_is_zlibs_of_the_file_whatever_ranges_are_known(
+    tmp_path_factory: pytest.TempPathFactory, data: bytes, ranges: list[tuple[int, int]], missing: int
+) -> None:
+    """A file's checksum from the ranges a load already checksummed and a read of the rest is zlib's of
+    the whole file (ranges overlapping, unsorted, or past the end ignored). A file ``missing`` bytes
+    shorter than the manifest says counts the bytes it has."""
+    path = tmp_path_factory.mktemp("ranges") / "file"
+    path.write_bytes(data)
+    known = [
+        (offset, n, zlib.crc32(data[offset : offset + n])) for offset, n in ranges if offset + n <= len(data)
+    ]
+    assert ranges_checksum(path, len(data) + missing, known) == (len(data), f"{zlib.crc32(data):08x}")
+
+
+def test_a_file_the_writer_removed_is_not_in_its_checksums(tmp_path: Path) -> None:
+    """What DCP's filesystem removes leaves its checksums too: a commit must not list a file that is gone
+    (a rename carries the checksum to the new name)."""
+    writer = ChecksummingWriter(tmp_path)
+    for name in ("kept", "moved", "removed"):
+        with writer.fs.create_stream(tmp_path / name, "wb") as stream:
+            stream.write(name.encode())
+    writer.fs.rename(tmp_path / "moved", tmp_path / "renamed")
+    writer.fs.rm_file(tmp_path / "removed")
+    assert set(writer.checksums) == {"kept", "renamed"} == {p.name for p in tmp_path.iterdir()}
+    assert writer.checksums["renamed"] == (5, f"{zlib.crc32(b'moved'):08x}")
