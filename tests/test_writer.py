@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_sharded.checkpoint import read_manifest
 from lightning_sharded.checkpoint.backends.dcp_writer import ChecksummingWriter
@@ -195,6 +196,42 @@ def test_an_error_in_any_writer_thread_fails_the_save(tmp_path: Path, monkeypatc
     # long as the save fails instead of publishing an index that points at bytes never written.
     with pytest.raises(BaseException, match=r"writer|No space|unexpected pos"):
         dcp.save(state, storage_writer=ChecksummingWriter(tmp_path / "c", thread_count=2), no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_write_that_fails_in_one_writer_thread_raises_its_own_error_naming_its_file(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """One file of two failing in torch's extra writer thread: the save raises that write's
+    ``OSError`` (its errno, the file's path), not a stand-in."""
+    from lightning_sharded.checkpoint import checksum as writer_module
+
+    original = writer_module.HashingStream._write
+    failing: list[str] = []
+
+    class Full:
+        def write(self, view: Any) -> int:
+            raise OSError(28, "No space left on device (injected)")
+
+    def write(self: Any, view: memoryview) -> None:  # the file's own write fails, in the extra thread
+        if threading.current_thread() is threading.main_thread() or len(view) <= 1024:
+            return original(self, view)
+        failing.append(threading.current_thread().name)
+        self._raw, raw = Full(), self._raw
+        try:
+            return original(self, view)
+        finally:
+            self._raw = raw
+
+    monkeypatch.setattr(writer_module.HashingStream, "_write", write)
+    state = {"a": torch.randn(256, 256), "b": torch.randn(256, 256)}
+    writer = ChecksummingWriter(tmp_path / "c", thread_count=2)
+    with pytest.raises(CheckpointException) as raised:  # DCP's wrapper of each rank's error
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    assert len(set(failing)) == 1 and len(writer.fs.errors) == 1  # one thread, one file failed
+    error = raised.value.failures[0][0]
+    assert isinstance(error, OSError) and error.errno == 28 and error.filename is not None
+    assert Path(error.filename).parent == tmp_path / "c" and error.filename.endswith(".distcp")
 
 
 @given(
