@@ -65,6 +65,19 @@ def test_direct_reads_equal_torch_reads(tmp_path: Path) -> None:
                 assert ours[key] == value
 
 
+def test_a_record_that_is_not_the_target_s_bytes_goes_through_torch_s_path(tmp_path: Path) -> None:
+    """A saved tensor whose record is not the target's bytes as they lie (a transposed view that DCP
+    saves with its strides, float16 into a bfloat16 target of the same size) is read by torch's path,
+    which lays it out and casts it: a straight read would fill the target with the record's bytes."""
+    torch.manual_seed(0)
+    state = {"transposed": torch.randn(512, 1024).t(), "cast": torch.randn(1024, 512).half()}
+    dcp.save(state, storage_writer=ChecksummingWriter(tmp_path), no_dist=True)
+    out = {"transposed": torch.zeros(1024, 512), "cast": torch.zeros(1024, 512, dtype=torch.bfloat16)}
+    dcp.load(out, storage_reader=DirectReader(tmp_path), no_dist=True)
+    assert torch.equal(out["transposed"], state["transposed"])
+    assert torch.equal(out["cast"], state["cast"].to(torch.bfloat16))
+
+
 def test_storage_record_is_found_and_checked(tmp_path: Path) -> None:
     tensor = torch.randn(512, 512)
     file = tmp_path / "one.pt"
