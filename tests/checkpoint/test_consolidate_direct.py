@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import collections
 import errno
+import io
 import os
 import warnings
 import zipfile
@@ -15,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lightning.fabric.utilities.data import AttributeDict
 
 from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
@@ -316,3 +319,47 @@ def test_zip64_archives_load_in_torch(tmp_path: Path) -> None:
     loaded = torch.load(file, mmap=True, weights_only=True)
     assert loaded["big"].shape == (9 << 29,) and bool(loaded["big"][-1]) and not bool(loaded["big"][0])
     assert torch.equal(loaded["after"], torch.tensor([1.0, 2.0, 3.0]))
+
+
+@given(
+    data=st.binary(min_size=1, max_size=20000),
+    cut=st.tuples(st.integers(0, 20000), st.integers(0, 20000)),
+    steps=st.lists(
+        st.tuples(
+            st.integers(-9000, 20000),
+            st.sampled_from([io.SEEK_SET, io.SEEK_CUR, io.SEEK_END]),
+            st.integers(-1, 9000),
+        ),
+        max_size=8,
+    ),
+)
+@settings(max_examples=100, deadline=None)
+def test_an_entry_reads_as_a_file_of_its_own(
+    tmp_path_factory: pytest.TempPathFactory,
+    data: bytes,
+    cut: tuple[int, int],
+    steps: list[tuple[int, int, int]],
+) -> None:
+    """An entry of a shard file (the bytes torch.load reads as its own file: head and tail held, the
+    middle read when asked) seeks and reads as ``io.BytesIO`` of the same bytes, past its end included."""
+    from lightning_sharded.checkpoint.tools.direct_copy import _Entry
+
+    offset = min(cut[0], len(data))
+    length = min(cut[1], len(data) - offset)
+    path = tmp_path_factory.mktemp("entry") / "shard"
+    path.write_bytes(data)
+    same = io.BytesIO(data[offset : offset + length])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        entry = _Entry(fd, offset, length)
+        for position, whence, size in steps:
+            if (
+                same.tell() if whence == io.SEEK_CUR else length if whence == io.SEEK_END else 0
+            ) + position < 0:
+                continue  # a seek before the start: BytesIO refuses it
+            assert entry.seek(position, whence) == same.seek(position, whence)
+            assert entry.read(size) == same.read(size) and entry.tell() == same.tell()
+            ours, theirs = bytearray(max(size, 0)), bytearray(max(size, 0))
+            assert entry.readinto(ours) == same.readinto(theirs) and ours == theirs
+    finally:
+        os.close(fd)
