@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import errno
 import io
+import logging
 import os
 import warnings
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +366,35 @@ def test_an_entry_reads_as_a_file_of_its_own(
             assert entry.readinto(ours) == same.readinto(theirs) and ours == theirs
     finally:
         os.close(fd)
+
+
+def test_both_paths_count_every_tensor_byte_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The progress bar of a consolidation ends at its total, and that total and the closing log line
+    are the bytes of the checkpoint's DCP tensors, on the copy without torch and through torch alike."""
+    from lightning_sharded.checkpoint.progress import format_size
+    from lightning_sharded.checkpoint.tools import direct_copy
+
+    bars: list[tuple[int, list[int]]] = []
+
+    @contextlib.contextmanager
+    def counting(total: int, progress: bool | None, desc: str) -> Iterator[Callable[[int], None]]:
+        ticks: list[int] = []
+        bars.append((total, ticks))
+        yield ticks.append
+
+    monkeypatch.setattr(direct_copy, "progress_bar", counting)
+    monkeypatch.setattr(consolidate_mapped, "progress_bar", counting)
+    src = save(tmp_path / "ckpt", lightning_meta())
+    with caplog.at_level(logging.INFO, logger="lightning_sharded"):
+        consolidate_both(src, tmp_path, monkeypatch)
+    state = torch.load(tmp_path / "direct.ckpt", weights_only=False)
+    tensors = [*state["state_dict"].values(), *state["optimizer_states"][0]["state"][0].values()]
+    expected = sum(t.numel() * t.element_size() for t in tensors)
+    shards = sum(p.stat().st_size for p in src.glob("*.distcp"))
+    assert [(total, sum(ticks)) for total, ticks in bars] == [(shards, shards), (expected, expected)]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Consolidated")]
+    assert len(logged) == 2 and all(f"({format_size(expected)} of tensors)" in line for line in logged), (
+        logged
+    )
