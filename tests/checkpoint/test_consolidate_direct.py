@@ -16,6 +16,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -398,3 +399,31 @@ def test_both_paths_count_every_tensor_byte_once(
     assert len(logged) == 2 and all(f"({format_size(expected)} of tensors)" in line for line in logged), (
         logged
     )
+
+
+def test_the_torch_path_leaves_no_scratch_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path's unbacked tensors live in a sparse temporary file the size of every tensor: gone
+    once the output is written, as after a failed one."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    src = save(tmp_path / "ckpt", lightning_meta())
+    made: list[str] = []
+    real = tempfile.mkstemp
+
+    def recording(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, name = real(*args, **kwargs)
+        made.append(name)
+        return fd, name
+
+    monkeypatch.setattr(tempfile, "mkstemp", recording)
+    monkeypatch.setattr(consolidate_direct, "plan", lambda found, out: "through torch, as the test asks")
+    consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
+    assert made and all(Path(name).parent == scratch for name in made)  # the scratch file was made here
+    assert list(scratch.iterdir()) == []
+    monkeypatch.setattr(torch, "save", mock.Mock(side_effect=OSError(28, "No space left on device")))
+    with pytest.raises(CheckpointError):
+        consolidate_checkpoint(src, tmp_path / "failed.ckpt", progress=False)
+    assert list(scratch.iterdir()) == []
