@@ -5,6 +5,7 @@ and ``verify``), :func:`model_key` the one answer to where the model state is (l
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ __all__ = [
     "read_indexed_layout",
     "read_sharded_layout",
     "tensor_entries",
+    "tiling_problem",
     "top_level_keys",
 ]
 
@@ -56,7 +58,7 @@ def read_index(
         except OSError:
             found = None  # read again below, which says what is wrong
         if found is not None and without_torch.type_name(found) == _METADATA:
-            return found
+            return _tiled(found, file)
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     try:
@@ -80,7 +82,56 @@ def read_index(
             f"The DCP metadata {str(file)!r} holds a {type(metadata).__name__}, not DCP's Metadata: this is"
             " not a sharded checkpoint. Restore the directory from a copy, or load an earlier checkpoint."
         )
+    return _tiled(metadata, file)
+
+
+def _tiled(metadata: Any, file: Location) -> Any:
+    """``metadata``, once every tensor entry's chunks tile it (:func:`tiling_problem`): else a load would
+    leave a tensor's uncovered elements as they were, silently (DCP reads what the index lists)."""
+    for key, item in (getattr(metadata, "state_dict_metadata", None) or {}).items():
+        chunks = getattr(item, "chunks", None)
+        if chunks is not None and (problem := tiling_problem(item.size, chunks)):
+            raise CheckpointError(
+                f"The DCP index {str(file)!r} is damaged: for the tensor {key!r}, {problem} (DCP writes every"
+                " element of a tensor in exactly one chunk). Restore the directory from a copy, or load an"
+                " earlier checkpoint."
+            )
     return metadata
+
+
+def tiling_problem(size: Iterable[int], chunks: Iterable[Any]) -> str | None:
+    """Why the ``chunks`` (``offsets`` and ``sizes``, as DCP's ``ChunkStorageMetadata``) of a tensor of
+    ``size`` do not hold each of its elements exactly once, or ``None``: each inside the tensor, with its
+    number of dimensions, none over another, all of them together its number of elements. The check DCP's
+    save planner makes before it writes an index (``torch/distributed/checkpoint/default_planner.py``,
+    ``_validate_global_plan``), made again on the way in, for an index damaged or written otherwise."""
+    shape = tuple(int(n) for n in size)
+    if not shape:
+        return None  # a scalar: nothing to place
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in chunks:
+        offsets, sizes = tuple(int(n) for n in chunk.offsets), tuple(int(n) for n in chunk.sizes)
+        if not len(offsets) == len(sizes) == len(shape) or any(
+            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape, strict=True)
+        ):
+            return f"a chunk at {list(offsets)} of size {list(sizes)} lies outside its size {list(shape)}"
+        if math.prod(sizes):
+            boxes.append((offsets, sizes))
+    # Overlaps, by a sweep along the dimension the chunks are cut most along (FSDP's rows, TP's columns).
+    dim = max(range(len(shape)), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, sizes in sorted(boxes, key=lambda box: box[0][dim]):
+        open_ = [box for box in open_ if box[0][dim] + box[1][dim] > offsets[dim]]
+        for other, other_sizes in open_:
+            if all(
+                a < c + t and c < a + s for a, s, c, t in zip(offsets, sizes, other, other_sizes, strict=True)
+            ):
+                return f"the chunks at {list(other)} and {list(offsets)} overlap"
+        open_.append((offsets, sizes))
+    held, elements = sum(math.prod(sizes) for _, sizes in boxes), math.prod(shape)
+    if held != elements:
+        return f"its chunks hold {held} of its {elements} elements"
+    return None
 
 
 def index_problems(backend: Backend, data: Location, metadata: Any) -> list[Problem]:

@@ -222,6 +222,49 @@ def test_what_needs_torch_is_left_to_it(
     )
 
 
+@pytest.mark.parametrize(
+    ("moved", "why"),
+    [
+        ((6, 0), "a chunk at [6, 0] of size [7, 6] lies outside its size [12, 6]"),
+        ((5,), "a chunk at [5] of size [7, 6] lies outside its size [12, 6]"),
+        ((4, 0), "the chunks at [0, 0] and [4, 0] overlap"),
+    ],
+    ids=["past-the-end", "fewer-dims", "overlapping"],
+)
+def test_an_index_whose_chunks_do_not_tile_a_tensor_is_refused(
+    tmp_path: Path, moved: tuple[int, ...], why: str
+) -> None:
+    """A chunk the index places past the tensor's end (its count of elements still the tensor's), with
+    fewer dimensions, or over another (leaving the last row in none): the copy without torch declines
+    before copying anything (it would write a chunk over its neighbour's bytes), and the torch path,
+    which would leave the uncovered row as the memory held it, refuses the index, naming the tensor. A
+    checkpoint without a manifest (stock Lightning's), whose damage no checksum finds."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    (src / "lightning_sharded.json").unlink()
+    index = src / ".metadata"
+    metadata = pickle.loads(index.read_bytes())
+    rows = metadata.state_dict_metadata["state_dict.rows"]
+    chunk = rows.chunks[1]  # rows 5-11 of 12
+    rows.chunks[1] = ChunkStorageMetadata(offsets=torch.Size(moved), sizes=chunk.sizes)
+    stored = {k: v for k, v in metadata.storage_data.items() if k.fqn == "state_dict.rows"}
+    for key, info in stored.items():
+        if tuple(key.offset) == tuple(chunk.offsets):
+            del metadata.storage_data[key]
+            metadata.storage_data[MetadataIndex("state_dict.rows", torch.Size(moved), key.index)] = info
+    index.write_bytes(pickle.dumps(metadata))
+    reason = consolidate_direct.plan(detect(src), tmp_path / "x.ckpt")
+    assert isinstance(reason, str) and reason == f"for the tensor 'state_dict.rows', {why}", reason
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata.* is damaged: for the tensor 'state_dict\.rows'"
+    ) as err:
+        consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
+    assert why in str(err.value) and not (tmp_path / "full.ckpt").exists()
+
+
 def test_a_type_a_safe_load_refuses_is_refused_as_before(tmp_path: Path) -> None:
     # A frozenset is plain data, but torch's safe load refuses it: the torch path's refusal, not an output.
     src = save(tmp_path / "ckpt", {"epoch": 0, "tags": frozenset({"a"})})
