@@ -177,3 +177,32 @@ def test_a_failed_write_publishes_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(placed) >= 3, placed  # the copy had begun
     assert files_of(dst) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "out"]  # no staged leftover
+
+
+def test_each_output_s_write_back_is_started_on_the_bytes_written_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An export into several files starts each file's write-back on that file's own writes (a range of
+    another file's would leave its pages dirty in the page cache, and start nothing useful)."""
+    from lightning_sharded.checkpoint.tools import direct_copy
+    from lightning_sharded.checkpoint.writeback import RangedWriteBehind
+
+    written: list[tuple[int, int, int]] = []
+    started: list[tuple[int, int, int]] = []
+    real_write, real_wrote = direct_copy.pwrite_all, RangedWriteBehind.wrote
+
+    def write(fd: int, data: Any, offset: int) -> None:
+        written.append((fd, offset, len(data)))
+        real_write(fd, data, offset)
+
+    def wrote(self: RangedWriteBehind, start: int, nbytes: int) -> None:
+        started.append((self._fd, start, nbytes))
+        real_wrote(self, start, nbytes)
+
+    monkeypatch.setattr(direct_copy, "pwrite_all", write)
+    monkeypatch.setattr(RangedWriteBehind, "wrote", wrote)
+    src = save(tmp_path / "ckpt", {"epoch": 0})
+    out = tmp_path / "hf"
+    consolidate_checkpoint(src, out, format="safetensors", progress=False, max_shard_size=200)
+    assert len({fd for fd, _, _ in written}) == len(list(out.glob("*.safetensors"))) > 1
+    assert sorted(started) == sorted(written)
