@@ -470,3 +470,44 @@ def test_the_torch_path_leaves_no_scratch_file(tmp_path: Path, monkeypatch: pyte
     with pytest.raises(CheckpointError):
         consolidate_checkpoint(src, tmp_path / "failed.ckpt", progress=False)
     assert list(scratch.iterdir()) == []
+
+
+def test_a_trainable_only_checkpoint_consolidates_with_its_frozen_part_and_its_bar_ends_at_its_total(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint that holds the trainable weights only consolidates (through torch) into a complete
+    one, its frozen part read from the source the manifest names; the progress bar counts those bytes
+    too, so it ends at its total."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+
+    from lightning_sharded.checkpoint.manifest import FrozenPart
+
+    base = {"w": torch.arange(64.0).view(8, 8), "b": torch.ones(8)}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    head = torch.linspace(0, 1, 16).view(2, 8)
+
+    def write(staging: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            _save_state_dict({"state_dict": {"head": head}}, FileSystemWriter(staging), no_dist=True)
+        torch.save({"epoch": 1, "global_step": 4}, staging / "meta.pt")
+
+    frozen = FrozenPart(str(tmp_path / "base.safetensors"), ("base.b", "base.w"), "base.")
+    commit_directory(tmp_path / "lora", write, metadata={"epoch": 1, "global_step": 4}, frozen=frozen)
+    bars: list[tuple[int, list[int]]] = []
+
+    @contextlib.contextmanager
+    def counting(total: int, progress: bool | None, desc: str) -> Iterator[Callable[[int], None]]:
+        bars.append((total, []))
+        yield bars[-1][1].append
+
+    monkeypatch.setattr(consolidate_mapped, "progress_bar", counting)
+    out = consolidate_checkpoint(tmp_path / "lora", tmp_path / "full.ckpt", progress=True)
+    state = torch.load(out, weights_only=True)["state_dict"]
+    assert sorted(state) == ["base.b", "base.w", "head"]
+    assert torch.equal(state["base.w"], base["w"]) and torch.equal(state["base.b"], base["b"])
+    assert torch.equal(state["head"], head)
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    assert [(t, sum(ticks)) for t, ticks in bars] == [(total, total)]
