@@ -280,3 +280,51 @@ def test_corrupted_record_without_manifest_names_file_rank_and_key(sharded_ckpt:
         r"failed: '__1_0.distcp' \(written by rank 1\) is corrupted: its entry '[\w.]+' at byte 0",
         sharded_ckpt,
     )
+
+
+@pytest.mark.parametrize(
+    ("seen_by", "suffix"),
+    [
+        ((0, 1), None),  # rank 0 and the writer, rank 1: both checkers saw it
+        ((1,), "(seen by rank(s) 1 of 3; rank 1's report)"),  # rank 0 did not
+        ((0,), "(seen by rank(s) 0 of 3; rank 0's report)"),  # the writer did not
+        ((0, 1, 2), None),  # every rank
+    ],
+)
+def test_a_problem_only_some_of_its_checkers_saw_says_which_ranks_saw_it(
+    monkeypatch: pytest.MonkeyPatch, seen_by: tuple[int, ...], suffix: str | None
+) -> None:
+    """A file's presence and size are checked by rank 0 and by the rank that wrote it. Where only one of
+    them reports a problem (a file system that differs between nodes), the error says which ranks saw
+    it; where both did, it is the plain error. Every rank raises the same (``raise_agreed``)."""
+    from lightning_sharded.checkpoint import collective, integrity
+    from lightning_sharded.checkpoint.manifest import FileEntry, Manifest
+    from lightning_sharded.checkpoint.problems import Problem
+
+    manifest = Manifest(
+        files=[FileEntry("__0_0.distcp", 10, "00000000", 0), FileEntry("__1_0.distcp", 10, "00000000", 1)],
+        world_size=3,
+    )
+    missing = Problem("__1_0.distcp", "is missing", 1)
+    reports = [([missing] if r in seen_by else [], None) for r in range(3)]
+    monkeypatch.setattr(collective, "all_gather", lambda report, where: reports)
+    for rank in range(3):
+        with pytest.raises(CheckpointError) as err:
+            integrity.raise_agreed(reports[rank], collective.Ranks(rank, 3, 0, None), "ckpt", manifest)
+        message = str(err.value)
+        assert "'__1_0.distcp' (written by rank 1) is missing" in message, message
+        assert message.endswith(suffix) if suffix else "seen by rank" not in message, message
+
+
+def test_without_a_manifest_rank_0_alone_checks_a_file_s_presence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint without a manifest (stock Lightning's) names no writer: rank 0 is a file's only
+    checker, so a problem it alone saw is the plain error."""
+    from lightning_sharded.checkpoint import collective, integrity
+    from lightning_sharded.checkpoint.problems import Problem
+
+    missing = Problem("__1_0.distcp", "is missing (`.metadata` references it)", None)
+    reports = [([missing], None), ([], None)]
+    monkeypatch.setattr(collective, "all_gather", lambda report, where: reports)
+    with pytest.raises(CheckpointError) as err:
+        integrity.raise_agreed(reports[1], collective.Ranks(1, 2, 0, None), "ckpt", None)
+    assert "'__1_0.distcp' is missing" in str(err.value) and "seen by rank" not in str(err.value), err.value
