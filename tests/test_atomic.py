@@ -278,3 +278,35 @@ def test_a_rank_that_failed_itself_reports_its_own_failure_when_rank_0_is_lost_a
     message = str(raised.value)
     assert "Input/output error" in message and "another rank died" not in message, message
     assert (target / "meta.pt").read_bytes() == b"old"
+
+
+@pytest.mark.parametrize(
+    ("err", "falls_back"),
+    [(errno.EINVAL, True), (errno.ENOSYS, True), (errno.EOPNOTSUPP, True), (errno.EACCES, False)],
+    ids=["EINVAL", "ENOSYS", "EOPNOTSUPP", "EACCES"],
+)
+def test_an_exchange_the_file_system_refuses_falls_back_and_any_other_error_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int, falls_back: bool
+) -> None:
+    """``renameat2(RENAME_EXCHANGE)`` refused by a file system without it (EINVAL, ENOSYS, EOPNOTSUPP: NFS,
+    some FUSE file systems) makes the publish use two renames; any other error (permissions) is the
+    commit's error, naming both paths, and nothing was swapped."""
+    import ctypes
+
+    from lightning_sharded.checkpoint import libc
+    from lightning_sharded.checkpoint.backends import local
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("a")
+    b.write_text("b")
+    monkeypatch.setattr(
+        libc, "function", lambda name, *types: (lambda *args: -1) if name == "renameat2" else None
+    )
+    monkeypatch.setattr(ctypes, "get_errno", lambda: err)
+    if falls_back:
+        assert local._exchange(a, b) is False
+    else:
+        with pytest.raises(OSError, match=r"renameat2\(RENAME_EXCHANGE\) of '.*a' and '.*b'") as raised:
+            local._exchange(a, b)
+        assert raised.value.errno == err
+    assert (a.read_text(), b.read_text()) == ("a", "b")
