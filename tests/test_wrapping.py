@@ -202,6 +202,21 @@ def test_an_invalid_value_on_one_rank_is_an_error_on_every_rank(runs: WrappingRu
         assert record["recovered"]
 
 
+def test_an_invalid_sharded_tensor_on_one_rank_is_an_error_on_every_rank(runs: WrappingRuns) -> None:
+    """The same for a ``ShardedTensor`` attribute, whose ranks agree over its own process group."""
+    records = [r["invalid-sharded"] for r in runs["agree"]]
+    assert "size mismatch for c" in records[1]["error"], records[1]["error"]
+    assert (
+        'The sharded attribute "c" could not be loaded on rank(s) [1] (see their error); no rank loaded it.'
+        in (records[0]["error"])
+    )
+    for record in records:
+        assert torch.equal(record["values"]["c"], torch.zeros(4, 2))  # no rank loaded it
+        assert torch.equal(record["values"]["a"], torch.full((4, 2), 5.0))
+        assert torch.equal(record["values"]["b"], torch.full((4, 2), 6.0))
+        assert record["recovered"]
+
+
 def test_a_key_missing_on_one_rank_is_an_error_on_every_rank(runs: WrappingRuns) -> None:
     for record in [r["missing"] for r in runs["agree"]]:
         assert (

@@ -2,7 +2,8 @@
 
 ``agree`` runs, on every rank of the job, loads of a module with three sharded attributes (``a`` and
 ``b``: DTensors, ``c``: a ShardedTensor) where only the last rank has something wrong: its copy of ``a``
-raises after the collective, its value for ``a`` has another shape, its state dict lacks ``b``. Each
+raises after the collective, its value for ``a`` (then for ``c``) has another shape, its state dict
+lacks ``b``. Each
 rank records what it raised and the values it holds afterwards; after each case a correct load must
 work on every rank, which shows that no rank was left inside a collective. Rank 0 writes every rank's
 record.
@@ -103,6 +104,11 @@ def agree(job: dict[str, Any]) -> None:
         state["a"] = torch.zeros(5, 2)
     record["invalid"] = attempt(build(), state)
     record["invalid"]["recovered"] = recovered()
+    state = source(5.0)
+    if dist.get_rank() == last:  # the same for the ShardedTensor: its group's own agreement
+        state["c"] = torch.zeros(5, 2)
+    record["invalid-sharded"] = attempt(build(), state)
+    record["invalid-sharded"]["recovered"] = recovered()
     state = source(3.0)
     if dist.get_rank() == last:
         del state["b"]
