@@ -123,3 +123,29 @@ def test_the_strategy_s_checkpoint_timeout_bounds_a_save_and_a_resume(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".ckpt.staging-")) == sorted(
         [*before, "save.json", "resume.json"]
     )
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("broadcast_fails", [False, True], ids=["outcome-shared", "rank-0-lost"])
+def test_an_interrupted_rank_raises_its_interrupt_whatever_the_publish_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: type[BaseException], broadcast_fails: bool
+) -> None:
+    """Ctrl-C (or ``sys.exit``) on a rank during a save ends the program there as it would without us:
+    the rank re-raises its own interrupt, from rank 0's outcome or from the error of a broadcast whose
+    rank 0 is gone, never a ``CheckpointError`` in its place."""
+    from lightning_sharded.checkpoint import collective
+    from lightning_sharded.checkpoint.backends import backend_for
+    from lightning_sharded.checkpoint.commit import _Commit
+
+    def broadcast(obj: Any, where: Any, step: str) -> Any:
+        if broadcast_fails:
+            raise RuntimeError("connection closed by peer")
+        return obj
+
+    monkeypatch.setattr(collective, "broadcast", broadcast)
+    run = _Commit(tmp_path / "ckpt", backend_for(tmp_path / "ckpt"), collective.Ranks(1, 2, 0, None))
+    run.error = interrupt()
+    with pytest.raises(interrupt) as raised:
+        run.share_outcome(None, alone=False)
+    assert raised.value is run.error
+    assert isinstance(raised.value.__cause__, RuntimeError) == broadcast_fails
