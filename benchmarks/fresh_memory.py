@@ -65,8 +65,10 @@ def _read_into(path: Path, memory: mmap.mmap) -> bool:
         while done < len(memory):
             try:
                 read = os.preadv(fd, [view[done : done + _PIECE]], done)
-            except OSError:  # O_DIRECT refused at read time: go on buffered
-                os.close(fd)
+            except OSError:
+                if not direct:
+                    raise
+                os.close(fd)  # O_DIRECT refused at read time (an unaligned end): go on buffered, once
                 fd, direct = os.open(path, os.O_RDONLY), False
                 continue
             if read <= 0:

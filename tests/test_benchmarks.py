@@ -228,6 +228,38 @@ def test_the_fresh_memory_probe_touches_each_block_the_way_asked(tmp_path: Path,
     assert list(tmp_path.iterdir()) == [out]  # the read file is gone
 
 
+def test_a_read_that_keeps_failing_is_raised_after_one_buffered_retry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--way direct-read`` goes on buffered when ``O_DIRECT`` is refused mid-file, once: a read that
+    fails buffered too (a disk error) is raised, not retried for ever."""
+    import errno
+    import mmap
+    import os
+
+    from benchmarks import fresh_memory
+
+    source = tmp_path / "source"
+    source.write_bytes(b"x" * 8192)
+    calls: list[int] = []
+
+    def failing(*args: Any) -> int:
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError(f"the read was retried {len(calls)} times")
+        raise OSError(errno.EIO, "Input/output error")
+
+    try:  # whether this file system takes O_DIRECT (tmpfs does not): then a buffered retry follows
+        os.close(os.open(source, os.O_RDONLY | os.O_DIRECT))
+        direct = True
+    except (AttributeError, OSError):
+        direct = False
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        fresh_memory._read_into(source, mmap.mmap(-1, 8192))
+    assert len(calls) == (2 if direct else 1)
+
+
 def test_free_page_reporting_is_read_from_the_balloon_s_feature_bits(tmp_path: Path) -> None:
     from benchmarks.fresh_memory import free_page_reporting
 
