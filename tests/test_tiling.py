@@ -31,7 +31,7 @@ def _grid(shape: tuple[int, ...], cuts: list[list[int]]) -> list[SimpleNamespace
     order=st.randoms(use_true_random=False),
 )
 @settings(max_examples=150, deadline=None)
-def test_every_grid_of_a_tensor_tiles_it_and_moving_or_dropping_a_chunk_does_not(
+def test_every_grid_of_a_tensor_tiles_it_and_dropping_or_repeating_a_chunk_does_not(
     shape: tuple[int, ...], cuts: list[list[int]], order: object
 ) -> None:
     chunks = _grid(shape, cuts[: len(shape)])

@@ -412,24 +412,30 @@ def test_an_entry_reads_as_a_file_of_its_own(
         os.close(fd)
 
 
-def test_both_paths_count_every_tensor_byte_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The progress bar of a consolidation ends at its total, and that total and the closing log line
-    are the bytes of the checkpoint's DCP tensors, on the copy without torch and through torch alike."""
-    from lightning_sharded.checkpoint.progress import format_size
-    from lightning_sharded.checkpoint.tools import direct_copy
-
+def record_bars(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> list[tuple[int, list[int]]]:
+    """Every progress bar the ``modules`` open from now on: its total and the bytes it was advanced by."""
     bars: list[tuple[int, list[int]]] = []
 
     @contextlib.contextmanager
     def counting(total: int, progress: bool | None, desc: str) -> Iterator[Callable[[int], None]]:
-        ticks: list[int] = []
-        bars.append((total, ticks))
-        yield ticks.append
+        bars.append((total, []))
+        yield bars[-1][1].append
 
-    monkeypatch.setattr(direct_copy, "progress_bar", counting)
-    monkeypatch.setattr(consolidate_mapped, "progress_bar", counting)
+    for module in modules:
+        monkeypatch.setattr(module, "progress_bar", counting)
+    return bars
+
+
+def test_both_paths_count_every_tensor_byte_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The progress bar of a consolidation ends at its total: the shard files' bytes, which a verified
+    copy without torch reads whole, or the tensors' bytes, which the torch path fills. The closing log
+    line gives the tensors' bytes on both."""
+    from lightning_sharded.checkpoint.progress import format_size
+    from lightning_sharded.checkpoint.tools import direct_copy
+
+    bars = record_bars(monkeypatch, direct_copy, consolidate_mapped)
     src = save(tmp_path / "ckpt", lightning_meta())
     with caplog.at_level(logging.INFO, logger="lightning_sharded"):
         consolidate_both(src, tmp_path, monkeypatch)
@@ -496,14 +502,7 @@ def test_a_trainable_only_checkpoint_consolidates_with_its_frozen_part_and_its_b
 
     frozen = FrozenPart(str(tmp_path / "base.safetensors"), ("base.b", "base.w"), "base.")
     commit_directory(tmp_path / "lora", write, metadata={"epoch": 1, "global_step": 4}, frozen=frozen)
-    bars: list[tuple[int, list[int]]] = []
-
-    @contextlib.contextmanager
-    def counting(total: int, progress: bool | None, desc: str) -> Iterator[Callable[[int], None]]:
-        bars.append((total, []))
-        yield bars[-1][1].append
-
-    monkeypatch.setattr(consolidate_mapped, "progress_bar", counting)
+    bars = record_bars(monkeypatch, consolidate_mapped)
     out = consolidate_checkpoint(tmp_path / "lora", tmp_path / "full.ckpt", progress=True)
     state = torch.load(out, weights_only=True)["state_dict"]
     assert sorted(state) == ["base.b", "base.w", "head"]
