@@ -24,15 +24,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.fabric.utilities.data import AttributeDict
 
-from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint
+from lightning_sharded import CheckpointError, consolidate_checkpoint, load_checkpoint, verify_checkpoint
 from lightning_sharded.checkpoint import checksum
 from lightning_sharded.checkpoint.commit import commit_directory, leftovers
+from lightning_sharded.checkpoint.dcp_index import read_sharded_layout
 from lightning_sharded.checkpoint.detect import detect
 from lightning_sharded.checkpoint.tools import (
     archive_writer,
     consolidate_direct,
     consolidate_mapped,
     direct_copy,
+    inspect_checkpoint,
 )
 from lightning_sharded.checkpoint.writeback import RangedWriteBehind
 from tests._compare import assert_identical, assert_same
@@ -263,6 +265,19 @@ def test_an_index_whose_chunks_do_not_tile_a_tensor_is_refused(
     ) as err:
         consolidate_checkpoint(src, tmp_path / "full.ckpt", progress=False)
     assert why in str(err.value) and not (tmp_path / "full.ckpt").exists()
+    # Every other reader of the index refuses it alike: a load in one process, inspect, verify, and the
+    # layout a strategy's resume of a checkpoint without a manifest plans with.
+    for reader in (load_checkpoint, inspect_checkpoint, verify_checkpoint, read_sharded_layout):
+        try:
+            reader(src)
+        except CheckpointError as error:
+            message = str(error)
+            assert f"is damaged: for the tensor 'state_dict.rows', {why}" in message, (
+                reader.__name__,
+                message,
+            )
+        else:
+            pytest.fail(f"{reader.__name__} read the damaged index without an error")
 
 
 def test_a_type_a_safe_load_refuses_is_refused_as_before(tmp_path: Path) -> None:
